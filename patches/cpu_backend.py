@@ -1,0 +1,6 @@
+"""CPU backend patch set (placeholder: being written)."""
+PATCHES = []
+
+
+def autoenable():
+    return False

@@ -1,0 +1,222 @@
+"""Patch registry: every monkey-patch mindspeed-ha applies, declared as data.
+
+A :class:`Patch` names its target (``module`` + dotted ``attribute``), the wrapper
+(a ``wrapt``-style function ``wrapper(wrapped, instance, args, kwargs)``), the
+feature flag that enables it and the megatron-core versions it supports.
+
+:func:`install` registers one ``wrapt`` post-import hook per target module, so a
+patch lands whenever its module is imported, before or after ``mindspeed_ha``;
+installing twice is a no-op (wrapt does not de-duplicate hooks, we do).
+
+Wrappers are *gated*: a patch whose feature is not enabled passes every call
+straight to the original, so importing ``mindspeed_ha`` with every HA flag off
+changes no behaviour. Features are switched on by :func:`enable` once Megatron's
+arguments are parsed (``ha``, ``replica``, ...) or at install time
+(``cpu_backend`` when no CUDA/NPU device exists, ``core`` always).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import logging
+import threading
+from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple
+
+import wrapt
+
+log = logging.getLogger("mindspeed_ha.patches")
+
+#: Features known to the registry. ``core`` is always on.
+FEATURES = ("core", "cpu_backend", "ha", "replica", "hbm_repair", "worker_reboot", "testing")
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    """One monkey-patch, as data.
+
+    Attributes:
+        name: unique short name, e.g. ``"replica.grad_sync"``.
+        module: module that owns the target, e.g. ``"megatron.core.parallel_state"``.
+        attribute: dotted attribute path inside ``module``, e.g.
+            ``"DistributedOptimizer.step_with_ready_grads"``.
+        wrapper: ``wrapper(wrapped, instance, args, kwargs) -> result``.
+        feature: one of :data:`FEATURES`; the patch is a pass-through until enabled.
+        versions: inclusive-exclusive ``(min, max)`` megatron-core versions
+            (``"0.12.0"``, ``"0.13.0"``); ``None`` for targets outside megatron-core.
+        doc: one line saying what the patch changes, printed by ``mindspeed-ha patches``.
+    """
+
+    name: str
+    module: str
+    attribute: str
+    wrapper: Callable
+    feature: str
+    versions: Optional[Tuple[str, str]] = ("0.12.0", "0.13.0")
+    doc: str = ""
+
+    def __post_init__(self):
+        if self.feature not in FEATURES:
+            raise ValueError(f"patch {self.name}: feature {self.feature!r} not in {FEATURES}")
+
+
+_lock = threading.RLock()
+_patches: Dict[str, Patch] = {}
+_applied: Dict[str, str] = {}  # name -> "applied" | "skipped: reason"
+_hooked_modules: Set[str] = set()
+_enabled: Set[str] = {"core"}
+
+
+def register(patch: Patch) -> Patch:
+    """Add ``patch`` to the registry (and apply it now if its module is already hooked).
+
+    Raises:
+        ValueError: a different patch with the same name is already registered.
+    """
+    with _lock:
+        old = _patches.get(patch.name)
+        if old is not None and old != patch:
+            raise ValueError(f"patch name {patch.name!r} registered twice")
+        _patches[patch.name] = patch
+        if patch.module in _hooked_modules:
+            # install() already ran: hook this module again (hook runs at once if imported).
+            wrapt.register_post_import_hook(_on_import, patch.module)
+    return patch
+
+
+def enable(*features: str) -> None:
+    """Switch features on. Unknown names raise ``ValueError``."""
+    for f in features:
+        if f not in FEATURES:
+            raise ValueError(f"unknown feature {f!r}; known: {FEATURES}")
+    with _lock:
+        _enabled.update(features)
+    log.debug("features enabled: %s", sorted(_enabled))
+
+
+def disable(*features: str) -> None:
+    """Switch features off (tests; ``core`` stays on)."""
+    with _lock:
+        _enabled.difference_update(set(features) - {"core"})
+
+
+def is_enabled(feature: str) -> bool:
+    return feature in _enabled
+
+
+def enabled_features() -> List[str]:
+    return sorted(_enabled)
+
+
+def _megatron_core_version() -> Optional[str]:
+    try:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _version_tuple(v: str) -> Tuple[int, ...]:
+    out = []
+    for part in v.split("."):
+        digits = "".join(ch for ch in part if ch.isdigit())
+        if not digits:
+            break
+        out.append(int(digits))
+    return tuple(out)
+
+
+def _supported(patch: Patch) -> Optional[str]:
+    """None if ``patch`` supports the installed megatron-core, else the reason."""
+    if patch.versions is None:
+        return None
+    have = _megatron_core_version()
+    if have is None:
+        return "megatron-core not installed"
+    lo, hi = patch.versions
+    if not (_version_tuple(lo) <= _version_tuple(have) < _version_tuple(hi)):
+        return f"megatron-core {have} outside [{lo}, {hi})"
+    return None
+
+
+def _gated(patch: Patch):
+    feature, wrapper = patch.feature, patch.wrapper
+
+    @wrapt.decorator
+    def gate(wrapped, instance, args, kwargs):
+        if feature in _enabled:
+            return wrapper(wrapped, instance, args, kwargs)
+        return wrapped(*args, **kwargs)
+
+    return gate
+
+
+def _resolve_parent(module, attribute: str):
+    parent = module
+    parts = attribute.split(".")
+    for p in parts[:-1]:
+        parent = getattr(parent, p)
+    return parent, parts[-1]
+
+
+def _apply(module, patch: Patch) -> None:
+    if patch.name in _applied:
+        return
+    reason = _supported(patch)
+    if reason is None:
+        try:
+            parent, attr = _resolve_parent(module, patch.attribute)
+            original = getattr(parent, attr)
+        except AttributeError as exc:
+            reason = f"target missing: {exc}"
+    if reason is not None:
+        _applied[patch.name] = f"skipped: {reason}"
+        log.warning("patch %s not applied (%s)", patch.name, reason)
+        return
+    # Look up staticmethod/classmethod descriptors raw so binding stays right.
+    raw = vars(parent).get(attr, original) if isinstance(parent, type) else original
+    if isinstance(raw, (staticmethod, classmethod)):
+        kind = type(raw)
+        setattr(parent, attr, kind(_gated(patch)(raw.__func__)))
+    else:
+        setattr(parent, attr, _gated(patch)(original))
+    _applied[patch.name] = "applied"
+    log.debug("patch %s applied to %s.%s", patch.name, patch.module, patch.attribute)
+
+
+def _on_import(module) -> None:
+    with _lock:
+        for patch in list(_patches.values()):
+            if patch.module == module.__name__:
+                _apply(module, patch)
+
+
+def install(patches: Iterable[Patch] = ()) -> None:
+    """Register ``patches`` and hook every target module (idempotent)."""
+    with _lock:
+        for p in patches:
+            register(p)
+        for name in sorted({p.module for p in _patches.values()}):
+            if name not in _hooked_modules:
+                _hooked_modules.add(name)
+                wrapt.register_post_import_hook(_on_import, name)
+
+
+def report() -> List[dict]:
+    """One row per registered patch: name, target, feature, active, status, doc."""
+    with _lock:
+        return [
+            {
+                "name": p.name,
+                "target": f"{p.module}:{p.attribute}",
+                "feature": p.feature,
+                "active": p.feature in _enabled and _applied.get(p.name) == "applied",
+                "status": _applied.get(p.name, "pending import"),
+                "doc": p.doc,
+            }
+            for p in sorted(_patches.values(), key=lambda p: p.name)
+        ]
+
+
+def active(feature: Optional[str] = None) -> List[str]:
+    """Names of patches that are applied and whose feature is enabled."""
+    return [r["name"] for r in report() if r["active"] and (feature is None or r["feature"] == feature)]
