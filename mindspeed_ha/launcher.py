@@ -1,0 +1,190 @@
+"""``mindspeed-ha-run``: torchrun with the controller thread and dying-checkpoint grace.
+
+Usage is torchrun's (``torch.distributed.run``)::
+
+    mindspeed-ha-run --nproc-per-node 8 pretrain_gpt.py ... --enable-high-availability
+    mindspeed-ha-run --standalone --nproc-per-node 4 -m mindspeed_ha.training.pretrain_gpt ...
+
+What it adds when the training arguments carry ``--enable-high-availability``:
+
+* Workers start through ``python -m mindspeed_ha.boot``, which imports ``mindspeed_ha``
+  first, so an unmodified Megatron-LM ``pretrain_gpt.py`` is patched.
+* A random job auth key (``MINDSPEED_HA_AUTH_KEY``) for the controller port.
+* On the controller node (node rank 0, or the node whose address is ``TTP_ADDR``) the
+  controller runs as a thread of this agent process: a worker's death, rank 0's
+  included, cannot take it down, and the agent tells it at once which rank exited.
+* The elastic agent no longer kills every worker when one fails: it lets the survivors
+  finish the dying checkpoint and exit by themselves, for at most
+  ``MINDSPEED_HA_DYING_GRACE_S`` seconds (default 600), then stops the rest as torchrun
+  would. (The reference asks users to edit torchrun for this; here it is a patch of
+  ``SubprocessContext._poll``, installed only in this process.)
+* ``MINDSPEED_HA_REPORT=FILE`` writes the controller's event log and outcome as JSON.
+
+Without the HA flag it behaves exactly like torchrun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import secrets
+import socket
+import sys
+import time
+from typing import Dict, Optional
+
+import wrapt
+
+log = logging.getLogger("mindspeed_ha.launcher")
+
+ENV_GRACE = "MINDSPEED_HA_DYING_GRACE_S"
+ENV_REPORT = "MINDSPEED_HA_REPORT"
+
+
+class _Survivors:
+    """State of the agent-side patch: which failures were reported, since when."""
+
+    def __init__(self, controller, grace_s: float):
+        self.controller = controller
+        self.grace_s = grace_s
+        self.first_failure: Optional[float] = None
+        self.reported: Dict[int, int] = {}
+
+
+_survivors: Optional[_Survivors] = None
+
+
+def _poll_lets_survivors_finish(wrapped, instance, args, kwargs):
+    state = _survivors
+    if state is None:
+        return wrapped(*args, **kwargs)
+    running, failed = [], {}
+    for local_rank, handler in instance.subprocess_handlers.items():
+        code = handler.proc.poll()
+        if code is None:
+            running.append(local_rank)
+        elif code != 0:
+            failed[local_rank] = code
+    for local_rank, code in failed.items():
+        rank = int(instance.envs[local_rank].get("RANK", local_rank))
+        if rank not in state.reported:
+            state.reported[rank] = code
+            if state.first_failure is None:
+                state.first_failure = time.monotonic()
+            log.warning("worker rank %d exited with %d; %d still running", rank, code, len(running))
+            if state.controller is not None:
+                state.controller.report_rank_exit(rank, code)
+    if failed and running and time.monotonic() - state.first_failure < state.grace_s:
+        return None  # keep waiting: survivors are saving the dying checkpoint
+    return wrapped(*args, **kwargs)
+
+
+def _ha_args(script_args):
+    """The HA flags among the training arguments (unknown flags ignored)."""
+    from mindspeed_ha.config import add_ha_arguments
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_ha_arguments(parser)
+    parser.add_argument("--save", default=None)
+    ns, _ = parser.parse_known_args(script_args)
+    return ns
+
+
+def _is_local_address(addr: str) -> bool:
+    if addr in ("", "127.0.0.1", "::1", "localhost", "0.0.0.0", "::"):
+        return True
+    try:
+        infos = socket.getaddrinfo(socket.gethostname(), None)
+        return addr in {i[4][0] for i in infos}
+    except OSError:
+        return False
+
+
+def _world_size(targs) -> int:
+    nnodes = str(targs.nnodes).split(":")[-1]
+    return int(nnodes) * int(targs.nproc_per_node)
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=os.environ.get("MINDSPEED_HA_LOG", "INFO"),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    targs = get_args_parser().parse_args(argv)
+    ns = _ha_args(targs.training_script_args)
+    # Workers import mindspeed_ha before the user's code.
+    if targs.module:
+        targs.training_script_args = ["-m", targs.training_script] + list(targs.training_script_args)
+    else:
+        targs.training_script_args = [targs.training_script] + list(targs.training_script_args)
+    targs.training_script, targs.module = "mindspeed_ha.boot", True
+    if not getattr(ns, "enable_high_availability", False):
+        run(targs)
+        return 0
+
+    global _survivors
+    from mindspeed_ha.config import HAConfig
+
+    os.environ.setdefault("MINDSPEED_HA_AUTH_KEY", secrets.token_hex(32))
+    config = HAConfig.from_args(ns)
+    controller = None
+    if int(targs.node_rank) == 0 and _is_local_address(config.controller_addr):
+        from mindspeed_ha.control.controller import Controller
+
+        controller = Controller(config, world_size=_world_size(targs),
+                                bind_addr=config.controller_addr, port=config.controller_port)
+        controller.start()
+        os.environ["MINDSPEED_HA_CONTROLLER_HOSTED"] = "1"
+    _survivors = _Survivors(controller, float(os.environ.get(ENV_GRACE, "600")))
+    wrapt.wrap_function_wrapper(
+        "torch.distributed.elastic.multiprocessing.api", "SubprocessContext._poll", _poll_lets_survivors_finish
+    )
+    code = 0
+    try:
+        run(targs)
+    except ChildFailedError as exc:
+        codes = {f.exitcode for f in exc.failures.values()}
+        code = _exit_code(codes)
+        print(f"mindspeed-ha-run: workers failed (exit codes {sorted(codes)}); "
+              f"{_outcome_text(controller)}", file=sys.stderr, flush=True)
+    finally:
+        if controller is not None:
+            _write_report(controller)
+            controller.stop()
+    return code
+
+
+def _exit_code(codes) -> int:
+    from mindspeed_ha import faults
+
+    if faults.EXIT_DYING_CHECKPOINT_SAVED in codes:
+        return faults.EXIT_DYING_CHECKPOINT_SAVED
+    if faults.EXIT_NO_COMPLETE_DATA in codes:
+        return faults.EXIT_NO_COMPLETE_DATA
+    return 1
+
+
+def _outcome_text(controller) -> str:
+    if controller is None:
+        return "controller runs on another node"
+    outcome = getattr(controller, "outcome", None)
+    return f"controller outcome: {outcome}" if outcome is not None else "no controller decision"
+
+
+def _write_report(controller) -> None:
+    path = os.environ.get(ENV_REPORT)
+    if not path:
+        return
+    report = controller.report() if hasattr(controller, "report") else {"events": list(getattr(controller, "events", []))}
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

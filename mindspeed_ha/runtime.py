@@ -1,0 +1,221 @@
+"""Per-rank HA runtime: the one object the patches talk to.
+
+Step protocol, in the order the training thread calls it (one iteration ``k``):
+
+1. ``train_step`` wrapper enters iteration ``k`` (``current = k``).
+2. optimizer wrapper: :meth:`HARuntime.begin_update` (``k``) -> the processor marks the
+   optimizer state UPDATING(k); it blocks instead if the controller froze this rank.
+3. optimizer wrapper, after the update returned: :meth:`HARuntime.end_update` (``k``) ->
+   UPDATED(k); the RNG state is snapshotted (a dying checkpoint of ``k`` needs it).
+4. ``train_step`` returns: :meth:`HARuntime.iteration_done` (``k``) (covers skipped
+   updates); then the pause point (graceful pause: reserved).
+5. Any exception escaping ``train_step`` goes to :meth:`HARuntime.handle_fault`, which
+   classifies it, reports it and waits for the controller's action (a dying checkpoint
+   runs in the processor's action thread; EXIT ends the process).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+from typing import Any, Optional
+
+from mindspeed_ha import dying
+from mindspeed_ha.testing.injector import Injector
+
+log = logging.getLogger("mindspeed_ha.runtime")
+
+ENV_CONTROLLER_HOSTED = "MINDSPEED_HA_CONTROLLER_HOSTED"
+ENV_AUTH_KEY = "MINDSPEED_HA_AUTH_KEY"
+
+_runtime: Optional["HARuntime"] = None
+_lock = threading.Lock()
+
+
+def get_runtime() -> Optional["HARuntime"]:
+    return _runtime
+
+
+def configure(config, args) -> "HARuntime":
+    """Create the process's runtime from the parsed Megatron ``args`` (called by the arguments patch)."""
+    global _runtime
+    with _lock:
+        _runtime = HARuntime(config, args)
+    return _runtime
+
+
+def reset() -> None:
+    """Forget the runtime (tests)."""
+    global _runtime
+    with _lock:
+        if _runtime is not None:
+            _runtime.close()
+        _runtime = None
+
+
+class HARuntime:
+    def __init__(self, config, args):
+        self.config = config
+        self.args = args
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.processor = None
+        self.controller_proc = None
+        self.injector = Injector.from_env(self.rank)
+        self.layout = None
+        self.current: Optional[int] = None  # iteration in progress
+        self.completed: Optional[int] = None  # last iteration completed by train_step
+        self.snapshot: Optional[dying.IterationSnapshot] = None
+        self.ctx: Optional[dying.DyingContext] = None
+        self._update_depth = 0
+
+    # ---- start-up -------------------------------------------------------------------
+    def on_model_parallel_initialized(self) -> None:
+        """Compute this rank's layout, agree on the auth key, start the processor."""
+        from megatron.core import parallel_state as mpu
+
+        from mindspeed_ha import replica
+
+        n = getattr(self.args, "num_distributed_optimizer_instances", 1) or 1
+        dp = mpu.get_data_parallel_world_size(with_context_parallel=True)
+        dp_rank = mpu.get_data_parallel_rank(with_context_parallel=True)
+        if getattr(self.args, "use_distributed_optimizer", False):
+            instance_id, shard_id = replica.instance_and_shard(dp_rank, dp, n)
+            replica_count = n
+        else:  # every DP rank holds the whole optimizer state
+            instance_id, shard_id, replica_count = dp_rank, 0, dp
+        self.layout = dict(
+            tp_rank=mpu.get_tensor_model_parallel_rank(), tp_size=mpu.get_tensor_model_parallel_world_size(),
+            pp_rank=mpu.get_pipeline_model_parallel_rank(), pp_size=mpu.get_pipeline_model_parallel_world_size(),
+            dp_rank=dp_rank, dp_size=dp, cp_rank=mpu.get_context_parallel_rank(),
+            replica_count=replica_count, instance_id=instance_id, shard_id=shard_id,
+        )
+        key = self._agree_auth_key()
+        self._ensure_controller(key)
+        self._start_processor(key)
+
+    def _agree_auth_key(self) -> bytes:
+        env = os.environ.get(ENV_AUTH_KEY)
+        if env:
+            return bytes.fromhex(env)
+        # No launcher: rank 0 draws a key and broadcasts it once, at start-up.
+        import torch
+        import torch.distributed as dist
+
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        buf = torch.zeros(32, dtype=torch.uint8, device=device)
+        if dist.get_rank() == 0:
+            buf.copy_(torch.frombuffer(bytearray(os.urandom(32)), dtype=torch.uint8))
+        dist.broadcast(buf, src=0)
+        key = bytes(buf.cpu().tolist())
+        os.environ[ENV_AUTH_KEY] = key.hex()
+        return key
+
+    def _ensure_controller(self, key: bytes) -> None:
+        """Without ``mindspeed-ha-run``, global rank 0 starts the controller as a detached process.
+
+        Detached (own session) so that the controller outlives a SIGKILL of rank 0 and can
+        still drive the dying checkpoint; it exits by itself when the job is over.
+        """
+        if os.environ.get(ENV_CONTROLLER_HOSTED) == "1" or self.rank != 0:
+            return
+        env = dict(os.environ, **{ENV_AUTH_KEY: key.hex()})
+        cmd = [sys.executable, "-m", "mindspeed_ha.control.controller",
+               "--world-size", os.environ.get("WORLD_SIZE", "1"),
+               "--port", str(self.config.controller_port), "--bind", self.config.controller_addr]
+        self.controller_proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        log.info("rank 0 started controller pid %d on port %d", self.controller_proc.pid, self.config.controller_port)
+
+    def _start_processor(self, key: bytes) -> None:
+        import dataclasses
+
+        from mindspeed_ha.control.processor import Processor
+
+        config = self.config
+        if getattr(config, "auth_key", None) != key:
+            config = dataclasses.replace(config, auth_key=key)
+            self.config = config
+        self.processor = Processor(config, self.rank, self.layout, getattr(self.args, "save", None))
+        for kind, fn in (("dump", self._on_dump), ("assemble", self._on_assemble), ("commit", self._on_commit)):
+            self.processor.on_action(kind, fn)
+        self.processor.start()
+
+    def attach(self, model, optimizer, opt_param_scheduler) -> None:
+        if self.ctx is not None:
+            return
+        lay = self.layout or {}
+        self.ctx = dying.DyingContext(
+            args=self.args, model=model, optimizer=optimizer, opt_param_scheduler=opt_param_scheduler,
+            tp_rank=lay.get("tp_rank", 0), pp_rank=lay.get("pp_rank", 0), pp_size=lay.get("pp_size", 1),
+            shard_id=lay.get("shard_id", 0),
+        )
+
+    # ---- step protocol ----------------------------------------------------------------
+    def enter_iteration(self) -> int:
+        if self.completed is None:
+            self.completed = int(getattr(self.args, "iteration", 0) or 0)
+            self._take_snapshot(self.completed)
+            if self.processor is not None:
+                self.processor.end_update(self.completed)
+        self.current = self.completed + 1
+        return self.current
+
+    def begin_update(self) -> None:
+        self._update_depth += 1
+        if self._update_depth == 1:
+            if self.processor is not None:
+                self.processor.begin_update(self.current)
+            self.injector.fire("optimizer", self.current)
+
+    def end_update(self) -> None:
+        self._update_depth -= 1
+        if self._update_depth == 0:
+            self._take_snapshot(self.current)
+            if self.processor is not None:
+                self.processor.end_update(self.current)
+
+    def iteration_done(self) -> None:
+        k = self.current
+        if self.snapshot is None or self.snapshot.iteration != k:  # update skipped (inf/nan)
+            self._take_snapshot(k)
+            if self.processor is not None:
+                self.processor.end_update(k)
+        self.completed = k
+        self.injector.fire("between", k)
+
+    def _take_snapshot(self, iteration: int) -> None:
+        from mindspeed_ha.training.checkpointing import collect_rng_state
+
+        self.snapshot = dying.IterationSnapshot(iteration, collect_rng_state())
+
+    def handle_fault(self, exc: BaseException):
+        """Report ``exc`` to the controller and carry out its action.
+
+        Returns only if the controller cannot be reached (then the caller re-raises).
+        """
+        if self.processor is None:
+            return None
+        log.error("rank %d: fault in iteration %s: %s", self.rank, self.current, exc)
+        return self.processor.report_fault(exc, self.current)
+
+    # ---- action handlers (processor action thread) -------------------------------------
+    def _on_dump(self, params: dict):
+        k = int(params["iteration"])
+        self.injector.fire("dying", k)
+        detail = dying.dump(self.ctx, k, self.snapshot, bool(params.get("shard")), bool(params.get("model")))
+        return True, detail
+
+    def _on_assemble(self, params: dict):
+        return True, dying.assemble(self.ctx, int(params["iteration"]))
+
+    def _on_commit(self, params: dict):
+        return True, dying.commit(self.args.save, int(params["iteration"]))
+
+    def close(self, exit_code: int = 0) -> None:
+        if self.processor is not None:
+            try:
+                self.processor.close(exit_code)
+            finally:
+                self.processor = None

@@ -1,0 +1,101 @@
+"""Feature ``core``: add the HA flags to Megatron's own argument parser and act on them.
+
+Wraps ``parse_args`` of Megatron-LM (``megatron.training.arguments``) and of our
+Megatron-shaped trainer (``mindspeed_ha.training.arguments``): the user's
+``extra_args_provider`` still runs, then :func:`mindspeed_ha.config.add_ha_arguments`
+adds ``--enable-high-availability`` and friends (skipping any flag the framework already
+defines, e.g. MindSpeed-LLM's own copies). After parsing, the flags are validated
+(errors name the flag and the accepted range) and the features are switched on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from .registry import Patch, enable
+
+
+def _add_missing_ha_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add our flags; flags already defined by the framework are left as they are."""
+    from mindspeed_ha.config import add_ha_arguments
+
+    scratch = argparse.ArgumentParser(add_help=False)
+    add_ha_arguments(scratch)
+    existing = set(parser._option_string_actions)
+    group = parser.add_argument_group("high availability (mindspeed-ha)")
+    for action in scratch._actions:
+        if not action.option_strings or set(action.option_strings) & existing:
+            continue
+        group._add_action(action)
+    return parser
+
+
+def apply_ha_args(parsed) -> None:
+    """Validate the HA flags of a parsed Megatron namespace and switch features on.
+
+    Raises:
+        mindspeed_ha.config.ConfigError: a flag is out of range or inconsistent.
+    """
+    from mindspeed_ha import runtime
+    from mindspeed_ha.config import HAConfig, validate_ha_args
+
+    config = HAConfig.from_args(parsed)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    validate_ha_args(
+        parsed, world,
+        getattr(parsed, "tensor_model_parallel_size", 1) or 1,
+        getattr(parsed, "pipeline_model_parallel_size", 1) or 1,
+        getattr(parsed, "context_parallel_size", 1) or 1,
+    )
+    if not config.enabled:
+        return
+    features = ["ha"]
+    if getattr(parsed, "use_distributed_optimizer", False) and config.replica_count > 1:
+        parsed.num_distributed_optimizer_instances = config.replica_count
+        features.append("replica")
+    if config.hbm_repair:
+        features.append("hbm_repair")
+    if config.worker_reboot:
+        features.append("worker_reboot")
+    if os.environ.get("MINDSPEED_HA_INJECT"):
+        features.append("testing")
+    enable(*features)
+    runtime.configure(config, parsed)
+
+
+def _parse_args_wrapper(wrapped, instance, args, kwargs):
+    kwargs = dict(kwargs)
+    args = list(args)
+    provider = kwargs.pop("extra_args_provider", args.pop(0) if args else None)
+
+    def provider_with_ha(parser):
+        if provider is not None:
+            parser = provider(parser)
+        return _add_missing_ha_arguments(parser)
+
+    parsed = wrapped(provider_with_ha, *args, **kwargs)
+    apply_ha_args(parsed)
+    return parsed
+
+
+PATCHES = [
+    Patch(
+        name="arguments.parse_args.megatron",
+        module="megatron.training.arguments",
+        attribute="parse_args",
+        wrapper=_parse_args_wrapper,
+        feature="core",
+        versions=None,
+        doc="add and validate the HA flags in Megatron-LM's parse_args",
+    ),
+    Patch(
+        name="arguments.parse_args.trainer",
+        module="mindspeed_ha.training.arguments",
+        attribute="parse_args",
+        wrapper=_parse_args_wrapper,
+        feature="core",
+        versions=None,
+        doc="add and validate the HA flags in mindspeed_ha.training's parse_args",
+    ),
+]

@@ -1,0 +1,116 @@
+"""Feature ``replica``: N optimizer replicas on megatron-core's partial distributed optimizer.
+
+megatron-core 0.12.1 already cuts each DP group into ``num_distributed_optimizer_instances``
+contiguous instances and shards the distributed optimizer over one instance (the
+reference's replica layout). Three things differ from what the reference needs, and
+are patched here only while the feature is on (``--enable-high-availability`` with the
+distributed optimizer and ``--ha-replica-count`` > 1):
+
+* gradient sync: stock reduce-scatters inside the instance, then all-reduces across
+  instances, which sums in another order than a run without replicas. We all-reduce
+  each bucket over the full DP group instead (the reference's "compute instead of
+  transfer"); every instance then runs the same optimizer update on its shard. On gloo
+  a reduce-scatter equals an all-reduce's slice bit for bit (measured), so the gradients
+  are bitwise those of a run without replicas.
+* grad norm / zero count: stock reduces the distributed optimizer's statistics over the
+  whole world, which counts every shard N times (norm too large by sqrt(N)). We reduce
+  over one instance (all ranks with the same instance id): each shard counted once.
+* the CPU backend has no CUDA stream for the instance's communication stream: handled
+  by the CPU backend patch set.
+"""
+
+from __future__ import annotations
+
+from .registry import Patch
+
+_INSTANCE_GROUP = None  # all ranks (every TP/PP/DP position) of this rank's optimizer instance
+
+
+def instance_group():
+    """Process group of this rank's optimizer instance (None before initialisation)."""
+    return _INSTANCE_GROUP
+
+
+def _after_initialize_model_parallel(wrapped, instance, args, kwargs):
+    global _INSTANCE_GROUP
+    result = wrapped(*args, **kwargs)
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    import inspect
+
+    bound = inspect.signature(wrapped).bind_partial(*args, **kwargs)
+    n = bound.arguments.get("num_distributed_optimizer_instances", 1)
+    if n <= 1:
+        return result
+    my_instance = dist.get_rank(mpu.get_inter_partial_data_parallel_group())
+    world = dist.get_world_size()
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mine = torch.tensor([my_instance], dtype=torch.int64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    ids = [int(t.item()) for t in every]
+    for i in range(n):  # every rank creates every group, in the same order
+        ranks = [r for r, inst in enumerate(ids) if inst == i]
+        group = dist.new_group(ranks)
+        if i == my_instance:
+            _INSTANCE_GROUP = group
+    return result
+
+
+def _grad_sync_full_dp(wrapped, instance, args, kwargs):
+    cfg = instance.ddp_config
+    if not (cfg.use_distributed_optimizer and cfg.num_distributed_optimizer_instances > 1):
+        return wrapped(*args, **kwargs)
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    assert instance.grad_reduce_handle is None, "Should not have multiple communication calls outstanding"
+    if cfg.check_for_nan_in_grad or getattr(cfg, "check_for_large_grads", False):
+        instance.check_grads(
+            check_for_nan_or_inf=cfg.check_for_nan_in_grad,
+            check_for_large=getattr(cfg, "check_for_large_grads", False),
+        )
+    op = dist.ReduceOp.AVG if cfg.average_in_collective else dist.ReduceOp.SUM
+    group = mpu.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=False)
+    for bucket in instance.buckets:
+        if bucket.gradient_scaling_factor != 1.0:
+            bucket.grad_data *= bucket.gradient_scaling_factor
+        dist.all_reduce(bucket.grad_data, op=op, group=group)
+    instance.grad_reduce_handle = None
+    return None
+
+
+def _grad_stats_over_instance(wrapped, instance, args, kwargs):
+    if _INSTANCE_GROUP is not None and instance.ddp_config.num_distributed_optimizer_instances > 1:
+        return _INSTANCE_GROUP
+    return wrapped(*args, **kwargs)
+
+
+PATCHES = [
+    Patch(
+        name="replica.instance_groups",
+        module="megatron.core.parallel_state",
+        attribute="initialize_model_parallel",
+        wrapper=_after_initialize_model_parallel,
+        feature="replica",
+        doc="after model-parallel init, build one process group per optimizer instance",
+    ),
+    Patch(
+        name="replica.grad_sync",
+        module="megatron.core.distributed.param_and_grad_buffer",
+        attribute="_ParamAndGradBucketGroup.start_grad_sync",
+        wrapper=_grad_sync_full_dp,
+        feature="replica",
+        doc="all-reduce gradients over the full DP group (bitwise equal to no replicas)",
+    ),
+    Patch(
+        name="replica.grad_norm_group",
+        module="megatron.core.optimizer.distrib_optimizer",
+        attribute="DistributedOptimizer.get_grad_stats_parallel_group",
+        wrapper=_grad_stats_over_instance,
+        feature="replica",
+        doc="reduce grad norm / zero count over one optimizer instance (each shard once)",
+    ),
+]
