@@ -1,0 +1,99 @@
+"""``mindspeed-ha``: the command-line front end.
+
+Subcommands:
+    demo        the main job: a fault-tolerant Megatron run on 4 CPU ranks with a killed
+                rank, the dying checkpoint, a resume, and the loss curves side by side
+    patches     list every registered patch, its feature and whether it is active
+    controller  run a standalone controller (what rank 0 starts without the launcher)
+    preprocess  build a Megatron indexed dataset (.bin/.idx) from a text file
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _cmd_patches(ns) -> int:
+    import mindspeed_ha  # noqa: F401
+    from mindspeed_ha.patches import registry
+
+    if ns.import_megatron:
+        import importlib
+
+        for mod in sorted({r["target"].split(":")[0] for r in registry.report()}):
+            try:
+                importlib.import_module(mod)
+            except ImportError:
+                pass
+    for f in ns.enable or ():
+        registry.enable(f)
+    rows = registry.report()
+    if ns.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(f"{'patch':38} {'feature':12} {'active':6}  {'status':16} target")
+    for r in rows:
+        print(f"{r['name']:38} {r['feature']:12} {str(r['active']):6}  {r['status'][:16]:16} {r['target']}")
+    print(f"\nenabled features: {', '.join(registry.enabled_features())}")
+    return 0
+
+
+def _cmd_controller(ns, rest) -> int:
+    from mindspeed_ha.control import controller
+
+    return controller.main(rest) or 0
+
+
+def _cmd_preprocess(ns, rest) -> int:
+    from mindspeed_ha.training import data
+
+    return data.main(rest) or 0
+
+
+def _cmd_demo(ns) -> int:
+    from mindspeed_ha.demo import run_demo
+
+    return run_demo(ns)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="mindspeed-ha", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    d = sub.add_parser("demo", help="fault-tolerant Megatron run with a killed rank, on 4 CPU ranks")
+    d.add_argument("--kill-rank", type=int, default=1, help="global rank to SIGKILL (default 1)")
+    d.add_argument("--kill-iteration", type=int, default=6, help="iteration during which it dies (default 6)")
+    d.add_argument("--kill-point", default="backward", choices=["forward", "backward", "optimizer", "between"])
+    d.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    d.add_argument("--pipeline-model-parallel-size", type=int, default=2)
+    d.add_argument("--train-iters", type=int, default=12)
+    d.add_argument("--nproc", type=int, default=4, help="ranks (default 4)")
+    d.add_argument("--report", default=None, help="write the summary as JSON to this file")
+    d.add_argument("--workdir", default=None, help="keep checkpoints and logs here (default: a temp dir, removed)")
+    d.add_argument("--data-path", default=None, help="Megatron indexed dataset prefix (default: embedded corpus)")
+
+    p = sub.add_parser("patches", help="list registered patches and whether they are active")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--import-megatron", action="store_true", help="import the target modules first")
+    p.add_argument("--enable", action="append", help="enable a feature before listing (to preview)")
+
+    sub.add_parser("controller", help="standalone controller (see --help of mindspeed_ha.control.controller)",
+                   add_help=False)
+    sub.add_parser("preprocess", help="text file -> Megatron indexed dataset", add_help=False)
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("controller", "preprocess"):
+        ns = argparse.Namespace(cmd=argv[0])
+        fn = _cmd_controller if argv[0] == "controller" else _cmd_preprocess
+        return fn(ns, argv[1:])
+    ns = parser.parse_args(argv)
+    if ns.cmd == "patches":
+        return _cmd_patches(ns)
+    return _cmd_demo(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
