@@ -1,0 +1,434 @@
+"""HAConfig: the one configuration object, built from Megatron's args and the environment.
+
+Megatron's argparse ``Namespace`` is read once, at setup, by :meth:`HAConfig.from_args`;
+nothing else in mindspeed-ha reads ``get_args()``. This module imports neither torch
+nor megatron, so the controller can build its config in the launcher process.
+
+Precedence (one rule for every setting): **environment > command-line flag > default.**
+The environment wins because it is what the cluster (Kubernetes pod spec, the
+``mindspeed-ha-run`` launcher, the reference's ``TTP_ADDR`` export) sets per job and
+per node; flags are the fallback for plain ``torchrun`` runs.
+
+=================================  ==========================================  ===============
+setting                            sources, highest first                      default
+=================================  ==========================================  ===============
+controller_addr                    ``CONTROLLER_ADDR`` > ``TTP_ADDR`` >         ``127.0.0.1``
+                                   ``--ha-controller-addr``
+processor_addr                     ``PROCESSOR_ADDR``                          ``None``
+controller_port                    ``TTP_PORT`` > ``--ha-controller-port``     ``8000``
+heartbeat_interval_s               ``MINDSPEED_HA_HEARTBEAT_INTERVAL`` >       ``1.0``
+                                   ``--ha-heartbeat-interval``
+heartbeat_timeout_s                ``MINDSPEED_HA_HEARTBEAT_TIMEOUT`` >        ``10.0``
+                                   ``--ha-heartbeat-timeout``
+stop_timeout_s                     ``MINDSPEED_HA_STOP_TIMEOUT`` >             ``30.0``
+                                   ``--ha-stop-timeout``
+action_timeout_s                   ``MINDSPEED_HA_ACTION_TIMEOUT`` >           ``600.0``
+                                   ``--ha-action-timeout``
+connect_timeout_s                  ``MINDSPEED_HA_CONNECT_TIMEOUT``            ``60.0``
+max_message_bytes                  ``MINDSPEED_HA_MAX_MESSAGE_BYTES``          ``1 MiB``
+auth_key                           ``MINDSPEED_HA_AUTH_KEY`` (hex)             ``None``
+=================================  ==========================================  ===============
+
+Addresses: ``TTP_ADDR`` must be an IPv4 or IPv6 literal (the reference's contract);
+``CONTROLLER_ADDR``, ``PROCESSOR_ADDR`` and ``--ha-controller-addr`` accept an IP
+literal or an RFC 1123 host name (pod DNS names are common in Kubernetes; the
+processor resolves them when it connects, the controller binds to the resolved
+interface).
+
+Errors: every invalid value raises :class:`ConfigError` whose message names the flag
+or environment variable and the accepted range.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import ipaddress
+import math
+import os
+import re
+from typing import Any, Mapping, Optional
+
+ENV_CONTROLLER_ADDR = "CONTROLLER_ADDR"
+ENV_TTP_ADDR = "TTP_ADDR"
+ENV_PROCESSOR_ADDR = "PROCESSOR_ADDR"
+ENV_TTP_PORT = "TTP_PORT"
+ENV_HEARTBEAT_INTERVAL = "MINDSPEED_HA_HEARTBEAT_INTERVAL"
+ENV_HEARTBEAT_TIMEOUT = "MINDSPEED_HA_HEARTBEAT_TIMEOUT"
+ENV_STOP_TIMEOUT = "MINDSPEED_HA_STOP_TIMEOUT"
+ENV_ACTION_TIMEOUT = "MINDSPEED_HA_ACTION_TIMEOUT"
+ENV_CONNECT_TIMEOUT = "MINDSPEED_HA_CONNECT_TIMEOUT"
+ENV_MAX_MESSAGE_BYTES = "MINDSPEED_HA_MAX_MESSAGE_BYTES"
+ENV_AUTH_KEY = "MINDSPEED_HA_AUTH_KEY"
+ENV_NO_CUDA_CACHING = "PYTORCH_NO_CUDA_MEMORY_CACHING"
+ENV_NO_NPU_CACHING = "PYTORCH_NO_NPU_MEMORY_CACHING"
+
+DEFAULT_CONTROLLER_ADDR = "127.0.0.1"
+DEFAULT_PORT = 8000
+DEFAULT_REPLICA_COUNT = 2
+DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
+DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
+DEFAULT_STOP_TIMEOUT_S = 30.0
+DEFAULT_ACTION_TIMEOUT_S = 600.0
+DEFAULT_CONNECT_TIMEOUT_S = 60.0
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
+MIN_AUTH_KEY_BYTES = 16
+
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$")
+
+
+class ConfigError(ValueError):
+    """An invalid HA setting; the message names the flag/env var and the accepted range."""
+
+
+def _check_ip(value: str, source: str) -> str:
+    try:
+        return str(ipaddress.ip_address(value.strip().strip("[]")))
+    except ValueError:
+        raise ConfigError(
+            f"{source}={value!r} is not an IPv4 or IPv6 address literal (e.g. 10.0.0.1 or fd00::1)"
+        ) from None
+
+
+def _check_host(value: str, source: str) -> str:
+    value = value.strip()
+    try:
+        return str(ipaddress.ip_address(value.strip("[]")))
+    except ValueError:
+        pass
+    if _HOSTNAME.match(value) and not value.replace(".", "").isdigit():
+        return value
+    raise ConfigError(f"{source}={value!r} is neither an IPv4/IPv6 literal nor a valid host name")
+
+
+def _env_float(env: Mapping[str, str], name: str, flag: Optional[str], flag_value: Any, default: float) -> float:
+    source, raw = (name, env[name]) if env.get(name) not in (None, "") else (flag, flag_value)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}={raw!r} is not a number (seconds, > 0)") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{source}={raw!r} must be a finite number of seconds > 0")
+    return value
+
+
+def _arg(args: Any, name: str, default: Any = None) -> Any:
+    return getattr(args, name, default) if args is not None else default
+
+
+@dataclasses.dataclass(frozen=True)
+class HAConfig:
+    """Validated HA settings of one job. Immutable; build with :meth:`from_args`.
+
+    Attributes:
+        enabled: ``--enable-high-availability`` (dying checkpoint; master switch).
+        hbm_repair: ``--enable-hbmfault-repair`` (UCE online repair).
+        worker_reboot: ``--enable-worker-reboot`` (ARF process restart).
+        no_replica: ``--distributed-optimizer-no-replica``.
+        distributed_optimizer: Megatron's ``--use-distributed-optimizer``.
+        replica_count: N, optimizer replicas of each shard (1 with ``no_replica``).
+            Meaningful only with the distributed optimizer; see
+            :meth:`effective_replica_count`.
+        controller_addr / controller_port: where the controller listens.
+        processor_addr: this rank's own address (pod network), informational.
+        heartbeat_interval_s: processor heartbeat period, seconds.
+        heartbeat_timeout_s: silence after which a rank is declared dead, seconds.
+        stop_timeout_s: how long the STOP round waits for STOPPED replies, seconds.
+        action_timeout_s: deadline of one DUMP / ASSEMBLE / COMMIT action, seconds.
+        connect_timeout_s: how long a processor tries to register, seconds.
+        max_message_bytes: cap on one control message.
+        auth_key: HMAC key shared by the job (None until the launcher provides it).
+        save_dir: Megatron's ``--save`` (None: a dying checkpoint cannot be written).
+    """
+
+    enabled: bool = False
+    hbm_repair: bool = False
+    worker_reboot: bool = False
+    no_replica: bool = False
+    distributed_optimizer: bool = False
+    replica_count: int = DEFAULT_REPLICA_COUNT
+    controller_addr: str = DEFAULT_CONTROLLER_ADDR
+    processor_addr: Optional[str] = None
+    controller_port: int = DEFAULT_PORT
+    heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
+    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
+    stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S
+    action_timeout_s: float = DEFAULT_ACTION_TIMEOUT_S
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    auth_key: Optional[bytes] = dataclasses.field(default=None, repr=False)
+    save_dir: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if not self.enabled:
+            for flag, on in (
+                ("--enable-hbmfault-repair", self.hbm_repair),
+                ("--enable-worker-reboot", self.worker_reboot),
+                ("--distributed-optimizer-no-replica", self.no_replica),
+            ):
+                if on:
+                    raise ConfigError(f"{flag} requires --enable-high-availability")
+        if not isinstance(self.replica_count, int) or self.replica_count < 1:
+            raise ConfigError(f"--ha-replica-count={self.replica_count!r}: accepted values are integers >= 1")
+        if self.no_replica and self.replica_count != 1:
+            raise ConfigError(
+                f"--distributed-optimizer-no-replica forces --ha-replica-count=1 (got {self.replica_count})"
+            )
+        if not isinstance(self.controller_port, int) or not 1 <= self.controller_port <= 65535:
+            raise ConfigError(
+                f"--ha-controller-port / {ENV_TTP_PORT}={self.controller_port!r}: accepted range 1..65535"
+            )
+        for name, env in (
+            ("heartbeat_interval_s", ENV_HEARTBEAT_INTERVAL),
+            ("heartbeat_timeout_s", ENV_HEARTBEAT_TIMEOUT),
+            ("stop_timeout_s", ENV_STOP_TIMEOUT),
+            ("action_timeout_s", ENV_ACTION_TIMEOUT),
+            ("connect_timeout_s", ENV_CONNECT_TIMEOUT),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"{env}={value!r}: must be a finite number of seconds > 0")
+        if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
+            raise ConfigError(
+                f"{ENV_HEARTBEAT_TIMEOUT}={self.heartbeat_timeout_s} must be >= 2 x "
+                f"{ENV_HEARTBEAT_INTERVAL}={self.heartbeat_interval_s} (one lost heartbeat is not a death)"
+            )
+        if not isinstance(self.max_message_bytes, int) or not 4096 <= self.max_message_bytes <= (64 << 20):
+            raise ConfigError(f"{ENV_MAX_MESSAGE_BYTES}={self.max_message_bytes!r}: accepted range 4096..67108864")
+        if self.auth_key is not None and (
+            not isinstance(self.auth_key, bytes) or len(self.auth_key) < MIN_AUTH_KEY_BYTES
+        ):
+            raise ConfigError(f"{ENV_AUTH_KEY}: the key must be at least {MIN_AUTH_KEY_BYTES} bytes")
+
+    # ------------------------------------------------------------------ builders
+    @classmethod
+    def from_args(cls, args: Any = None, env: Optional[Mapping[str, str]] = None) -> "HAConfig":
+        """Build the config from Megatron's parsed args and the environment.
+
+        Args:
+            args: argparse ``Namespace`` (missing attributes take defaults), or None.
+            env: environment mapping; ``os.environ`` when None.
+
+        Raises:
+            ConfigError: on any invalid setting (message names flag/env and range).
+        """
+        env = os.environ if env is None else env
+        enabled = bool(_arg(args, "enable_high_availability", False))
+        hbm_repair = bool(_arg(args, "enable_hbmfault_repair", False))
+        no_replica = bool(_arg(args, "distributed_optimizer_no_replica", False))
+        replica_count = _arg(args, "ha_replica_count", None)
+        if replica_count is None:
+            replica_count = 1 if no_replica else DEFAULT_REPLICA_COUNT
+        elif no_replica and replica_count != 1:
+            raise ConfigError(
+                f"--distributed-optimizer-no-replica forces --ha-replica-count=1 (got {replica_count})"
+            )
+        if hbm_repair:
+            check_caching_allocator(env)
+        return cls(
+            enabled=enabled,
+            hbm_repair=hbm_repair,
+            worker_reboot=bool(_arg(args, "enable_worker_reboot", False)),
+            no_replica=no_replica,
+            distributed_optimizer=bool(_arg(args, "use_distributed_optimizer", False)),
+            replica_count=replica_count,
+            controller_addr=controller_addr_from(args, env),
+            processor_addr=(
+                _check_host(env[ENV_PROCESSOR_ADDR], ENV_PROCESSOR_ADDR) if env.get(ENV_PROCESSOR_ADDR) else None
+            ),
+            controller_port=port_from(args, env),
+            heartbeat_interval_s=_env_float(
+                env, ENV_HEARTBEAT_INTERVAL, "--ha-heartbeat-interval",
+                _arg(args, "ha_heartbeat_interval"), DEFAULT_HEARTBEAT_INTERVAL_S),
+            heartbeat_timeout_s=_env_float(
+                env, ENV_HEARTBEAT_TIMEOUT, "--ha-heartbeat-timeout",
+                _arg(args, "ha_heartbeat_timeout"), DEFAULT_HEARTBEAT_TIMEOUT_S),
+            stop_timeout_s=_env_float(
+                env, ENV_STOP_TIMEOUT, "--ha-stop-timeout", _arg(args, "ha_stop_timeout"), DEFAULT_STOP_TIMEOUT_S),
+            action_timeout_s=_env_float(
+                env, ENV_ACTION_TIMEOUT, "--ha-action-timeout",
+                _arg(args, "ha_action_timeout"), DEFAULT_ACTION_TIMEOUT_S),
+            connect_timeout_s=_env_float(env, ENV_CONNECT_TIMEOUT, None, None, DEFAULT_CONNECT_TIMEOUT_S),
+            max_message_bytes=_int_env(env, ENV_MAX_MESSAGE_BYTES, DEFAULT_MAX_MESSAGE_BYTES),
+            auth_key=auth_key_from(env),
+            save_dir=_arg(args, "save", None) or None,
+        )
+
+    def with_auth_key(self, key: bytes) -> "HAConfig":
+        """Return a copy carrying the job's auth key (provided after construction)."""
+        return dataclasses.replace(self, auth_key=key)
+
+    def replace(self, **changes: Any) -> "HAConfig":
+        """Return a validated copy with ``changes`` applied (tests, launcher)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def replica_patch_active(self) -> bool:
+        """True when the replica optimizer patches must be applied (never with N = 1)."""
+        return self.enabled and self.distributed_optimizer and not self.no_replica and self.replica_count > 1
+
+    def effective_replica_count(self, dp_size: int) -> int:
+        """Copies of each optimizer shard in a DP group of ``dp_size`` ranks.
+
+        Non-distributed optimizers hold the full state on every DP rank, so N = d.
+        """
+        return self.replica_count if self.distributed_optimizer else dp_size
+
+    @property
+    def endpoint(self) -> str:
+        """ZeroMQ endpoint of the controller, e.g. ``tcp://10.0.0.1:8000`` or ``tcp://[fd00::1]:8000``."""
+        host = self.controller_addr
+        if ":" in host:
+            host = f"[{host}]"
+        return f"tcp://{host}:{self.controller_port}"
+
+
+def _int_env(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw in (None, ""):
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+
+
+def controller_addr_from(args: Any, env: Mapping[str, str]) -> str:
+    """Controller address: ``CONTROLLER_ADDR`` > ``TTP_ADDR`` > ``--ha-controller-addr`` > 127.0.0.1.
+
+    Raises:
+        ConfigError: ``TTP_ADDR`` set but empty or not an IP literal; any other
+            source not an IP literal nor a host name.
+    """
+    if env.get(ENV_CONTROLLER_ADDR):
+        return _check_host(env[ENV_CONTROLLER_ADDR], ENV_CONTROLLER_ADDR)
+    if ENV_TTP_ADDR in env:
+        if not env[ENV_TTP_ADDR].strip():
+            raise ConfigError(f"{ENV_TTP_ADDR} is set but empty: export the controller's IPv4 or IPv6 address")
+        return _check_ip(env[ENV_TTP_ADDR], ENV_TTP_ADDR)
+    flag = _arg(args, "ha_controller_addr")
+    if flag:
+        return _check_host(flag, "--ha-controller-addr")
+    return DEFAULT_CONTROLLER_ADDR
+
+
+def port_from(args: Any, env: Mapping[str, str]) -> int:
+    """Controller port: ``TTP_PORT`` > ``--ha-controller-port`` > 8000, range 1..65535."""
+    source, raw = (ENV_TTP_PORT, env[ENV_TTP_PORT]) if env.get(ENV_TTP_PORT) else (
+        "--ha-controller-port", _arg(args, "ha_controller_port"))
+    if raw is None:
+        return DEFAULT_PORT
+    try:
+        port = int(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}={raw!r} is not an integer port (accepted range 1..65535)") from None
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"{source}={raw!r} is out of range (accepted range 1..65535)")
+    return port
+
+
+def auth_key_from(env: Mapping[str, str]) -> Optional[bytes]:
+    """The job's HMAC key from ``MINDSPEED_HA_AUTH_KEY`` (hex), or None if unset."""
+    raw = env.get(ENV_AUTH_KEY)
+    if not raw:
+        return None
+    try:
+        key = bytes.fromhex(raw.strip())
+    except ValueError:
+        raise ConfigError(f"{ENV_AUTH_KEY} must be hex-encoded (e.g. from secrets.token_hex(32))") from None
+    if len(key) < MIN_AUTH_KEY_BYTES:
+        raise ConfigError(f"{ENV_AUTH_KEY} must encode at least {MIN_AUTH_KEY_BYTES} bytes (got {len(key)})")
+    return key
+
+
+def check_caching_allocator(env: Mapping[str, str]) -> None:
+    """Raise if the framework's caching allocator is disabled (UCE repair needs it)."""
+    if env.get(ENV_NO_CUDA_CACHING, "") not in ("", "0"):
+        raise ConfigError(
+            f"--enable-hbmfault-repair needs the CUDA caching allocator: unset {ENV_NO_CUDA_CACHING} (or set it to 0)"
+        )
+    if ENV_NO_NPU_CACHING in env:
+        raise ConfigError(f"--enable-hbmfault-repair needs the NPU caching allocator: unset {ENV_NO_NPU_CACHING}")
+
+
+def add_ha_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the HA flags to ``parser`` in an argument group "high availability".
+
+    Defaults that have an environment override are None here so that
+    :meth:`HAConfig.from_args` can tell "not given" from "given".
+    """
+    g = parser.add_argument_group(title="high availability")
+    g.add_argument("--enable-high-availability", action="store_true",
+                   help="Master switch: dying checkpoint on unrecoverable faults, optimizer replicas.")
+    g.add_argument("--enable-hbmfault-repair", action="store_true",
+                   help="Repair device memory uncorrectable errors (UCE) online. Needs the master switch.")
+    g.add_argument("--enable-worker-reboot", action="store_true",
+                   help="Restart only failed workers and continue (ARF). Needs the master switch.")
+    g.add_argument("--distributed-optimizer-no-replica", action="store_true",
+                   help="No optimizer replicas (N = 1); repairs reload the latest periodic checkpoint.")
+    g.add_argument("--ha-replica-count", type=int, default=None,
+                   help=f"Replicas N of each distributed-optimizer shard (default {DEFAULT_REPLICA_COUNT}); "
+                        "DP size must be divisible by N.")
+    g.add_argument("--ha-controller-addr", type=str, default=None,
+                   help=f"Controller address; env {ENV_CONTROLLER_ADDR} > {ENV_TTP_ADDR} > this flag > "
+                        f"{DEFAULT_CONTROLLER_ADDR}.")
+    g.add_argument("--ha-controller-port", type=int, default=None,
+                   help=f"Controller port (1..65535); env {ENV_TTP_PORT} > this flag > {DEFAULT_PORT}.")
+    g.add_argument("--ha-heartbeat-interval", type=float, default=None,
+                   help=f"Heartbeat period, s (env {ENV_HEARTBEAT_INTERVAL}; default {DEFAULT_HEARTBEAT_INTERVAL_S}).")
+    g.add_argument("--ha-heartbeat-timeout", type=float, default=None,
+                   help=f"Silence before a rank is dead, s (env {ENV_HEARTBEAT_TIMEOUT}; "
+                        f"default {DEFAULT_HEARTBEAT_TIMEOUT_S}).")
+    g.add_argument("--ha-stop-timeout", type=float, default=None,
+                   help=f"Wait for STOPPED replies, s (env {ENV_STOP_TIMEOUT}; default {DEFAULT_STOP_TIMEOUT_S}).")
+    g.add_argument("--ha-action-timeout", type=float, default=None,
+                   help=f"Deadline of a save/assemble/commit step, s (env {ENV_ACTION_TIMEOUT}; "
+                        f"default {DEFAULT_ACTION_TIMEOUT_S}).")
+    return parser
+
+
+def validate_ha_args(
+    args: Any, world_size: int, tp: int, pp: int, cp: int = 1, env: Optional[Mapping[str, str]] = None
+) -> HAConfig:
+    """Check the HA flags against the parallel layout; return the built config.
+
+    Args:
+        args: Megatron's parsed args.
+        world_size, tp, pp, cp: world size and tensor/pipeline/context parallel sizes.
+        env: environment mapping (``os.environ`` when None).
+
+    Returns:
+        The :class:`HAConfig` (its ``replica_count`` is the configured N; use
+        :meth:`HAConfig.effective_replica_count` for non-distributed optimizers).
+
+    Raises:
+        ConfigError: naming the offending flag/env var and the accepted values.
+    """
+    env = os.environ if env is None else env
+    cfg = HAConfig.from_args(args, env)
+    if not cfg.enabled:
+        return cfg
+    model_parallel = tp * pp * cp
+    if model_parallel <= 0 or world_size % model_parallel:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}"
+        )
+    d = world_size // model_parallel
+    explicit_n = _arg(args, "ha_replica_count", None)
+    if not cfg.distributed_optimizer:
+        if explicit_n is not None and explicit_n != d:
+            raise ConfigError(
+                f"--ha-replica-count={explicit_n} requires --use-distributed-optimizer: a non-distributed "
+                f"optimizer already holds the full state on all d={d} data-parallel ranks"
+            )
+        return cfg
+    n = cfg.replica_count
+    if n > d or d % n:
+        accepted = [k for k in range(1, d + 1) if d % k == 0]
+        raise ConfigError(
+            f"--ha-replica-count={n} must divide the data-parallel size d={d} "
+            f"(world {world_size} / (tp {tp} * pp {pp} * cp {cp})); accepted values: {accepted}"
+        )
+    return cfg

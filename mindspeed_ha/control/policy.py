@@ -1,0 +1,403 @@
+"""Pure decision functions of the controller. No I/O, no clocks, no torch.
+
+:func:`decide` maps ``(now, ClusterState, HAConfig)`` to one :class:`Decision` (an
+action, its targets and params, the next job phase and a human-readable reason).
+The controller thread applies it; tests call it directly with a chosen ``now``.
+
+Phases and what moves them (see ``state.Phase``)::
+
+    RUNNING     a fault (rank dead: agent report, disconnect, GOODBYE != 0, heartbeat
+                silence > heartbeat_timeout_s; or a FAULT report)      -> STOP_ALL, STOPPING
+                every rank said GOODBYE(0)                              -> NOOP, DONE
+    STOPPING    every live rank answered STOPPED, or stop_timeout_s passed (silent ranks
+                are unavailable) -> no save dir: EXIT(77); no complete data: EXIT(76);
+                else DUMP(plan) to shard/model savers                  -> DUMPING
+    DUMPING     all savers ok -> ASSEMBLE to assemblers                 -> ASSEMBLING
+    ASSEMBLING  all assemblers ok -> COMMIT to the committer            -> COMMITTING
+    COMMITTING  committer ok -> EXIT(75, checkpoint of iteration k)     -> EXITING
+    (any failure, death of a target, or action_timeout_s in DUMPING..COMMITTING
+     -> EXIT(77), nothing committed)
+    EXITING     every EXIT target gone/goodbye, or stop_timeout_s        -> DONE
+
+Recovery instead of a dying checkpoint (UCE repair, network retry, ARF, pause) hooks
+in at :func:`_recovery_for`; the actions REPAIR, RETRY, PAUSE, RESUME are declared
+but not yet chosen: every fault currently leads to the dying checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+
+from mindspeed_ha.config import HAConfig
+from mindspeed_ha.faults import (
+    EXIT_DYING_CHECKPOINT_SAVED,
+    EXIT_FAULT_UNRECOVERABLE,
+    EXIT_NO_COMPLETE_DATA,
+    FaultKind,
+)
+from mindspeed_ha.control.state import ClusterState, OptimizerStatus, Phase, RankInfo
+
+ShardKey = Tuple[int, int, int]  # (tp_rank, pp_rank, shard_id)
+ModelKey = Tuple[int, int]  # (tp_rank, pp_rank)
+
+
+class ActionKind(str, enum.Enum):
+    NOOP = "noop"
+    STOP_ALL = "stop_all"
+    DUMP = "dump"
+    ASSEMBLE = "assemble"
+    COMMIT = "commit"
+    EXIT = "exit"
+    # declared for the recovery paths; not chosen by decide() yet
+    REPAIR = "repair"
+    RETRY = "retry"
+    PAUSE = "pause"
+    RESUME = "resume"
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What the controller must do now.
+
+    Attributes:
+        action: the action kind (NOOP: nothing to send).
+        reason: one human-readable sentence (logged, recorded in events).
+        params: ACTION params (msgpack-able: str keys, lists, scalars).
+        targets: ranks the STOP / ACTION message goes to.
+        next_phase: the job phase after applying, or None to stay.
+    """
+
+    action: ActionKind
+    reason: str
+    params: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    targets: Tuple[int, ...] = ()
+    next_phase: Optional[Phase] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DumpPlan:
+    """Who writes which part of the dying checkpoint of ``iteration``.
+
+    Attributes:
+        iteration: k, the common consistent iteration.
+        shard_savers: (tp, pp, shard_id) -> rank writing that optimizer shard.
+        model_savers: (tp, pp) -> rank writing ``model_optim_rng.pt`` (one of the shard savers).
+        assemblers: (tp, pp) -> rank merging the shard files into ``distrib_optim.pt``.
+        committer: the rank that validates, renames the temp dir and writes the tracker.
+        shards_per_instance: shards per (tp, pp) (1: non-distributed optimizer).
+        reason: why this plan.
+    """
+
+    iteration: int
+    shard_savers: Dict[ShardKey, int]
+    model_savers: Dict[ModelKey, int]
+    assemblers: Dict[ModelKey, int]
+    committer: int
+    shards_per_instance: int = 1
+    reason: str = ""
+
+    def savers(self) -> Tuple[int, ...]:
+        return tuple(sorted(set(self.shard_savers.values()) | set(self.model_savers.values())))
+
+    def to_params(self, save_dir: Optional[str] = None) -> Dict[str, Any]:
+        """msgpack-able form sent in DUMP / ASSEMBLE / COMMIT actions."""
+        return {
+            "iteration": self.iteration,
+            "save_dir": save_dir,
+            "shard_savers": [[t, p, s, r] for (t, p, s), r in sorted(self.shard_savers.items())],
+            "model_savers": [[t, p, r] for (t, p), r in sorted(self.model_savers.items())],
+            "assemblers": [[t, p, r] for (t, p), r in sorted(self.assemblers.items())],
+            "committer": self.committer,
+            "shards_per_instance": self.shards_per_instance,
+            "reason": self.reason,
+        }
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]) -> "DumpPlan":
+        """Inverse of :meth:`to_params` (used by the rank runtime)."""
+        return cls(
+            iteration=int(params["iteration"]),
+            shard_savers={(t, p, s): r for t, p, s, r in params["shard_savers"]},
+            model_savers={(t, p): r for t, p, r in params["model_savers"]},
+            assemblers={(t, p): r for t, p, r in params["assemblers"]},
+            committer=int(params["committer"]),
+            shards_per_instance=int(params.get("shards_per_instance", 1)),
+            reason=str(params.get("reason", "")),
+        )
+
+    def roles(self, rank: int) -> Dict[str, Any]:
+        """What ``rank`` does: shards it saves, (tp,pp) models it saves/assembles, commit."""
+        return {
+            "shards": sorted(k for k, r in self.shard_savers.items() if r == rank),
+            "models": sorted(k for k, r in self.model_savers.items() if r == rank),
+            "assemble": sorted(k for k, r in self.assemblers.items() if r == rank),
+            "commit": self.committer == rank,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class NoCompleteData:
+    """No iteration has every shard held by a usable rank; ``reason`` names a missing shard."""
+
+    reason: str
+
+
+def _holder_state(info: RankInfo, unavailable: Mapping[int, str]) -> str:
+    if info.rank in unavailable:
+        return f"rank {info.rank} unavailable ({unavailable[info.rank]})"
+    if not info.alive:
+        return f"rank {info.rank} dead ({info.dead_reason or 'exited'})"
+    if not info.stopped:
+        return f"rank {info.rank} did not answer STOP"
+    if info.fault is FaultKind.UCE:
+        return f"rank {info.rank} has a device memory error"
+    return f"rank {info.rank} {info.status.value}@{info.iteration}"
+
+
+def _usable(info: RankInfo, unavailable: Mapping[int, str]) -> bool:
+    return (
+        info.alive
+        and info.stopped
+        and info.rank not in unavailable
+        and info.fault is not FaultKind.UCE
+        and info.status is OptimizerStatus.UPDATED
+    )
+
+
+def select_dying_checkpoint(
+    ranks: Mapping[int, RankInfo], unavailable: Optional[Mapping[int, str]] = None
+) -> Union[DumpPlan, NoCompleteData]:
+    """Choose the iteration and the savers of a dying checkpoint.
+
+    A shard (tp_rank, pp_rank, shard_id) is held by ``replica_count`` ranks (one per
+    optimizer instance). Picks the highest k such that every shard of every (tp, pp)
+    has a usable holder (alive, answered STOP, no UCE, not in ``unavailable``) whose
+    authoritative status is UPDATED at exactly k. UPDATING holders are dirty.
+
+    Savers: the instance covering the most shards at k is preferred (ties: lowest
+    instance id), so each rank saves at most one shard when possible; otherwise the
+    holder of the lowest instance id, then lowest rank. The model file of (tp, pp) is
+    written by the saver of shard 0, the assembly by the saver of shard 1 (spreading
+    load; shard 0 again if there is one shard), the commit by the model saver of (0, 0).
+
+    Args:
+        ranks: rank -> RankInfo of every registered rank.
+        unavailable: rank -> reason for ranks to exclude (e.g. heartbeat silence).
+
+    Returns:
+        DumpPlan, or NoCompleteData whose reason names a missing shard and its holders.
+    """
+    unavailable = dict(unavailable or {})
+    if not ranks:
+        return NoCompleteData("no rank registered")
+    layouts = {(i.layout.tp_size, i.layout.pp_size, i.layout.shards_per_instance) for i in ranks.values()}
+    if len(layouts) != 1:
+        return NoCompleteData(f"ranks registered inconsistent layouts (tp, pp, shards): {sorted(layouts)}")
+    tp_size, pp_size, n_shards = layouts.pop()
+    keys: List[ShardKey] = [(t, p, s) for t in range(tp_size) for p in range(pp_size) for s in range(n_shards)]
+    holders: Dict[ShardKey, List[RankInfo]] = {k: [] for k in keys}
+    for info in ranks.values():
+        key = info.layout.shard_key
+        if key not in holders:
+            return NoCompleteData(f"rank {info.rank} reports shard {key} outside the layout")
+        holders[key].append(info)
+    usable = {k: [h for h in hs if _usable(h, unavailable)] for k, hs in holders.items()}
+    candidates = sorted({h.iteration for hs in usable.values() for h in hs}, reverse=True)
+    for k in candidates:
+        at_k = {key: [h for h in hs if h.iteration == k] for key, hs in usable.items()}
+        if all(at_k.values()):
+            return _plan(k, at_k, n_shards)
+    # explain: for the best candidate, name the first missing shard and its holders
+    if not candidates:
+        key = keys[0]
+        why = "no healthy, stopped rank is in state UPDATED"
+    else:
+        k = candidates[0]
+        key = next(key for key in keys if not any(h.iteration == k for h in usable[key]))
+        why = f"at iteration {k}"
+    states = "; ".join(_holder_state(h, unavailable) for h in sorted(holders[key], key=lambda h: h.rank))
+    return NoCompleteData(
+        f"no complete data: shard (tp={key[0]}, pp={key[1]}, shard={key[2]}) has no usable UPDATED holder "
+        f"{why} (holders: {states or 'none registered'})"
+    )
+
+
+def _plan(k: int, at_k: Dict[ShardKey, List[RankInfo]], n_shards: int) -> DumpPlan:
+    coverage: Dict[int, int] = {}
+    for hs in at_k.values():
+        for inst in {h.layout.instance_id for h in hs}:
+            coverage[inst] = coverage.get(inst, 0) + 1
+    order = sorted(coverage, key=lambda inst: (-coverage[inst], inst))
+    rank_of_inst = {inst: i for i, inst in enumerate(order)}
+    shard_savers = {
+        key: min(hs, key=lambda h: (rank_of_inst[h.layout.instance_id], h.rank)).rank
+        for key, hs in sorted(at_k.items())
+    }
+    model_keys = sorted({(t, p) for t, p, _ in shard_savers})
+    model_savers = {mk: shard_savers[(mk[0], mk[1], 0)] for mk in model_keys}
+    assemblers = {mk: shard_savers[(mk[0], mk[1], 1 % n_shards)] for mk in model_keys}
+    committer = model_savers[model_keys[0]]
+    used = sorted(set(shard_savers.values()))
+    return DumpPlan(
+        iteration=k,
+        shard_savers=shard_savers,
+        model_savers=model_savers,
+        assemblers=assemblers,
+        committer=committer,
+        shards_per_instance=n_shards,
+        reason=f"iteration {k}: every shard has a healthy holder UPDATED at {k}; "
+        f"{len(shard_savers)} shards saved by ranks {used} (instances preferred: {order})",
+    )
+
+
+# --------------------------------------------------------------------------- decide
+def gone_ranks(now: float, state: ClusterState, config: HAConfig) -> Dict[int, str]:
+    """Ranks that cannot take part any more, with the reason (dead, goodbye, silent)."""
+    out: Dict[int, str] = {}
+    for r, info in sorted(state.ranks.items()):
+        if not info.alive:
+            out[r] = info.dead_reason or f"exited with {info.exit_code}"
+        elif info.exit_code is not None:
+            out[r] = f"said goodbye ({info.exit_code})"
+        elif now - info.last_heartbeat > config.heartbeat_timeout_s:
+            out[r] = f"no heartbeat for {now - info.last_heartbeat:.3f} s > {config.heartbeat_timeout_s} s"
+    return out
+
+
+def detect_fault(now: float, state: ClusterState, config: HAConfig) -> Optional[Tuple[int, FaultKind, str, float]]:
+    """The earliest fault evidence: (rank, kind, reason, evidence time) or None."""
+    found: List[Tuple[float, int, FaultKind, str]] = []
+    for r, info in sorted(state.ranks.items()):
+        if info.fault is not None:
+            found.append((info.last_heartbeat, r, info.fault, f"rank {r} reported {info.fault.value} fault at "
+                          f"iteration {info.iteration}: {info.fault_message}"))
+        elif not info.alive and info.exit_code != 0:
+            found.append((info.last_heartbeat, r, FaultKind.PROCESS, f"rank {r} died: {info.dead_reason}"))
+        elif info.alive and info.exit_code not in (None, 0):
+            found.append((info.last_heartbeat, r, FaultKind.PROCESS, f"rank {r} exits with {info.exit_code}"))
+        elif info.alive and info.exit_code is None and now - info.last_heartbeat > config.heartbeat_timeout_s:
+            found.append((info.last_heartbeat, r, FaultKind.PROCESS,
+                          f"rank {r} missed heartbeats for {now - info.last_heartbeat:.3f} s "
+                          f"(> {config.heartbeat_timeout_s} s)"))
+    if not found:
+        return None
+    at, r, kind, reason = min(found)
+    if len(found) > 1:
+        reason += f" (+{len(found) - 1} more failed ranks: {sorted(f[1] for f in found if f[1] != r)})"
+    return r, kind, reason, at
+
+
+def _recovery_for(kind: FaultKind, config: HAConfig) -> ActionKind:
+    """Which recovery a fault gets. Extension point: UCE -> REPAIR (hbm_repair),
+    NETWORK -> RETRY, PROCESS -> ARF (worker_reboot). For now: the dying checkpoint."""
+    return ActionKind.STOP_ALL
+
+
+def _exit(state: ClusterState, gone: Mapping[int, str], code: int, reason: str) -> Decision:
+    targets = tuple(r for r in state.alive_ranks() if state.ranks[r].exit_code is None)
+    return Decision(ActionKind.EXIT, reason, {"code": code, "reason": reason}, targets, Phase.EXITING)
+
+
+def decide(now: float, state: ClusterState, config: HAConfig) -> Decision:
+    """The controller's next step. Pure: reads ``state`` and ``config`` only.
+
+    Args:
+        now: monotonic time, seconds (same clock as RankInfo.last_heartbeat).
+        state: the cluster state (not mutated).
+        config: the job's HAConfig.
+
+    Returns:
+        A Decision; NOOP with ``next_phase=None`` when nothing is to be done.
+    """
+    phase = state.phase
+    gone = gone_ranks(now, state, config)
+    if phase is Phase.DONE:
+        return Decision(ActionKind.NOOP, "job done")
+
+    if phase is Phase.RUNNING:
+        infos = state.ranks.values()
+        if (state.ranks and len(state.ranks) >= state.world_size
+                and all(i.exit_code == 0 for i in infos)):
+            return Decision(ActionKind.NOOP, "every rank finished (GOODBYE 0)", next_phase=Phase.DONE)
+        fault = detect_fault(now, state, config)
+        if fault is None:
+            return Decision(ActionKind.NOOP, "running")
+        rank, kind, reason, at = fault
+        action = _recovery_for(kind, config)
+        targets = tuple(r for r in state.alive_ranks() if r not in gone)
+        return Decision(action, reason + "; stopping all ranks for a dying checkpoint",
+                        {"rank": rank, "kind": kind.value, "at": at}, targets, Phase.STOPPING)
+
+    if phase is Phase.STOPPING:
+        live = [r for r in state.alive_ranks() if r not in gone]
+        waiting = [r for r in live if not state.ranks[r].stopped]
+        elapsed = now - state.phase_since
+        if waiting and elapsed < config.stop_timeout_s:
+            return Decision(ActionKind.NOOP, f"waiting for STOPPED from ranks {waiting}")
+        unavailable = dict(gone)
+        for r in waiting:
+            unavailable[r] = f"no STOPPED within {config.stop_timeout_s} s"
+        save_dir = state.save_dir or config.save_dir
+        if not save_dir:
+            return _exit(state, gone, EXIT_FAULT_UNRECOVERABLE,
+                         "no --save directory: a dying checkpoint cannot be written")
+        choice = select_dying_checkpoint(state.ranks, unavailable)
+        if isinstance(choice, NoCompleteData):
+            return _exit(state, gone, EXIT_NO_COMPLETE_DATA, choice.reason + "; nothing written")
+        return Decision(ActionKind.DUMP, choice.reason, choice.to_params(save_dir), choice.savers(),
+                        Phase.DUMPING)
+
+    if phase in (Phase.DUMPING, Phase.ASSEMBLING, Phase.COMMITTING):
+        pending = state.pending
+        plan: Optional[DumpPlan] = state.plan
+        if pending is None or plan is None:
+            return _exit(state, gone, EXIT_FAULT_UNRECOVERABLE, f"{phase.value} without a pending action")
+        name = phase.value
+        if pending.failures:
+            r, detail = sorted(pending.failures.items())[0]
+            return _exit(state, gone, EXIT_FAULT_UNRECOVERABLE,
+                         f"{name} failed on rank {r}: {detail}; nothing committed")
+        lost = [t for t in pending.targets if t in gone and t not in pending.results]
+        if lost:
+            return _exit(state, gone, EXIT_FAULT_UNRECOVERABLE,
+                         f"rank {lost[0]} lost during {name} ({gone[lost[0]]}); nothing committed")
+        if not pending.complete:
+            if now - pending.sent_at > config.action_timeout_s:
+                missing = [t for t in pending.targets if t not in pending.results]
+                return _exit(state, gone, EXIT_FAULT_UNRECOVERABLE,
+                             f"{name} timed out after {config.action_timeout_s} s waiting for ranks {missing}; "
+                             "nothing committed")
+            return Decision(ActionKind.NOOP, f"{name}: waiting for ranks "
+                            f"{[t for t in pending.targets if t not in pending.results]}")
+        params = dict(pending.params)
+        if phase is Phase.DUMPING:
+            targets = tuple(sorted(set(plan.assemblers.values())))
+            return Decision(ActionKind.ASSEMBLE, f"all shards of iteration {plan.iteration} saved; assembling",
+                            params, targets, Phase.ASSEMBLING)
+        if phase is Phase.ASSEMBLING:
+            return Decision(ActionKind.COMMIT, f"iteration {plan.iteration} assembled; committing",
+                            params, (plan.committer,), Phase.COMMITTING)
+        return _exit(state, gone, EXIT_DYING_CHECKPOINT_SAVED,
+                     f"dying checkpoint of iteration {plan.iteration} committed to {params.get('save_dir')}")
+
+    if phase is Phase.EXITING:
+        pending = state.pending
+        targets = pending.targets if pending is not None else tuple(state.ranks)
+        remaining = [t for t in targets if t not in gone]
+        if not remaining:
+            return Decision(ActionKind.NOOP, "every rank exited", next_phase=Phase.DONE)
+        sent = pending.sent_at if pending is not None else state.phase_since
+        if now - sent > config.stop_timeout_s:
+            return Decision(ActionKind.NOOP, f"ranks {remaining} did not exit within {config.stop_timeout_s} s; "
+                            "leaving them to the launcher", next_phase=Phase.DONE)
+        return Decision(ActionKind.NOOP, f"waiting for ranks {remaining} to exit")
+
+    return Decision(ActionKind.NOOP, f"unhandled phase {phase}")  # pragma: no cover
+
+
+__all__ = [
+    "ActionKind", "Decision", "DumpPlan", "NoCompleteData", "select_dying_checkpoint", "decide",
+    "gone_ranks", "detect_fault",
+]

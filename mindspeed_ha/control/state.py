@@ -1,0 +1,267 @@
+"""State machines of the control plane: per-rank optimizer status and the job phase.
+
+Both are explicit: a ``str`` Enum, a table of allowed transitions, and one
+``transition()`` that logs and raises :class:`~mindspeed_ha.faults.IllegalTransition`
+on a forbidden move. No torch.
+
+Optimizer status of one rank (``RankState``)::
+
+    UNKNOWN --begin(k)--> UPDATING(k) --end(k)--> UPDATED(k) --begin(j>k)--> UPDATING(j)
+    UNKNOWN --loaded(k)--> UPDATED(k)        UPDATING(k) --begin(k)--> UPDATING(k)  (retry)
+    any --invalidate--> UNKNOWN              UPDATED(k) --rollback(j<=k)--> UPDATED(j)
+
+``iteration`` is the number of completed optimizer updates the state represents
+(Megatron's ``args.iteration`` after ``train_step`` returns), i.e. the iteration a
+checkpoint of that state is saved as.
+
+Job phase (``Phase``), driven by :func:`mindspeed_ha.control.policy.decide`::
+
+    RUNNING -> STOPPING -> DUMPING -> ASSEMBLING -> COMMITTING -> EXITING -> DONE
+    STOPPING / DUMPING / ASSEMBLING -> EXITING  (no save dir, no complete data, failure)
+    RUNNING -> EXITING (unrecoverable before a stop round), RUNNING -> DONE (all said goodbye)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+from typing import Any, Dict, FrozenSet, List, Optional, Tuple
+
+from mindspeed_ha.faults import FaultKind, IllegalTransition
+
+log = logging.getLogger(__name__)
+
+
+class OptimizerStatus(str, enum.Enum):
+    """Consistency of a rank's model+optimizer state."""
+
+    UPDATED = "updated"
+    """Consistent: exactly the state after ``iteration`` updates."""
+    UPDATING = "updating"
+    """Inside the update for ``iteration``: dirty, must not be saved."""
+    UNKNOWN = "unknown"
+    """Never reported, or invalidated by a fault inside the update."""
+
+
+_STATUS_MOVES: Dict[OptimizerStatus, FrozenSet[OptimizerStatus]] = {
+    OptimizerStatus.UNKNOWN: frozenset({OptimizerStatus.UPDATING, OptimizerStatus.UPDATED, OptimizerStatus.UNKNOWN}),
+    OptimizerStatus.UPDATING: frozenset({OptimizerStatus.UPDATED, OptimizerStatus.UPDATING, OptimizerStatus.UNKNOWN}),
+    OptimizerStatus.UPDATED: frozenset({OptimizerStatus.UPDATING, OptimizerStatus.UPDATED, OptimizerStatus.UNKNOWN}),
+}
+
+
+class RankState:
+    """Authoritative optimizer status of one rank (the processor owns one per rank).
+
+    Not thread-safe by itself: the processor guards it with its lock.
+    """
+
+    __slots__ = ("rank", "status", "iteration")
+
+    def __init__(self, rank: int, status: OptimizerStatus = OptimizerStatus.UNKNOWN, iteration: int = -1):
+        self.rank = rank
+        self.status = OptimizerStatus(status)
+        self.iteration = int(iteration)
+
+    @staticmethod
+    def allowed(old: OptimizerStatus, old_it: int, new: OptimizerStatus, new_it: int) -> Optional[str]:
+        """Return None if ``(old, old_it) -> (new, new_it)`` is legal, else why not."""
+        if new not in _STATUS_MOVES[old]:
+            return f"{old.value} -> {new.value} is not in the transition table"
+        if new is OptimizerStatus.UNKNOWN or old is OptimizerStatus.UNKNOWN:
+            return None
+        if old is OptimizerStatus.UPDATING and new is OptimizerStatus.UPDATED and new_it != old_it:
+            return f"end of update {new_it} while updating {old_it}"
+        if old is OptimizerStatus.UPDATING and new is OptimizerStatus.UPDATING and new_it != old_it:
+            return f"begin of update {new_it} while update {old_it} is unfinished"
+        if old is OptimizerStatus.UPDATED and new is OptimizerStatus.UPDATING and new_it <= old_it:
+            return f"begin of update {new_it} after update {old_it} (iterations must increase; use rollback)"
+        if old is OptimizerStatus.UPDATED and new is OptimizerStatus.UPDATED and new_it > old_it:
+            return f"updated {old_it} -> {new_it} without an update in between"
+        return None
+
+    def transition(self, new: OptimizerStatus, iteration: int) -> None:
+        """Move to ``(new, iteration)`` or raise IllegalTransition (logged)."""
+        new = OptimizerStatus(new)
+        why = self.allowed(self.status, self.iteration, new, iteration)
+        if why is not None:
+            log.error("rank %d: illegal optimizer status move: %s", self.rank, why)
+            raise IllegalTransition(f"rank {self.rank}: {why}")
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("rank %d: optimizer %s(%d) -> %s(%d)", self.rank, self.status.value, self.iteration,
+                      new.value, iteration)
+        self.status = new
+        self.iteration = int(iteration)
+
+    def snapshot(self) -> Tuple[OptimizerStatus, int]:
+        return self.status, self.iteration
+
+    def __repr__(self) -> str:
+        return f"RankState(rank={self.rank}, {self.status.value}@{self.iteration})"
+
+
+class Phase(str, enum.Enum):
+    """Phase of the whole job as the controller sees it."""
+
+    RUNNING = "running"
+    STOPPING = "stopping"
+    DUMPING = "dumping"
+    ASSEMBLING = "assembling"
+    COMMITTING = "committing"
+    EXITING = "exiting"
+    DONE = "done"
+
+
+PHASE_MOVES: Dict[Phase, FrozenSet[Phase]] = {
+    Phase.RUNNING: frozenset({Phase.STOPPING, Phase.EXITING, Phase.DONE}),
+    Phase.STOPPING: frozenset({Phase.DUMPING, Phase.EXITING}),
+    Phase.DUMPING: frozenset({Phase.ASSEMBLING, Phase.EXITING}),
+    Phase.ASSEMBLING: frozenset({Phase.COMMITTING, Phase.EXITING}),
+    Phase.COMMITTING: frozenset({Phase.EXITING}),
+    Phase.EXITING: frozenset({Phase.DONE}),
+    Phase.DONE: frozenset(),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where a rank sits in the parallel layout (sent in REGISTER).
+
+    ``dp_size`` is the size of the group the distributed optimizer is sharded over
+    (Megatron's DP x CP group when cp > 1). That group is cut into ``replica_count``
+    contiguous optimizer instances of ``dp_size // replica_count`` ranks;
+    ``instance_id`` is the rank's instance and ``shard_id`` its index inside it. A
+    non-distributed optimizer reports ``replica_count = dp_size`` and ``shard_id = 0``.
+    """
+
+    tp_rank: int = 0
+    pp_rank: int = 0
+    dp_rank: int = 0
+    cp_rank: int = 0
+    tp_size: int = 1
+    pp_size: int = 1
+    dp_size: int = 1
+    replica_count: int = 1
+    instance_id: int = 0
+    shard_id: int = 0
+    cp_size: int = 1
+
+    @property
+    def shards_per_instance(self) -> int:
+        return max(1, self.dp_size // max(1, self.replica_count))
+
+    @property
+    def shard_key(self) -> Tuple[int, int, int]:
+        return (self.tp_rank, self.pp_rank, self.shard_id)
+
+    @property
+    def model_key(self) -> Tuple[int, int]:
+        return (self.tp_rank, self.pp_rank)
+
+
+@dataclasses.dataclass
+class RankInfo:
+    """The controller's view of one rank. Mutated only by the controller thread."""
+
+    rank: int
+    layout: Layout
+    alive: bool = True
+    last_heartbeat: float = 0.0
+    status: OptimizerStatus = OptimizerStatus.UNKNOWN
+    iteration: int = -1
+    fault: Optional[FaultKind] = None
+    fault_message: str = ""
+    stopped: bool = False
+    exit_code: Optional[int] = None
+    dead_reason: str = ""
+    pid: int = 0
+    host: str = ""
+    save_dir: Optional[str] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultRecord:
+    """The first fault of the job: when the controller got the evidence, and what it was."""
+
+    at: float
+    rank: int
+    kind: FaultKind
+    reason: str
+
+
+@dataclasses.dataclass
+class PendingAction:
+    """An ACTION sent to ``targets`` whose results the controller is collecting."""
+
+    action_id: int
+    kind: str
+    targets: Tuple[int, ...]
+    sent_at: float
+    params: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    results: Dict[int, Tuple[bool, str]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return all(r in self.results for r in self.targets)
+
+    @property
+    def failures(self) -> Dict[int, str]:
+        return {r: d for r, (ok, d) in self.results.items() if not ok}
+
+
+@dataclasses.dataclass
+class ClusterState:
+    """Everything :func:`~mindspeed_ha.control.policy.decide` reads.
+
+    The controller thread owns and mutates it; the policy only reads it.
+    """
+
+    world_size: int
+    ranks: Dict[int, RankInfo] = dataclasses.field(default_factory=dict)
+    phase: Phase = Phase.RUNNING
+    phase_since: float = 0.0
+    fault: Optional[FaultRecord] = None
+    plan: Any = None  # policy.DumpPlan once chosen
+    pending: Optional[PendingAction] = None
+    exit_code: Optional[int] = None
+    exit_reason: str = ""
+    run_id: str = ""
+
+    def set_phase(self, new: Phase, now: float, why: str = "") -> None:
+        """Move the job to ``new`` or raise IllegalTransition (logged)."""
+        new = Phase(new)
+        if new not in PHASE_MOVES[self.phase]:
+            log.error("job phase: illegal move %s -> %s (%s)", self.phase.value, new.value, why)
+            raise IllegalTransition(f"job phase {self.phase.value} -> {new.value} is not allowed")
+        self.phase = new
+        self.phase_since = now
+
+    def record_fault(self, at: float, rank: int, kind: FaultKind, reason: str) -> bool:
+        """Keep the first fault; return True if this one is the first."""
+        if self.fault is None:
+            self.fault = FaultRecord(at, rank, FaultKind(kind), reason)
+            return True
+        return False
+
+    def mark_dead(self, rank: int, reason: str, exit_code: Optional[int] = None) -> bool:
+        """Mark ``rank`` dead; return True if it was alive."""
+        info = self.ranks.get(rank)
+        if info is None or not info.alive:
+            return False
+        info.alive = False
+        info.dead_reason = reason
+        if exit_code is not None:
+            info.exit_code = exit_code
+        return True
+
+    @property
+    def save_dir(self) -> Optional[str]:
+        """The ``--save`` directory the ranks registered (the first non-empty one)."""
+        for r in sorted(self.ranks):
+            if self.ranks[r].save_dir:
+                return self.ranks[r].save_dir
+        return None
+
+    def alive_ranks(self) -> List[int]:
+        return sorted(r for r, i in self.ranks.items() if i.alive)

@@ -1,0 +1,390 @@
+"""Control-plane wire format: versioned, typed, size-limited, authenticated. Never pickle.
+
+Transport is ZeroMQ (pyzmq): the controller binds a ROUTER socket, every processor
+connects a DEALER socket (ZeroMQ frames messages, reconnects with backoff and
+queues while disconnected). One ZeroMQ frame carries one message::
+
+    frame = tag (32 bytes, HMAC-SHA256(auth_key, envelope)) + envelope
+    envelope = msgpack({"v": SCHEMA_VERSION, "type": str, "seq": int, "sender": str, "body": map})
+
+``body`` holds the fields of the message type's dataclass (below). The receiver
+rejects, with a logged reason and a counter and without raising into its thread,
+any frame that is oversize, has a bad tag, an unknown version or type, a body that
+does not match the dataclass, or a ``seq`` not greater than the last one accepted
+from the same ``sender``. Senders are named ``<role>-<rank>-<random token>``, so a
+restarted process is a new sender and old frames of a previous incarnation cannot
+be replayed against the same receiver. (A fresh receiver cannot tell an old frame
+of a sender it has never seen; the per-job key bounds that to the same job.)
+
+Sockets get ``zmq.MAXMSGSIZE`` so oversize frames are dropped by ZeroMQ itself.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import hashlib
+import hmac
+import itertools
+import logging
+import secrets
+import threading
+import typing
+from typing import Any, Dict, Optional, Type
+
+import msgpack
+
+from mindspeed_ha.control.state import Layout
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+TAG_BYTES = 32
+DEFAULT_MAX_BYTES = 1 << 20
+
+
+class WireError(ValueError):
+    """A frame was rejected; ``reason`` is a short counter key."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+class MsgType(str, enum.Enum):
+    REGISTER = "register"
+    REGISTERED = "registered"
+    HEARTBEAT = "heartbeat"
+    STATUS = "status"
+    FAULT = "fault"
+    STOP = "stop"
+    STOPPED = "stopped"
+    ACTION = "action"
+    ACTION_RESULT = "action_result"
+    GOODBYE = "goodbye"
+
+
+# --------------------------------------------------------------------------- bodies
+@dataclasses.dataclass(frozen=True)
+class Register:
+    """processor -> controller, first message of a rank (re-sent until REGISTERED)."""
+
+    rank: int
+    world_size: int
+    pid: int
+    host: str
+    layout: Layout
+    save_dir: Optional[str]
+    run_id: str
+    status: str = "unknown"
+    iteration: int = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class Registered:
+    """controller -> processor: registration accepted (or refused with ``detail``)."""
+
+    rank: int
+    accepted: bool
+    detail: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Heartbeat:
+    """processor -> controller every ``heartbeat_interval_s``."""
+
+    rank: int
+    iteration: int
+    status: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Status:
+    """processor -> controller at optimizer begin/end update (``status`` is OptimizerStatus)."""
+
+    rank: int
+    status: str
+    iteration: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """processor -> controller: the training step raised; ``kind`` is FaultKind."""
+
+    rank: int
+    iteration: int
+    kind: str
+    message: str
+    status: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    """controller -> processor: freeze (no new optimizer update) and report status."""
+
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Stopped:
+    """processor -> controller: frozen; ``status``/``iteration`` are authoritative."""
+
+    rank: int
+    status: str
+    iteration: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+    """controller -> processor: run ``kind`` (policy.ActionKind value) with ``params``."""
+
+    action_id: int
+    kind: str
+    params: Dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class ActionResult:
+    """processor -> controller: outcome of one ACTION."""
+
+    action_id: int
+    rank: int
+    ok: bool
+    detail: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Goodbye:
+    """processor -> controller: the rank is exiting with ``exit_code``."""
+
+    rank: int
+    exit_code: int
+
+
+BODY_TYPES: Dict[MsgType, Type[Any]] = {
+    MsgType.REGISTER: Register,
+    MsgType.REGISTERED: Registered,
+    MsgType.HEARTBEAT: Heartbeat,
+    MsgType.STATUS: Status,
+    MsgType.FAULT: Fault,
+    MsgType.STOP: Stop,
+    MsgType.STOPPED: Stopped,
+    MsgType.ACTION: Action,
+    MsgType.ACTION_RESULT: ActionResult,
+    MsgType.GOODBYE: Goodbye,
+}
+_TYPE_OF = {cls: t for t, cls in BODY_TYPES.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+    """A decoded, verified message."""
+
+    type: MsgType
+    seq: int
+    sender: str
+    body: Any
+
+
+# --------------------------------------------------------------------------- body (de)serialisation
+_HINTS: Dict[type, Dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> Dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, dict):
+        return {k: _to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_to_plain(v) for v in obj]
+    return obj
+
+
+def _check(value: Any, hint: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return value
+    if origin is typing.Union:
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _check(value, inner[0], where)
+    if dataclasses.is_dataclass(hint):
+        return _from_plain(hint, value, where)
+    if origin is dict or hint is dict:
+        if not isinstance(value, dict):
+            raise WireError("bad_body", f"{where}: expected map")
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise WireError("bad_body", f"{where}: expected bool")
+        return value
+    if hint is int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise WireError("bad_body", f"{where}: expected int")
+        return value
+    if hint is float:
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise WireError("bad_body", f"{where}: expected float")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise WireError("bad_body", f"{where}: expected str")
+        return value
+    return value
+
+
+def _from_plain(cls: type, data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise WireError("bad_body", f"{where}: expected map")
+    hints = _hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    extra = set(data) - names
+    if extra:
+        raise WireError("bad_body", f"{where}: unexpected fields {sorted(map(str, extra))}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise WireError("bad_body", f"{where}: missing field {f.name}")
+            continue
+        kwargs[f.name] = _check(data[f.name], hints[f.name], f"{where}.{f.name}")
+    return cls(**kwargs)
+
+
+# --------------------------------------------------------------------------- codec
+def new_sender(role: str, rank: Optional[int] = None) -> str:
+    """A sender name unique to this process incarnation: ``<role>-<rank>-<token>``."""
+    mid = "" if rank is None else f"-{rank}"
+    return f"{role}{mid}-{secrets.token_hex(4)}"
+
+
+class Codec:
+    """Encodes outgoing and verifies incoming frames for one endpoint.
+
+    Thread-safe: encode may be called from any thread; decode is normally called by
+    the single I/O thread. ``rejected`` counts rejections by reason.
+
+    Args:
+        key: the job's HMAC key (>= 16 bytes).
+        sender: this endpoint's sender name (see :func:`new_sender`).
+        max_bytes: the largest frame accepted or produced.
+    """
+
+    def __init__(self, key: bytes, sender: str, max_bytes: int = DEFAULT_MAX_BYTES):
+        if not isinstance(key, bytes) or len(key) < 16:
+            raise ValueError("auth key must be at least 16 bytes (MINDSPEED_HA_AUTH_KEY)")
+        self._key = key
+        self.sender = sender
+        self.max_bytes = int(max_bytes)
+        self._seq = itertools.count(1)
+        self._lock = threading.Lock()
+        self._last_seq: Dict[str, int] = {}
+        self.rejected: collections.Counter = collections.Counter()
+        self.accepted = 0
+
+    def _tag(self, envelope: bytes) -> bytes:
+        return hmac.new(self._key, envelope, hashlib.sha256).digest()
+
+    def encode(self, body: Any) -> bytes:
+        """Serialise ``body`` (one of the body dataclasses) into a frame.
+
+        Raises:
+            WireError("oversize"): the frame would exceed ``max_bytes``.
+        """
+        mtype = _TYPE_OF[type(body)]
+        with self._lock:
+            seq = next(self._seq)
+        envelope = msgpack.packb(
+            {"v": SCHEMA_VERSION, "type": mtype.value, "seq": seq, "sender": self.sender, "body": _to_plain(body)},
+            use_bin_type=True,
+        )
+        frame = self._tag(envelope) + envelope
+        if len(frame) > self.max_bytes:
+            raise WireError("oversize", f"{mtype.value} frame of {len(frame)} bytes > {self.max_bytes}")
+        return frame
+
+    def decode(self, frame: bytes) -> Message:
+        """Verify and decode a frame. Raises WireError (and counts it) on rejection."""
+        try:
+            msg = self._decode(frame)
+        except WireError as exc:
+            self.rejected[exc.reason] += 1
+            raise
+        self.accepted += 1
+        return msg
+
+    def try_decode(self, frame: bytes, peer: str = "?") -> Optional[Message]:
+        """Like :meth:`decode` but logs and returns None on rejection (for I/O threads)."""
+        try:
+            return self.decode(frame)
+        except WireError as exc:
+            log.warning("control message from %s rejected: %s (rejections so far: %s)",
+                        peer, exc, dict(self.rejected))
+            return None
+
+    def _decode(self, frame: bytes) -> Message:
+        frame = bytes(frame)
+        if len(frame) > self.max_bytes:
+            raise WireError("oversize", f"{len(frame)} bytes > {self.max_bytes}")
+        if len(frame) <= TAG_BYTES:
+            raise WireError("short", f"{len(frame)} bytes")
+        tag, envelope = frame[:TAG_BYTES], frame[TAG_BYTES:]
+        if not hmac.compare_digest(tag, self._tag(envelope)):
+            raise WireError("bad_mac")
+        try:
+            env = msgpack.unpackb(envelope, raw=False, strict_map_key=False,
+                                  max_buffer_size=self.max_bytes)
+        except Exception as exc:  # msgpack raises several types on malformed input
+            raise WireError("malformed", type(exc).__name__) from None
+        if not isinstance(env, dict):
+            raise WireError("malformed", "envelope is not a map")
+        if env.get("v") != SCHEMA_VERSION:
+            raise WireError("bad_version", f"v={env.get('v')!r}, expected {SCHEMA_VERSION}")
+        try:
+            mtype = MsgType(env.get("type"))
+        except ValueError:
+            raise WireError("bad_type", repr(env.get("type"))) from None
+        seq, sender = env.get("seq"), env.get("sender")
+        if not isinstance(seq, int) or isinstance(seq, bool) or not isinstance(sender, str):
+            raise WireError("malformed", "seq/sender")
+        body = _from_plain(BODY_TYPES[mtype], env.get("body"), mtype.value)
+        with self._lock:
+            last = self._last_seq.get(sender, 0)
+            if seq <= last:
+                raise WireError("replay", f"{sender} seq {seq} <= {last}")
+            self._last_seq[sender] = seq
+        return Message(mtype, seq, sender, body)
+
+
+def configure_socket(sock: Any, max_bytes: int) -> None:
+    """Common ZeroMQ options: size cap, no linger on close, IPv6 allowed."""
+    import zmq
+
+    sock.setsockopt(zmq.MAXMSGSIZE, int(max_bytes))
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IPV6, 1)
+
+
+def endpoint(addr: str, port: int) -> str:
+    """``tcp://addr:port`` with IPv6 literals bracketed."""
+    addr = addr.strip("[]")
+    return f"tcp://[{addr}]:{port}" if ":" in addr else f"tcp://{addr}:{port}"
+
+
+__all__ = [
+    "SCHEMA_VERSION", "MsgType", "Message", "Codec", "WireError", "new_sender", "configure_socket", "endpoint",
+    "Register", "Registered", "Heartbeat", "Status", "Fault", "Stop", "Stopped", "Action", "ActionResult",
+    "Goodbye", "BODY_TYPES", "Layout",
+]
+
