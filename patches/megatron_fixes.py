@@ -1,0 +1,95 @@
+"""Fixes for megatron-core 0.12.1 bugs on the no-TransformerEngine / plain torch AdamW path.
+
+Feature ``core`` (always on). Each wrapper acts only where stock megatron-core would
+crash or silently compute the wrong thing, and passes every other call through:
+
+* ``quantize_param_shard`` raises "Invalid Transformer Engine version" after every
+  DistributedOptimizer step even with no fp8 params: skipped when there are none.
+* ``DistributedOptimizer.state_dict`` asserts exactly one AdamW ``step``; on a fresh
+  optimizer (no state yet) there is none: report step 0 instead of failing.
+* ``DistributedOptimizer.load_state_dict`` gives every param one *shared* ``step``
+  tensor that torch AdamW then advances once per param (resume silently wrong): each
+  param gets its own copy.
+* ``DistributedOptimizer._set_main_param_and_optimizer_states`` raises KeyError
+  ``'step'`` (torch AdamW keeps ``step`` in its state, the parameter file does not) and
+  copies into leaf params outside ``no_grad``: the current ``step`` is kept, copy runs
+  under ``no_grad``.
+"""
+
+from __future__ import annotations
+
+from .registry import Patch
+
+_DO = "megatron.core.optimizer.distrib_optimizer"
+
+
+def _plain_adamw() -> bool:
+    """True when megatron fell back to torch AdamW (no Apex, no TransformerEngine)."""
+    import sys
+
+    return not getattr(sys.modules[_DO], "HAVE_APEX_OR_TE", True)
+
+
+def _quantize_param_shard(wrapped, instance, args, kwargs):
+    model_params = args[0] if args else kwargs.get("model_params")
+    if model_params is not None and len(model_params) == 0:
+        return None  # no fp8 params: nothing to quantize (stock raises without TE)
+    return wrapped(*args, **kwargs)
+
+
+def _state_dict(wrapped, instance, args, kwargs):
+    if not (_plain_adamw() and len(instance.optimizer.state) == 0):
+        return wrapped(*args, **kwargs)
+    # Fresh torch AdamW: no 'step' yet. Same layout as stock, step 0.
+    inner = instance.optimizer.state_dict()
+    out = {"optimizer": {k: v for k, v in inner.items() if k != "state"}}
+    for group in out["optimizer"]["param_groups"]:
+        del group["params"]
+        group["step"] = 0
+    if instance.grad_scaler:
+        out["grad_scaler"] = instance.grad_scaler.state_dict()
+    return out
+
+
+def _load_state_dict(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    if _plain_adamw():
+        seen = set()
+        for state in instance.optimizer.state.values():
+            step = state.get("step")
+            if step is not None and id(step) in seen:
+                state["step"] = step.detach().clone()
+            elif step is not None:
+                seen.add(id(step))
+    return result
+
+
+def _set_main_param_and_optimizer_states(wrapped, instance, args, kwargs):
+    import torch
+
+    model_param = args[0] if args else kwargs["model_param"]
+    tensors = args[1] if len(args) > 1 else kwargs["tensors"]
+    if (not _plain_adamw() or instance.ddp_config.use_custom_fsdp
+            or instance.config.use_precision_aware_optimizer):
+        return wrapped(*args, **kwargs)
+    group_index, group_order = instance.model_param_group_index_map[model_param]
+    main_param = instance.optimizer.param_groups[group_index]["params"][group_order]
+    state = instance.optimizer.state.get(main_param, {})
+    if "step" in state and "step" not in tensors:
+        tensors = dict(tensors, step=state["step"])  # keep the loaded step (copy onto itself)
+    with torch.no_grad():
+        return wrapped(model_param, tensors)
+
+
+PATCHES = [
+    Patch("fix.quantize_param_shard", _DO, "quantize_param_shard", _quantize_param_shard, "core",
+          doc="skip fp8 quantize when there are no fp8 params (stock raises without TE)"),
+    Patch("fix.dist_opt_state_dict", _DO, "DistributedOptimizer.state_dict", _state_dict, "core",
+          doc="fresh torch-AdamW DistributedOptimizer.state_dict(): step 0 instead of assert"),
+    Patch("fix.dist_opt_load_state_dict", _DO, "DistributedOptimizer.load_state_dict",
+          _load_state_dict, "core",
+          doc="torch AdamW: one step tensor per param after load (stock shares one)"),
+    Patch("fix.dist_opt_set_states", _DO, "DistributedOptimizer._set_main_param_and_optimizer_states",
+          _set_main_param_and_optimizer_states, "core",
+          doc="torch AdamW: keep 'step' and copy under no_grad when loading parameter state"),
+]
