@@ -1,0 +1,1 @@
+"""Test helpers shipped with mindspeed-ha: run the trainer (harness), inject faults (injector)."""

@@ -1,0 +1,139 @@
+"""Run the shipped GPT trainer as real processes and collect its per-iteration losses.
+
+Shipped for users' own integration tests (CPU/gloo works everywhere)::
+
+    from mindspeed_ha.testing.harness import launch, tiny_gpt_args
+    r = launch(4, tiny_gpt_args(tp=2, train_iters=4), timeout_s=120)
+    assert r.returncode == 0, r.stderr
+    r.losses  # {1: '0x1.8c...p+2', 2: ...}  (float.hex of lm loss, bitwise comparable)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from typing import Dict, List, Mapping, Optional, Sequence
+
+TRAINER_MODULE = "mindspeed_ha.training.pretrain_gpt"
+
+
+@dataclasses.dataclass
+class RunResult:
+    """Outcome of :func:`launch`.
+
+    Attributes:
+        returncode: launcher exit status (-9 style negatives for signals; None: timed out).
+        stdout, stderr: decoded output of the whole process group.
+        losses: iteration -> ``float.hex()`` of lm loss, from the loss log.
+        loss_log_path: the JSON-lines loss log the run wrote.
+        timed_out: the run exceeded ``timeout_s`` and its process group was killed.
+    """
+
+    returncode: Optional[int]
+    stdout: str
+    stderr: str
+    losses: Dict[int, str]
+    loss_log_path: str
+    timed_out: bool = False
+
+    def records(self) -> List[dict]:
+        return read_loss_log(self.loss_log_path)
+
+
+def read_loss_log(path: str) -> List[dict]:
+    """The JSON-lines records of a ``--loss-log`` file (missing file: [])."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def losses_from_log(path: str) -> Dict[int, str]:
+    """iteration -> lm_loss_hex; a later record for the same iteration wins."""
+    return {int(r["iteration"]): r["lm_loss_hex"] for r in read_loss_log(path)}
+
+
+def torchrun_command(nproc: int) -> List[str]:
+    """``python -m torch.distributed.run --standalone --nproc-per-node N``."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+
+
+def tiny_gpt_args(tp: int = 1, pp: int = 1, train_iters: int = 8, **overrides) -> List[str]:
+    """The standard tiny GPT every test uses (4 layers, hidden 64, 4 heads, seq 32, mbs 2,
+    gbs 8, byte-level tokenizer, distributed optimizer, dropout 0.1).
+
+    ``overrides``: ``flag_name=value`` (underscores become dashes; ``True`` adds a bare
+    switch, ``False``/``None`` removes the flag).
+    """
+    flags = {
+        "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
+        "max_position_embeddings": 32, "micro_batch_size": 2, "global_batch_size": 8,
+        "train_iters": train_iters, "lr": 1e-3, "min_lr": 1e-4, "lr_decay_style": "cosine",
+        "lr_warmup_iters": 1, "weight_decay": 0.01, "clip_grad": 1.0, "hidden_dropout": 0.1,
+        "attention_dropout": 0.1, "seed": 1234, "tokenizer_type": "ByteLevelTokenizer",
+        "make_vocab_size_divisible_by": 128, "tensor_model_parallel_size": tp,
+        "pipeline_model_parallel_size": pp, "use_distributed_optimizer": True, "log_interval": 1,
+    }
+    flags.update(overrides)
+    out: List[str] = []
+    for name, value in flags.items():
+        if value is None or value is False:
+            continue
+        out.append("--" + name.replace("_", "-"))
+        if value is not True:
+            out.append(str(value))
+    return out
+
+
+def launch(nproc: int, train_args: Sequence[str], *, env: Optional[Mapping[str, str]] = None,
+           timeout_s: float = 300, launcher: Optional[Sequence[str]] = None,
+           cwd: Optional[str] = None, module: str = TRAINER_MODULE,
+           loss_log: Optional[str] = None) -> RunResult:
+    """Run ``<launcher> -m <module> <train_args> --loss-log <fresh file>`` and wait.
+
+    Args:
+        nproc: ranks (``--nproc-per-node``) for the default torchrun launcher.
+        launcher: command prefix; default :func:`torchrun_command` (``nproc``). Any
+            command that accepts ``-m module args...`` works (e.g. ``mindspeed-ha-run``).
+        env: extra environment (``OMP_NUM_THREADS=1`` is set unless given).
+        timeout_s: the whole process group is SIGKILLed after this; ``timed_out`` set.
+        loss_log: path for ``--loss-log`` (default: a new file in a temp dir; an existing
+            file is truncated first so only this run's lines are read).
+    """
+    cmd = list(launcher) if launcher is not None else torchrun_command(nproc)
+    if loss_log is None:
+        loss_log = os.path.join(tempfile.mkdtemp(prefix="mindspeed_ha_run_"), "loss.jsonl")
+    open(loss_log, "w").close()
+    cmd += ["-m", module, *train_args, "--loss-log", loss_log]
+    run_env = dict(os.environ)
+    run_env.setdefault("OMP_NUM_THREADS", "1")
+    if env:
+        run_env.update(env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=run_env,
+                            cwd=cwd, start_new_session=True, text=True)
+    timed_out = False
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        _kill_group(proc.pid)
+        out, err = proc.communicate()
+    finally:
+        if proc.poll() is None:
+            _kill_group(proc.pid)
+            proc.wait()
+    _kill_group(proc.pid)  # stragglers that outlived the launcher
+    return RunResult(None if timed_out else proc.returncode, out, err, losses_from_log(loss_log),
+                     loss_log, timed_out)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
