@@ -99,7 +99,7 @@ def build_indexed_dataset(documents: Iterable[str], output_prefix: str) -> str:
             if ids.size == 0:
                 continue
             ids = np.concatenate([ids, [EOD_ID]])
-            builder.add_document(torch.from_numpy(ids), [ids.size])
+            builder.add_document(ids, [ids.size])
             n += 1
         if n == 0:
             builder.data_file.close()

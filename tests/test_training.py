@@ -1,0 +1,233 @@
+"""The Megatron-LM-shaped trainer on real megatron-core, gloo, 4 real ranks.
+
+Each 4-rank run costs ~8 s of start-up on 2 cores, so runs are shared through
+module-scoped fixtures: per layout one uninterrupted run, one run that saves and exits
+half-way (its first iterations double as the same-seed determinism check) and one
+resumed run.
+"""
+
+import math
+import os
+import argparse
+
+import pytest
+import torch
+
+from mindspeed_ha.testing.harness import launch, tiny_gpt_args
+
+ITERS = 4
+HALF = 2
+TIMEOUT = 180
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("train")
+
+
+@pytest.fixture(scope="module")
+def run_env(workdir):
+    return {"MINDSPEED_HA_CACHE": str(workdir / "cache"), "OMP_NUM_THREADS": "1"}
+
+
+def _run(workdir, run_env, name, **kw):
+    res = launch(4, tiny_gpt_args(**kw), env=run_env, timeout_s=TIMEOUT,
+                 loss_log=str(workdir / f"{name}.jsonl"))
+    assert res.returncode == 0, f"{name} failed:\n{res.stderr[-4000:]}"
+    return res
+
+
+_cache = {}
+
+
+def _layout_runs(workdir, run_env, tp, pp):
+    key = (tp, pp)
+    if key not in _cache:
+        tag = f"tp{tp}pp{pp}"
+        full = _run(workdir, run_env, f"{tag}-full", tp=tp, pp=pp, train_iters=ITERS)
+        ckpt = str(workdir / f"{tag}-ckpt")
+        first = _run(workdir, run_env, f"{tag}-first", tp=tp, pp=pp, train_iters=ITERS, save=ckpt,
+                     save_interval=1000, exit_interval=HALF)
+        resumed = _run(workdir, run_env, f"{tag}-resumed", tp=tp, pp=pp, train_iters=ITERS, load=ckpt)
+        _cache[key] = (full, first, resumed, ckpt)
+    return _cache[key]
+
+
+def _floats(losses):
+    return [float.fromhex(losses[i]) for i in sorted(losses)]
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_train_deterministic_and_resume_bitwise(workdir, run_env, tp, pp):
+    full, first, resumed, ckpt = _layout_runs(workdir, run_env, tp, pp)
+    assert sorted(full.losses) == list(range(1, ITERS + 1))
+    vals = _floats(full.losses)
+    assert all(math.isfinite(v) for v in vals)
+    assert vals[-1] < vals[0], vals
+    # same seed, same first iterations: bitwise
+    assert first.losses == {i: full.losses[i] for i in range(1, HALF + 1)}
+    # resume from iteration HALF: bitwise equal to the uninterrupted run (dropout on)
+    assert resumed.losses == {i: full.losses[i] for i in range(HALF + 1, ITERS + 1)}
+    assert "successfully loaded checkpoint" in resumed.stdout
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
+        assert f.read().strip() == str(ITERS)  # the resumed run saved at the end
+    assert not [d for d in os.listdir(ckpt) if d.endswith(".tmp")]
+
+
+def test_checkpoint_is_megatron_lm_layout(workdir, run_env):
+    _, _, _, ckpt = _layout_runs(workdir, run_env, 1, 2)
+    d = os.path.join(ckpt, f"iter_{HALF:07d}")
+    assert sorted(os.listdir(d)) == ["mp_rank_00_000", "mp_rank_00_001"]
+    sd = torch.load(os.path.join(d, "mp_rank_00_001", "model_optim_rng.pt"), weights_only=False)
+    for key in ("args", "checkpoint_version", "iteration", "model", "optimizer",
+                "opt_param_scheduler", "rng_state", "num_floating_point_operations_so_far"):
+        assert key in sd, key
+    assert sd["checkpoint_version"] == 3.0 and sd["iteration"] == HALF
+    rng = sd["rng_state"][0]
+    assert set(rng) == {"random_rng_state", "np_rng_state", "torch_rng_state", "cuda_rng_state",
+                        "rng_tracker_states"}
+    assert os.path.isfile(os.path.join(d, "mp_rank_00_001", "distrib_optim.pt"))
+    assert sd["args"].consumed_train_samples == HALF * 8
+
+
+def test_dp4_fp32_deterministic(workdir, run_env):
+    a = _run(workdir, run_env, "dp4-a", train_iters=3, use_distributed_optimizer=False)
+    b = _run(workdir, run_env, "dp4-b", train_iters=3, use_distributed_optimizer=False)
+    assert len(a.losses) == 3 and a.losses == b.losses
+    vals = _floats(a.losses)
+    assert all(math.isfinite(v) for v in vals) and vals[-1] < vals[0]
+    assert " iteration        3/       3 |" in a.stdout and "lm loss:" in a.stdout
+
+
+def test_bf16_tp2_pp2(workdir, run_env):
+    r = _run(workdir, run_env, "bf16", tp=2, pp=2, train_iters=3, bf16=True)
+    vals = _floats(r.losses)
+    assert len(vals) == 3 and all(math.isfinite(v) for v in vals)
+    # bf16 and fp32 runs of the same model differ (the flag really changes the dtype)
+    full, _, _, _ = _layout_runs(workdir, run_env, 2, 1)
+    assert r.losses[1] != full.losses[1]
+
+
+def test_unwritable_save_fails_before_training(workdir, run_env, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    r = launch(4, tiny_gpt_args(train_iters=2, save=str(blocker / "sub")), env=run_env,
+               timeout_s=TIMEOUT, loss_log=str(tmp_path / "l.jsonl"))
+    assert r.returncode != 0
+    assert "--save" in r.stderr
+    assert r.losses == {}
+
+
+# ---- unit tests (in process) ------------------------------------------------------
+
+
+def test_indexed_dataset_round_trip(tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from mindspeed_ha.training.data import EOD_ID, build_indexed_dataset, split_documents
+
+    docs = split_documents("hello world\n\nsecond paragraph\nwith two lines\n\n\n  \n\nwörld")
+    assert docs == ["hello world", "second paragraph\nwith two lines", "wörld"]
+    prefix = build_indexed_dataset(docs, str(tmp_path / "corpus"))
+    ds = IndexedDataset(prefix)
+    assert len(ds) == 3
+    for i, doc in enumerate(docs):
+        assert ds[i].tolist() == list(doc.encode("utf-8")) + [EOD_ID]
+    assert sorted(os.listdir(tmp_path)) == ["corpus.bin", "corpus.idx"]  # no temp leftovers
+
+
+def test_preprocess_cli(tmp_path):
+    from mindspeed_ha.training import data
+
+    src = tmp_path / "in.txt"
+    src.write_text("line one\nline two\n", encoding="utf-8")
+    assert data.main(["--input", str(src), "--output-prefix", str(tmp_path / "p"), "--split-lines"]) == 0
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    assert len(IndexedDataset(str(tmp_path / "p"))) == 2
+
+
+def _fake_ckpt(root, iteration, with_optim=True, corrupt=False):
+    d = root / "mp_rank_00"
+    d.mkdir(parents=True)
+    args = argparse.Namespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                              use_distributed_optimizer=True, no_save_optim=False)
+    torch.save({"args": args, "iteration": iteration, "model": {}}, d / "model_optim_rng.pt")
+    if with_optim:
+        if corrupt:
+            (d / "distrib_optim.pt").write_bytes(b"not a torch file")
+        else:
+            torch.save({"param": torch.zeros(2)}, d / "distrib_optim.pt")
+
+
+def test_commit_refuses_invalid_and_keeps_tracker(tmp_path):
+    from mindspeed_ha.training.checkpointing import CheckpointError, commit_checkpoint, write_tracker
+
+    save = tmp_path / "save"
+    save.mkdir()
+    write_tracker(str(save), 3)
+    for name, kw in (("missing", dict(with_optim=False)), ("corrupt", dict(corrupt=True))):
+        tmp = save / f"{name}.tmp"
+        _fake_ckpt(tmp, 5, **kw)
+        with pytest.raises(CheckpointError):
+            commit_checkpoint(str(tmp), str(save), 5)
+        assert (save / "latest_checkpointed_iteration.txt").read_text() == "3"
+        assert not (save / "iter_0000005").exists()
+    wrong = save / "wrong.tmp"
+    _fake_ckpt(wrong, 4)
+    with pytest.raises(CheckpointError, match="iteration"):
+        commit_checkpoint(str(wrong), str(save), 5)
+
+
+def test_commit_publishes_atomically(tmp_path):
+    from mindspeed_ha.training.checkpointing import commit_checkpoint
+
+    save = tmp_path / "save"
+    tmp = save / "x.tmp"
+    _fake_ckpt(tmp, 7)
+    final = commit_checkpoint(str(tmp), str(save), 7)
+    assert final == str(save / "iter_0000007") and not tmp.exists()
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "7"
+    assert sorted(os.listdir(save)) == ["iter_0000007", "latest_checkpointed_iteration.txt"]
+    again = save / "y.tmp"
+    _fake_ckpt(again, 7)
+    with pytest.raises(FileExistsError):
+        commit_checkpoint(str(again), str(save), 7)
+    commit_checkpoint(str(again), str(save), 7, overwrite=True)
+    assert sorted(os.listdir(save)) == ["iter_0000007", "latest_checkpointed_iteration.txt"]
+
+
+def test_unwritable_save_message(tmp_path):
+    from mindspeed_ha.training.checkpointing import CheckpointError, check_save_dir_writable
+
+    f = tmp_path / "f"
+    f.write_text("")
+    with pytest.raises(CheckpointError, match="--save"):
+        check_save_dir_writable(str(f / "x"))
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--tensor-model-parallel-size", "3"], "--tensor-model-parallel-size"),
+    (["--ckpt-format", "torch_dist"], "--ckpt-format"),
+    (["--fp16"], "--fp16"),
+    (["--hidden-dropout", "1.5"], "--hidden-dropout"),
+    (["--seed", "0"], "--seed"),
+    (["--global-batch-size", "3"], "--global-batch-size"),
+])
+def test_validate_args_names_flag(argv, flag, monkeypatch):
+    from mindspeed_ha.training.arguments import ArgumentError, parse_args, validate_args
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    base = tiny_gpt_args(train_iters=2)
+    args = parse_args(args=base + argv)
+    with pytest.raises(ArgumentError, match=flag):
+        validate_args(args)
+
+
+def test_validate_args_megatron_semantics(monkeypatch):
+    from mindspeed_ha.training.arguments import parse_args, validate_args
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    args = validate_args(parse_args(args=tiny_gpt_args(tp=2, train_iters=2)))
+    assert args.data_parallel_size == 2
+    assert args.padded_vocab_size == 512  # 257 padded to a multiple of 128 * TP
+    assert args.num_distributed_optimizer_instances == 1
+    assert args.no_load_rng is False and args.data_parallel_random_init is False
