@@ -270,17 +270,21 @@ def detect_fault(now: float, state: ClusterState, config: HAConfig) -> Optional[
     """The earliest fault evidence: (rank, kind, reason, evidence time) or None."""
     found: List[Tuple[float, int, FaultKind, str]] = []
     for r, info in sorted(state.ranks.items()):
+        at = info.failed_at if info.failed_at is not None else info.last_heartbeat
         if info.fault is not None:
-            found.append((info.last_heartbeat, r, info.fault, f"rank {r} reported {info.fault.value} fault at "
+            found.append((at, r, info.fault, f"rank {r} reported {info.fault.value} fault at "
                           f"iteration {info.iteration}: {info.fault_message}"))
         elif not info.alive and info.exit_code != 0:
-            found.append((info.last_heartbeat, r, FaultKind.PROCESS, f"rank {r} died: {info.dead_reason}"))
+            found.append((at, r, FaultKind.PROCESS, f"rank {r} died: {info.dead_reason}"))
         elif info.alive and info.exit_code not in (None, 0):
-            found.append((info.last_heartbeat, r, FaultKind.PROCESS, f"rank {r} exits with {info.exit_code}"))
+            found.append((at, r, FaultKind.PROCESS, f"rank {r} exits with {info.exit_code}"))
         elif info.alive and info.exit_code is None and now - info.last_heartbeat > config.heartbeat_timeout_s:
             found.append((info.last_heartbeat, r, FaultKind.PROCESS,
                           f"rank {r} missed heartbeats for {now - info.last_heartbeat:.3f} s "
                           f"(> {config.heartbeat_timeout_s} s)"))
+    for r, (code, why, at) in sorted(state.unregistered_exits.items()):
+        if code != 0:
+            found.append((at, r, FaultKind.PROCESS, f"rank {r} died before registering: {why}"))
     if not found:
         return None
     at, r, kind, reason = min(found)

@@ -178,6 +178,8 @@ class RankInfo:
     pid: int = 0
     host: str = ""
     save_dir: Optional[str] = None
+    failed_at: Optional[float] = None
+    sender: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,6 +229,7 @@ class ClusterState:
     exit_code: Optional[int] = None
     exit_reason: str = ""
     run_id: str = ""
+    unregistered_exits: Dict[int, Tuple[Optional[int], str, float]] = dataclasses.field(default_factory=dict)
 
     def set_phase(self, new: Phase, now: float, why: str = "") -> None:
         """Move the job to ``new`` or raise IllegalTransition (logged)."""
@@ -244,15 +247,25 @@ class ClusterState:
             return True
         return False
 
-    def mark_dead(self, rank: int, reason: str, exit_code: Optional[int] = None) -> bool:
-        """Mark ``rank`` dead; return True if it was alive."""
+    def mark_dead(self, rank: int, reason: str, exit_code: Optional[int] = None, at: Optional[float] = None) -> bool:
+        """Mark ``rank`` dead (evidence at time ``at``); return True if it was alive.
+
+        A rank that dies before registering is remembered in ``unregistered_exits``.
+        """
         info = self.ranks.get(rank)
-        if info is None or not info.alive:
+        if info is None:
+            if 0 <= rank < self.world_size and rank not in self.unregistered_exits:
+                self.unregistered_exits[rank] = (exit_code, reason, at if at is not None else 0.0)
+                return True
+            return False
+        if not info.alive:
             return False
         info.alive = False
         info.dead_reason = reason
         if exit_code is not None:
             info.exit_code = exit_code
+        if info.failed_at is None and exit_code != 0:
+            info.failed_at = at
         return True
 
     @property

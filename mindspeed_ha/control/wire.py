@@ -343,8 +343,7 @@ class Codec:
         if not hmac.compare_digest(tag, self._tag(envelope)):
             raise WireError("bad_mac")
         try:
-            env = msgpack.unpackb(envelope, raw=False, strict_map_key=False,
-                                  max_buffer_size=self.max_bytes)
+            env = msgpack.unpackb(envelope, raw=False, strict_map_key=False)
         except Exception as exc:  # msgpack raises several types on malformed input
             raise WireError("malformed", type(exc).__name__) from None
         if not isinstance(env, dict):

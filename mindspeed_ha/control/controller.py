@@ -1,0 +1,478 @@
+"""The controller: one I/O thread per job that applies :func:`policy.decide`.
+
+The thread owns a ZeroMQ ROUTER socket (processors connect DEALER sockets), a
+socket monitor (a closed TCP connection = the rank's process is gone, detected in
+well under a millisecond on the same host) and a wake pipe for
+:meth:`Controller.report_rank_exit`. On every message, every agent report and every
+tick (``tick_s``) it updates :class:`ClusterState` and calls
+``decide(time.monotonic(), state, config)``; it holds no policy of its own.
+
+Standalone (no lingering: exits when the job is DONE or nobody registers)::
+
+    MINDSPEED_HA_AUTH_KEY=<hex> python -m mindspeed_ha.control.controller --world-size 8 --port 8000
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import errno
+import itertools
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from mindspeed_ha.config import ENV_AUTH_KEY, ENV_TTP_PORT, ConfigError, HAConfig
+from mindspeed_ha.control import wire
+from mindspeed_ha.control.policy import ActionKind, Decision, DumpPlan, decide
+from mindspeed_ha.control.state import ClusterState, OptimizerStatus, PendingAction, Phase, RankInfo
+from mindspeed_ha.faults import FaultKind
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One applied decision: monotonic time, phase after it, action, reason."""
+
+    t: float
+    phase: Phase
+    action: ActionKind
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """How the job ended, as the controller saw it.
+
+    ``timings`` (seconds): ``detect`` fault evidence -> STOP sent; ``decide`` STOP ->
+    DUMP (stop round + selection) or -> EXIT; ``save`` DUMP -> EXIT (dump + assemble +
+    commit); ``total`` evidence -> EXIT sent.
+    """
+
+    phase: Phase
+    exit_code: Optional[int]
+    reason: str
+    iteration: Optional[int]
+    plan: Optional[DumpPlan]
+    fault_rank: Optional[int]
+    fault_kind: Optional[FaultKind]
+    timings: Dict[str, float]
+    events: Tuple[Event, ...]
+
+
+class Controller:
+    """Job-wide controller thread (I/O only).
+
+    Args:
+        config: the job's HAConfig; ``auth_key`` is required.
+        world_size: number of ranks expected to register.
+        bind_addr: address to bind (default ``config.controller_addr``); ``*`` for all.
+        port: port to bind (default ``config.controller_port``; 0 picks a free port).
+        tick_s: decision tick when no message arrives.
+        clock: monotonic clock (seconds).
+
+    Raises:
+        ConfigError: no auth key (``MINDSPEED_HA_AUTH_KEY``); port in use (from start()).
+    """
+
+    def __init__(self, config: HAConfig, world_size: int, bind_addr: Optional[str] = None,
+                 port: Optional[int] = None, *, tick_s: float = 0.05,
+                 clock: Callable[[], float] = time.monotonic):
+        if config.auth_key is None:
+            raise ConfigError(f"the controller needs the job's auth key: set {ENV_AUTH_KEY} (hex)")
+        if world_size < 1:
+            raise ConfigError(f"--world-size={world_size}: accepted range >= 1")
+        self.config = config
+        self.world_size = world_size
+        self.bind_addr = bind_addr or config.controller_addr
+        self._port = config.controller_port if port is None else int(port)
+        self.tick_s = tick_s
+        self.clock = clock
+        self.codec = wire.Codec(config.auth_key, wire.new_sender("controller"), config.max_message_bytes)
+        self.state = ClusterState(world_size=world_size, phase_since=clock())
+        self.events: List[Event] = []
+        self._lock = threading.Lock()  # guards state/events against readers in other threads
+        self._cmds: "queue.SimpleQueue[Tuple[str, Any]]" = queue.SimpleQueue()
+        self._done = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._ctx: Optional[zmq.Context] = None
+        self._router = None
+        self._monitor = None
+        self._wake_r = self._wake_w = -1
+        self._ident: Dict[int, bytes] = {}
+        self._rank_of_ident: Dict[bytes, int] = {}
+        self._rank_of_fd: Dict[int, int] = {}
+        self._action_ids = itertools.count(1)
+        self.first_register_at: Optional[float] = None
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def port(self) -> int:
+        return self._port
+
+    def start(self) -> "Controller":
+        """Bind and start the I/O thread. Raises ConfigError if the port is in use."""
+        self._ctx = zmq.Context()
+        router = self._ctx.socket(zmq.ROUTER)
+        wire.configure_socket(router, self.config.max_message_bytes)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        try:
+            if self._port == 0:
+                host = self.bind_addr.strip("[]")
+                self._port = router.bind_to_random_port(wire.endpoint(host, 0).rsplit(":", 1)[0])
+            else:
+                router.bind(wire.endpoint(self.bind_addr, self._port))
+        except zmq.ZMQError as exc:
+            router.close(0)
+            self._ctx.term()
+            self._ctx = None
+            if exc.errno == errno.EADDRINUSE:
+                raise ConfigError(
+                    f"controller port {self._port} on {self.bind_addr} is already in use: choose another with "
+                    f"--ha-controller-port or {ENV_TTP_PORT} (1..65535)") from exc
+            raise ConfigError(f"cannot bind the controller to {self.bind_addr}:{self._port}: {exc}") from exc
+        self._router = router
+        self._monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._thread = threading.Thread(target=self._run, name="mindspeed-ha-controller", daemon=True)
+        self._thread.start()
+        log.info("controller listening on %s:%d for %d ranks", self.bind_addr, self._port, self.world_size)
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the I/O thread and close its sockets (idempotent)."""
+        self._stopping.set()
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    def __enter__(self) -> "Controller":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def _wake(self) -> None:
+        if self._wake_w >= 0:
+            try:
+                os.write(self._wake_w, b"x")
+            except (BlockingIOError, OSError):
+                pass
+
+    # ------------------------------------------------------------------ public API
+    def report_rank_exit(self, rank: int, exitcode: int) -> None:
+        """Agent/launcher report: worker ``rank``'s process exited with ``exitcode``. Thread-safe."""
+        self._cmds.put(("exit", (int(rank), int(exitcode), self.clock())))
+        self._wake()
+
+    def wait_done(self, timeout: Optional[float] = None) -> Optional[Outcome]:
+        """Block until the job is DONE (or ``timeout``); return the outcome or None."""
+        if not self._done.wait(timeout):
+            return None
+        return self.outcome()
+
+    @property
+    def phase(self) -> Phase:
+        with self._lock:
+            return self.state.phase
+
+    def outcome(self) -> Outcome:
+        """The outcome so far (final once the phase is DONE)."""
+        with self._lock:
+            st = self.state
+            events = tuple(self.events)
+            plan = st.plan
+            fault = st.fault
+        first = {}
+        for e in events:
+            first.setdefault(e.action, e.t)
+        timings: Dict[str, float] = {}
+        t_stop, t_dump, t_exit = first.get(ActionKind.STOP_ALL), first.get(ActionKind.DUMP), first.get(ActionKind.EXIT)
+        if fault is not None and t_stop is not None:
+            timings["detect"] = t_stop - fault.at
+        if t_stop is not None and (t_dump or t_exit) is not None:
+            timings["decide"] = (t_dump if t_dump is not None else t_exit) - t_stop
+        if t_dump is not None and t_exit is not None:
+            timings["save"] = t_exit - t_dump
+        if fault is not None and t_exit is not None:
+            timings["total"] = t_exit - fault.at
+        return Outcome(st.phase, st.exit_code, st.exit_reason, plan.iteration if plan else None, plan,
+                       fault.rank if fault else None, fault.kind if fault else None, timings, events)
+
+    # ------------------------------------------------------------------ I/O thread
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        timeout_ms = max(1, int(self.tick_s * 1000))
+        try:
+            while not self._stopping.is_set():
+                ready = dict(poller.poll(timeout_ms))
+                if self._wake_r in ready:
+                    try:
+                        while os.read(self._wake_r, 4096):
+                            pass
+                    except BlockingIOError:
+                        pass
+                now = self.clock()
+                try:
+                    with self._lock:
+                        self._drain_cmds(now)
+                        self._drain_router(now)
+                        self._drain_monitor(now)
+                        self._step(self.clock())
+                        done = self.state.phase is Phase.DONE
+                except Exception:  # never let one bad event kill the controller
+                    log.exception("controller: error while handling events")
+                    done = False
+                if done:
+                    self._done.set()
+                    break
+        finally:
+            self._monitor.close(0)
+            self._router.close(0)
+            log.info("controller thread exits (phase %s)", self.state.phase.value)
+
+    def _drain_cmds(self, now: float) -> None:
+        while True:
+            try:
+                cmd, arg = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if cmd == "exit":
+                rank, code, at = arg
+                if self.state.mark_dead(rank, f"process exited with code {code} (agent report)", code, at):
+                    log.warning("rank %d: process exited with code %d (agent report)", rank, code)
+
+    def _drain_monitor(self, now: float) -> None:
+        while True:
+            try:
+                evt = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if evt["event"] == zmq.EVENT_DISCONNECTED:
+                rank = self._rank_of_fd.pop(int(evt["value"]), None)
+                if rank is not None:
+                    info = self.state.ranks.get(rank)
+                    if info is not None and info.alive and info.exit_code is None:
+                        self.state.mark_dead(rank, "control connection closed", None, now)
+                        log.warning("rank %d: control connection closed", rank)
+
+    def _drain_router(self, now: float) -> None:
+        while True:
+            try:
+                parts = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if len(parts) != 2:
+                self.codec.rejected["bad_framing"] += 1
+                continue
+            ident, frame = parts[0].bytes, parts[1]
+            msg = self.codec.try_decode(frame.buffer, peer=repr(ident))
+            if msg is None:
+                continue
+            try:
+                fd = frame.get(zmq.SRCFD)
+            except zmq.ZMQError:
+                fd = None
+            self._handle(now, ident, fd, msg)
+
+    def _send(self, rank: int, body: Any) -> bool:
+        ident = self._ident.get(rank)
+        if ident is None:
+            return False
+        try:
+            self._router.send_multipart([ident, self.codec.encode(body)], zmq.NOBLOCK)
+            return True
+        except (zmq.ZMQError, wire.WireError) as exc:
+            log.warning("controller: cannot send %s to rank %d: %s", type(body).__name__, rank, exc)
+            return False
+
+    def _handle(self, now: float, ident: bytes, fd: Optional[int], msg: wire.Message) -> None:
+        body = msg.body
+        st = self.state
+        if msg.type is wire.MsgType.REGISTER:
+            self._register(now, ident, fd, msg.sender, body)
+            return
+        rank = self._rank_of_ident.get(ident)
+        if rank is None or getattr(body, "rank", rank) != rank:
+            self.codec.rejected["unregistered"] += 1
+            log.debug("controller: %s from unregistered peer %r ignored", msg.type.value, ident)
+            if rank is None and msg.type is not wire.MsgType.GOODBYE:
+                try:  # e.g. a controller restarted: ask the processor to register again
+                    self._router.send_multipart([ident, self.codec.encode(wire.Registered(
+                        getattr(body, "rank", -1), False, "unregistered: send REGISTER"))], zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+            return
+        info = st.ranks[rank]
+        if fd is not None:
+            self._rank_of_fd[fd] = rank
+        info.last_heartbeat = now
+        t = msg.type
+        if t is wire.MsgType.HEARTBEAT:
+            pass
+        elif t is wire.MsgType.STATUS:
+            info.status, info.iteration = OptimizerStatus(body.status), body.iteration
+        elif t is wire.MsgType.FAULT:
+            info.fault = FaultKind(body.kind) if body.kind in FaultKind._value2member_map_ else FaultKind.UNKNOWN
+            info.fault_message = body.message
+            info.status, info.iteration = OptimizerStatus(body.status), body.iteration
+            if info.failed_at is None:
+                info.failed_at = now
+            log.warning("rank %d: %s fault at iteration %d: %s", rank, info.fault.value, body.iteration, body.message)
+        elif t is wire.MsgType.STOPPED:
+            info.stopped = True
+            info.status, info.iteration = OptimizerStatus(body.status), body.iteration
+            log.info("rank %d: stopped, optimizer %s@%d", rank, info.status.value, info.iteration)
+        elif t is wire.MsgType.ACTION_RESULT:
+            p = st.pending
+            if p is not None and p.action_id == body.action_id and rank in p.targets:
+                p.results[rank] = (body.ok, body.detail)
+                log.info("rank %d: %s %s %s", rank, p.kind, "ok" if body.ok else "FAILED", body.detail)
+        elif t is wire.MsgType.GOODBYE:
+            info.exit_code = body.exit_code
+            st.mark_dead(rank, f"said goodbye (exit code {body.exit_code})", body.exit_code, now)
+            log.info("rank %d: goodbye, exit code %d", rank, body.exit_code)
+        else:
+            self.codec.rejected["unexpected_type"] += 1
+
+    def _register(self, now: float, ident: bytes, fd: Optional[int], sender: str, body: wire.Register) -> None:
+        st = self.state
+        ok, detail = True, ""
+        if not 0 <= body.rank < self.world_size:
+            ok, detail = False, f"rank {body.rank} outside world size {self.world_size}"
+        elif body.world_size != self.world_size:
+            ok, detail = False, f"world size {body.world_size} != controller's {self.world_size}"
+        if ok:
+            old = st.ranks.get(body.rank)
+            if old is not None and old.sender == sender:
+                info = old  # re-sent REGISTER (lost REGISTERED): idempotent
+            else:
+                info = RankInfo(rank=body.rank, layout=body.layout, last_heartbeat=now, pid=body.pid,
+                                host=body.host, save_dir=body.save_dir, sender=sender)
+                try:
+                    info.status = OptimizerStatus(body.status)
+                except ValueError:
+                    info.status = OptimizerStatus.UNKNOWN
+                info.iteration = body.iteration
+                st.ranks[body.rank] = info
+                if old is not None:
+                    log.warning("rank %d re-registered as a new process (pid %d)", body.rank, body.pid)
+            info.last_heartbeat = now
+            self._ident[body.rank] = ident
+            self._rank_of_ident[ident] = body.rank
+            if fd is not None:
+                self._rank_of_fd[fd] = body.rank
+            if self.first_register_at is None:
+                self.first_register_at = now
+            if not st.run_id:
+                st.run_id = body.run_id
+            log.info("rank %d registered (pid %d on %s, layout %s); %d/%d ranks", body.rank, body.pid, body.host,
+                     body.layout, len(st.ranks), self.world_size)
+        else:
+            log.error("registration refused: %s", detail)
+        try:
+            self._router.send_multipart([ident, self.codec.encode(wire.Registered(body.rank, ok, detail))],
+                                        zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("controller: cannot answer REGISTER of rank %d: %s", body.rank, exc)
+        if ok and st.phase is Phase.STOPPING:
+            self._send(body.rank, wire.Stop("job is stopping"))
+
+    # ------------------------------------------------------------------ decisions
+    def _step(self, now: float) -> None:
+        for _ in range(8):  # chain decisions that need no new input (e.g. DONE right after EXIT)
+            d = decide(now, self.state, self.config)
+            if d.action is ActionKind.NOOP and d.next_phase is None:
+                return
+            self._apply(now, d)
+
+    def _apply(self, now: float, d: Decision) -> None:
+        st = self.state
+        old = st.phase
+        if d.action is ActionKind.STOP_ALL:
+            st.record_fault(d.params.get("at", now), d.params.get("rank", -1),
+                            FaultKind(d.params.get("kind", "unknown")), d.reason)
+            for r in d.targets:
+                st.ranks[r].stopped = False
+                self._send(r, wire.Stop(d.reason))
+        elif d.action is not ActionKind.NOOP:
+            aid = next(self._action_ids)
+            st.pending = PendingAction(aid, d.action.value, tuple(d.targets), now, dict(d.params))
+            if d.action is ActionKind.DUMP:
+                st.plan = DumpPlan.from_params(d.params)
+            if d.action is ActionKind.EXIT:
+                st.exit_code = int(d.params["code"])
+                st.exit_reason = d.reason
+            for r in d.targets:
+                self._send(r, wire.Action(aid, d.action.value, dict(d.params)))
+        if d.next_phase is not None and d.next_phase is not old:
+            st.set_phase(d.next_phase, now)
+        self.events.append(Event(now, st.phase, d.action, d.reason))
+        fault = st.fault
+        log.info("controller: phase %s -> %s, decision %s, targets %s, fault rank %s, iteration %s: %s",
+                 old.value, st.phase.value, d.action.value, list(d.targets),
+                 fault.rank if fault else None, d.params.get("iteration", st.plan.iteration if st.plan else None),
+                 d.reason)
+
+
+# ---------------------------------------------------------------------- standalone
+def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m mindspeed_ha.control.controller``: run until DONE; exit with the job's code."""
+    p = argparse.ArgumentParser(prog="python -m mindspeed_ha.control.controller",
+                                description="mindspeed-ha job controller (exits with the job)")
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--port", type=int, default=None, help=f"default: {ENV_TTP_PORT} or 8000")
+    p.add_argument("--bind", default=None, help="bind address (default: CONTROLLER_ADDR/TTP_ADDR or 127.0.0.1)")
+    p.add_argument("--save", default=None, help="fallback --save directory if ranks register none")
+    p.add_argument("--registration-timeout", type=float, default=None,
+                   help="exit if no rank registers within this many seconds (default: 2 x connect timeout)")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = HAConfig.from_args(argparse.Namespace(save=a.save, ha_controller_port=a.port), os.environ)
+        ctl = Controller(cfg, a.world_size, a.bind, a.port if a.port is not None else cfg.controller_port)
+        ctl.start()
+    except ConfigError as exc:
+        print(f"mindspeed-ha controller: {exc}", file=sys.stderr)
+        return 2
+    reg_timeout = a.registration_timeout or 2 * cfg.connect_timeout_s
+    t0 = time.monotonic()
+    try:
+        while True:
+            out = ctl.wait_done(0.5)
+            if out is not None:
+                log.info("job done: exit code %s, %s, timings %s", out.exit_code, out.reason, out.timings)
+                return 0 if out.exit_code is None else out.exit_code
+            if ctl.first_register_at is None and time.monotonic() - t0 > reg_timeout:
+                log.error("no rank registered within %.1f s; exiting", reg_timeout)
+                return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        ctl.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
