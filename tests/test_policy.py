@@ -1,0 +1,311 @@
+"""Pure policy: dying-checkpoint selection and decide() with a chosen `now`."""
+
+import pytest
+
+from mindspeed_ha.config import HAConfig
+from mindspeed_ha.control.policy import ActionKind, DumpPlan, NoCompleteData, decide, select_dying_checkpoint
+from mindspeed_ha.control.state import ClusterState, Layout, OptimizerStatus, PendingAction, Phase, RankInfo
+from mindspeed_ha.faults import (EXIT_DYING_CHECKPOINT_SAVED, EXIT_FAULT_UNRECOVERABLE, EXIT_NO_COMPLETE_DATA,
+                                 FaultKind)
+
+U, UP = OptimizerStatus.UPDATED, OptimizerStatus.UPDATING
+
+
+def cluster(tp, pp, dp, n, it=5, distributed=True):
+    """RankInfos in Megatron order (tp fastest, then dp, then pp); all stopped, UPDATED at `it`."""
+    ranks = {}
+    per = dp // n if distributed else 1
+    for p in range(pp):
+        for d in range(dp):
+            for t in range(tp):
+                r = t + tp * (d + dp * p)
+                lay = Layout(tp_rank=t, pp_rank=p, dp_rank=d, tp_size=tp, pp_size=pp, dp_size=dp,
+                             replica_count=n if distributed else dp,
+                             instance_id=d // per if distributed else d, shard_id=d % per if distributed else 0)
+                ranks[r] = RankInfo(rank=r, layout=lay, stopped=True, status=U, iteration=it, last_heartbeat=0.0)
+    return ranks
+
+
+def kill(ranks, *rs):
+    for r in rs:
+        ranks[r].alive = False
+        ranks[r].dead_reason = "killed"
+    return ranks
+
+
+def check_plan(plan, ranks):
+    assert isinstance(plan, DumpPlan), plan
+    for key, r in plan.shard_savers.items():
+        info = ranks[r]
+        assert info.alive and info.status is U and info.iteration == plan.iteration
+        assert info.layout.shard_key == key
+    for (t, p), r in plan.model_savers.items():
+        assert r == plan.shard_savers[(t, p, 0)]
+    assert plan.committer in plan.shard_savers.values()
+    return plan
+
+
+# --------------------------------------------------------------------------- selection table
+# (name, (tp, pp, dp, n), ranks killed, expected: iteration or "none")
+CASES = [
+    ("kill PP-first rank", (1, 2, 4, 2), [0], 5),
+    ("kill PP-last rank", (1, 2, 4, 2), [7], 5),
+    ("kill a TP peer", (2, 2, 2, 2), [1], 5),
+    ("kill rank 0 (tp2 pp2 dp2)", (2, 2, 2, 2), [0], 5),
+    ("kill one rank of each instance, different shards", (1, 1, 4, 2), [0, 3], 5),
+    ("two failures in one shard", (1, 2, 4, 2), [0, 2], "none"),
+    ("N=1 no replica, one rank dies", (1, 2, 4, 1), [5], "none"),
+    ("nothing dead", (2, 2, 4, 2), [], 5),
+]
+
+
+@pytest.mark.parametrize("name,shape,killed,expect", CASES, ids=[c[0] for c in CASES])
+def test_select_table(name, shape, killed, expect):
+    ranks = kill(cluster(*shape), *killed)
+    choice = select_dying_checkpoint(ranks)
+    if expect == "none":
+        assert isinstance(choice, NoCompleteData)
+        assert "shard (tp=" in choice.reason
+    else:
+        plan = check_plan(choice, ranks)
+        assert plan.iteration == expect
+        assert not set(killed) & set(plan.savers())
+        tp, pp, dp, n = shape
+        assert len(plan.shard_savers) == tp * pp * (dp // n)
+        assert len(plan.model_savers) == len(plan.assemblers) == tp * pp
+
+
+def test_prefers_one_instance_and_is_deterministic():
+    ranks = kill(cluster(1, 2, 4, 2), 0)  # instance 0 of pp0 lost shard 0
+    plan = check_plan(select_dying_checkpoint(ranks), ranks)
+    assert {ranks[r].layout.instance_id for r in plan.shard_savers.values()} == {1}
+    assert len(set(plan.shard_savers.values())) == len(plan.shard_savers)  # one shard per rank
+    assert select_dying_checkpoint(ranks) == plan
+    assert plan.assemblers[(0, 0)] != plan.model_savers[(0, 0)]  # load spread when >1 shard
+    assert DumpPlan.from_params(plan.to_params("/s")) == plan
+
+
+def test_kill_inside_update_holder_is_dirty():
+    ranks = kill(cluster(1, 1, 4, 2), 0)
+    ranks[2].status, ranks[2].iteration = UP, 6  # the other holder of shard 0 is mid-update
+    choice = select_dying_checkpoint(ranks)
+    assert isinstance(choice, NoCompleteData)
+    assert "shard=0" in choice.reason and "rank 2 updating@6" in choice.reason and "rank 0 dead" in choice.reason
+
+
+def test_highest_common_iteration_wins():
+    ranks = cluster(1, 1, 4, 2, it=5)
+    for r in (0, 1):  # instance 0 finished update 6, instance 1 still at 5
+        ranks[r].iteration = 6
+    kill(ranks, 3)
+    plan = check_plan(select_dying_checkpoint(ranks), ranks)
+    assert plan.iteration == 6 and set(plan.savers()) == {0, 1}
+    kill(ranks, 1)  # shard 1 now only at iteration 5 (rank 3 dead too) -> nothing common
+    assert isinstance(select_dying_checkpoint(ranks), NoCompleteData)
+
+
+def test_falls_back_to_older_iteration_when_newest_is_incomplete():
+    ranks = cluster(1, 1, 4, 2, it=5)
+    ranks[0].iteration = 6  # rank 0 ahead alone; others at 5
+    plan = check_plan(select_dying_checkpoint(ranks), ranks)
+    assert plan.iteration == 5
+
+
+def test_not_stopped_unavailable_and_uce_are_unusable():
+    ranks = cluster(1, 1, 2, 2)
+    ranks[0].stopped = False
+    plan = check_plan(select_dying_checkpoint(ranks), ranks)
+    assert plan.savers() == (1,)
+    ranks[1].fault = FaultKind.UCE
+    assert isinstance(select_dying_checkpoint(ranks), NoCompleteData)
+    ranks[1].fault = None
+    assert isinstance(select_dying_checkpoint(ranks, {1: "silent"}), NoCompleteData)
+
+
+def test_non_distributed_optimizer_same_rule():
+    ranks = kill(cluster(1, 2, 4, 0, distributed=False), 0, 1, 2)  # 3 of 4 DP ranks of pp0 dead
+    plan = check_plan(select_dying_checkpoint(ranks), ranks)
+    assert plan.shard_savers[(0, 0, 0)] == 3 and plan.shards_per_instance == 1
+
+
+def test_unregistered_shard_is_missing():
+    ranks = cluster(1, 1, 4, 2)
+    del ranks[0], ranks[2]
+    choice = select_dying_checkpoint(ranks)
+    assert isinstance(choice, NoCompleteData) and "none registered" in choice.reason
+
+
+# --------------------------------------------------------------------------- decide
+CFG = HAConfig(enabled=True, distributed_optimizer=True, replica_count=2, heartbeat_interval_s=0.1,
+               heartbeat_timeout_s=1.0, stop_timeout_s=2.0, action_timeout_s=10.0, save_dir="/save")
+
+
+def state_of(ranks, world=None):
+    st = ClusterState(world_size=world or len(ranks), ranks=ranks)
+    for i in ranks.values():
+        i.stopped = False
+    return st
+
+
+def apply(st, d, now):
+    """What the controller does with a decision (without I/O)."""
+    if d.action is ActionKind.STOP_ALL:
+        st.record_fault(d.params["at"], d.params["rank"], FaultKind(d.params["kind"]), d.reason)
+    elif d.action is not ActionKind.NOOP:
+        st.pending = PendingAction(1, d.action.value, d.targets, now, dict(d.params))
+        if d.action is ActionKind.DUMP:
+            st.plan = DumpPlan.from_params(d.params)
+        if d.action is ActionKind.EXIT:
+            st.exit_code = d.params["code"]
+    if d.next_phase is not None:
+        st.set_phase(d.next_phase, now)
+
+
+def results(st, ok=True, ranks=None):
+    for r in ranks or st.pending.targets:
+        st.pending.results[r] = (ok, "done" if ok else "disk full")
+
+
+def run_to_stopping(now=1.5):
+    st = state_of(cluster(1, 1, 4, 2))
+    for i in st.ranks.values():
+        i.last_heartbeat = 0.0
+    st.ranks[3].last_heartbeat = -1.0 + 0.4  # silent since t=-0.6
+    for r in (0, 1, 2):
+        st.ranks[r].last_heartbeat = 1.0
+    d = decide(now, st, CFG)
+    return st, d
+
+
+def test_heartbeat_timeout_detection_with_chosen_now():
+    st = state_of(cluster(1, 1, 4, 2))
+    for i in st.ranks.values():
+        i.last_heartbeat = 10.0
+    assert decide(10.9, st, CFG).action is ActionKind.NOOP
+    st.ranks[2].last_heartbeat = 9.5
+    assert decide(10.4, st, CFG).action is ActionKind.NOOP
+    d = decide(10.6, st, CFG)
+    assert d.action is ActionKind.STOP_ALL and d.next_phase is Phase.STOPPING
+    assert "rank 2 missed heartbeats" in d.reason and d.params["at"] == 9.5
+    assert d.targets == (0, 1, 3)
+
+
+def test_full_dying_checkpoint_round():
+    st, d = run_to_stopping()
+    assert d.action is ActionKind.STOP_ALL and d.targets == (0, 1, 2)
+    apply(st, d, 1.5)
+    assert decide(1.6, st, CFG).action is ActionKind.NOOP  # waiting for STOPPED
+    for r in (0, 1, 2):
+        st.ranks[r].stopped = True
+    d = decide(1.7, st, CFG)
+    assert d.action is ActionKind.DUMP and d.next_phase is Phase.DUMPING
+    assert set(d.targets) == {0, 1} and d.params["save_dir"] == "/save" and d.params["iteration"] == 5
+    apply(st, d, 1.7)
+    assert decide(1.8, st, CFG).action is ActionKind.NOOP
+    results(st)
+    d = decide(1.9, st, CFG)
+    assert d.action is ActionKind.ASSEMBLE and d.targets == (1,)
+    apply(st, d, 1.9)
+    results(st)
+    d = decide(2.0, st, CFG)
+    assert d.action is ActionKind.COMMIT and d.targets == (0,)
+    apply(st, d, 2.0)
+    results(st)
+    d = decide(2.1, st, CFG)
+    assert d.action is ActionKind.EXIT and d.params["code"] == EXIT_DYING_CHECKPOINT_SAVED
+    assert d.targets == (0, 1, 2, 3)  # the silent rank is still told to exit
+    apply(st, d, 2.1)
+    for r in (0, 1):
+        st.ranks[r].exit_code = 75
+    assert decide(2.2, st, CFG).next_phase is None  # rank 2 has not exited yet
+    st.ranks[2].exit_code = 75  # rank 3 is silent (gone) already
+    assert decide(2.3, st, CFG).next_phase is Phase.DONE
+
+
+def test_stop_timeout_treats_silent_ranks_as_unavailable():
+    st, d = run_to_stopping()
+    apply(st, d, 1.5)
+    st.ranks[0].stopped = st.ranks[1].stopped = True  # rank 2 never answers, heartbeat fresh
+    st.ranks[2].last_heartbeat = 3.0
+    assert decide(3.0, st, CFG).action is ActionKind.NOOP
+    d = decide(3.6, st, CFG)  # 2.1 s > stop_timeout
+    assert d.action is ActionKind.EXIT and d.params["code"] == EXIT_NO_COMPLETE_DATA
+    assert "did not answer STOP" in d.reason or "no STOPPED" in d.reason
+
+
+@pytest.mark.parametrize("phase_failure", ["fail", "timeout", "target dies"])
+def test_failure_during_dump_exits_without_commit(phase_failure):
+    st, d = run_to_stopping()
+    apply(st, d, 1.5)
+    for r in (0, 1, 2):
+        st.ranks[r].stopped = True
+    d = decide(1.7, st, CFG)
+    apply(st, d, 1.7)
+    now = 1.8
+    if phase_failure == "fail":
+        results(st, ok=False, ranks=[1])
+    elif phase_failure == "timeout":
+        results(st, ranks=[0])
+        now = 1.7 + CFG.action_timeout_s + 0.1
+        for i in st.ranks.values():
+            i.last_heartbeat = now
+    else:
+        st.ranks[1].alive = False
+    d = decide(now, st, CFG)
+    assert d.action is ActionKind.EXIT and d.params["code"] == EXIT_FAULT_UNRECOVERABLE
+    assert "nothing committed" in d.reason
+
+
+def test_no_save_dir_exits_with_reason():
+    cfg = CFG.replace(save_dir=None)
+    st, d = run_to_stopping()
+    apply(st, d, 1.5)
+    for r in (0, 1, 2):
+        st.ranks[r].stopped = True
+    d = decide(1.7, st, cfg)
+    assert d.action is ActionKind.EXIT and d.params["code"] == EXIT_FAULT_UNRECOVERABLE and "--save" in d.reason
+
+
+def test_no_complete_data_exits_76():
+    st = state_of(kill(cluster(1, 1, 4, 2), 0, 2))
+    for i in st.ranks.values():
+        i.last_heartbeat = 0.0
+    d = decide(0.1, st, CFG)
+    assert d.action is ActionKind.STOP_ALL and d.targets == (1, 3)
+    apply(st, d, 0.1)
+    st.ranks[1].stopped = st.ranks[3].stopped = True
+    d = decide(0.2, st, CFG)
+    assert d.action is ActionKind.EXIT and d.params["code"] == EXIT_NO_COMPLETE_DATA
+    assert "shard=0" in d.reason and "nothing written" in d.reason
+
+
+def test_fault_report_and_goodbye():
+    st = state_of(cluster(1, 1, 2, 2))
+    for i in st.ranks.values():
+        i.last_heartbeat = 0.0
+        i.exit_code = 0
+        i.alive = False
+    assert decide(0.1, st, CFG).next_phase is Phase.DONE  # everyone finished normally
+    st = state_of(cluster(1, 1, 2, 2))
+    for i in st.ranks.values():
+        i.last_heartbeat = 0.0
+    st.ranks[1].fault, st.ranks[1].fault_message = FaultKind.NETWORK, "Connection closed by peer"
+    d = decide(0.1, st, CFG)
+    assert d.action is ActionKind.STOP_ALL and d.params["kind"] == "network" and d.targets == (0, 1)
+
+
+def test_unregistered_death_is_a_fault():
+    st = state_of(cluster(1, 1, 2, 2), world=3)
+    for i in st.ranks.values():
+        i.last_heartbeat = 0.0
+    st.mark_dead(2, "exited", -9, at=0.05)
+    d = decide(0.1, st, CFG)
+    assert d.action is ActionKind.STOP_ALL and "before registering" in d.reason
+
+
+def test_illegal_phase_move_rejected():
+    from mindspeed_ha.faults import IllegalTransition
+
+    st = state_of(cluster(1, 1, 2, 2))
+    with pytest.raises(IllegalTransition):
+        st.set_phase(Phase.COMMITTING, 0.0)
