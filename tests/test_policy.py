@@ -215,6 +215,8 @@ def test_full_dying_checkpoint_round():
     assert d.action is ActionKind.EXIT and d.params["code"] == EXIT_DYING_CHECKPOINT_SAVED
     assert d.targets == (0, 1, 2, 3)  # the silent rank is still told to exit
     apply(st, d, 2.1)
+    for r in (0, 1, 2):
+        st.ranks[r].last_heartbeat = 2.1
     for r in (0, 1):
         st.ranks[r].exit_code = 75
     assert decide(2.2, st, CFG).next_phase is None  # rank 2 has not exited yet
