@@ -123,7 +123,7 @@ _ROWS: List[Tuple[FaultKind, Tuple[str, ...], Tuple[Pattern[str], ...]]] = [
             r"remote worker crash",
             # ProcessGroupGloo / c10d when a peer process is gone.
             r"ProcessGroup\w*.*terminated",
-            r"process .*(died|exited|was killed|terminated)",
+            r"\bpeer process\b.*(died|exited|was killed|terminated)",
             r"\bSIGKILL\b|\bSIGSEGV\b|\bSIGABRT\b",
             # HCCL (Ascend): the peer card or process is gone.
             r"SUSPECT REMOTE ERROR",

@@ -1,0 +1,111 @@
+"""Fault classification over exception chains, with real gloo error texts."""
+
+import ast
+import pathlib
+
+import pytest
+
+from mindspeed_ha import faults
+from mindspeed_ha.faults import FaultKind, classify
+
+# Real texts, produced with torch 2.13.0+cpu, gloo backend, 2 ranks on 127.0.0.1:
+# rank 1 os._exit(1) after the first all_reduce -> rank 0's next all_reduce raised:
+GLOO_PEER_DIED = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
+                  "peer [127.0.0.1]:1449. This is typically caused by a remote worker crashing. Check the logs of "
+                  "the remote worker before reporting an error. GLHF! \U0001f3d6\ufe0f")
+# rank 1 sleeps past the 3 s process-group timeout -> rank 0 raised:
+GLOO_TIMEOUT = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
+                "waiting 3000ms for recv operation to complete")
+
+
+class DistBackendError(RuntimeError):
+    """Stand-in named like torch.distributed.DistBackendError (matched by class name)."""
+
+
+class DistNetworkError(RuntimeError):
+    pass
+
+
+TABLE = [
+    (RuntimeError(GLOO_PEER_DIED), FaultKind.PROCESS),
+    (RuntimeError(GLOO_TIMEOUT), FaultKind.NETWORK),
+    (RuntimeError("[../gloo/transport/tcp/pair.cc:534] Read error [10.0.0.2]:4321: Connection reset by peer"),
+     FaultKind.NETWORK),
+    (RuntimeError("CUDA error: uncorrectable ECC error encountered\nCUDA kernel errors might be asynchronously"),
+     FaultKind.UCE),
+    (RuntimeError("NPU function error: UCE ERROR, error code is 507053"), FaultKind.UCE),
+    (RuntimeError("device memory error"), FaultKind.UCE),
+    (DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited or there was a network "
+                      "error, NCCL version 2.21.5\nncclRemoteError: A call failed possibly due to a network error"),
+     FaultKind.NETWORK),
+    (RuntimeError("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE)"),
+     FaultKind.NETWORK),
+    (RuntimeError("HCCL function error: hcclAllReduce, error code is 7"), FaultKind.NETWORK),
+    (DistNetworkError("failed to connect"), FaultKind.NETWORK),
+    (ConnectionResetError(104, "reset"), FaultKind.NETWORK),
+    (TimeoutError("store get"), FaultKind.NETWORK),
+    (RuntimeError("ProcessGroupGloo: peer process 3 terminated"), FaultKind.PROCESS),
+    (faults.ProcessFailure("rank 2 is gone"), FaultKind.PROCESS),
+    (faults.DeviceMemoryError("injected"), FaultKind.UCE),
+    (faults.CommunicationError("injected"), FaultKind.NETWORK),
+    (ValueError("shape mismatch (4, 8) vs (8, 4)"), FaultKind.UNKNOWN),
+    (KeyError("loss"), FaultKind.UNKNOWN),
+]
+
+
+@pytest.mark.parametrize("exc,kind", TABLE, ids=[f"{type(e).__name__}-{k.value}-{i}" for i, (e, k) in enumerate(TABLE)])
+def test_classification_table(exc, kind):
+    assert classify(exc) is kind
+
+
+def test_chain_uce_beats_network():
+    try:
+        try:
+            raise RuntimeError("CUDA error: uncorrectable ECC error encountered")
+        except RuntimeError as inner:
+            raise faults.CommunicationError("all-reduce failed") from inner
+    except faults.CommunicationError as exc:
+        assert classify(exc) is FaultKind.UCE
+
+
+def test_chain_via_context_and_cycles():
+    try:
+        try:
+            raise RuntimeError(GLOO_TIMEOUT)
+        except RuntimeError:
+            raise ValueError("while handling")  # implicit __context__
+    except ValueError as exc:
+        assert classify(exc) is FaultKind.NETWORK
+    a, b = ValueError("a"), ValueError("b")
+    a.__cause__, b.__cause__ = b, a
+    assert classify(a) is FaultKind.UNKNOWN
+    assert classify(None) is FaultKind.UNKNOWN
+
+
+def test_exit_codes_distinct_and_nonzero():
+    codes = [faults.EXIT_DYING_CHECKPOINT_SAVED, faults.EXIT_NO_COMPLETE_DATA, faults.EXIT_FAULT_UNRECOVERABLE,
+             faults.EXIT_CONTROLLER_LOST]
+    assert len(set(codes)) == len(codes) and all(0 < c < 126 for c in codes)
+
+
+def test_hierarchy_and_describe():
+    assert issubclass(faults.ControllerLostError, faults.HAError)
+    assert classify(faults.ControllerLostError("x")) is FaultKind.NETWORK
+    assert faults.describe(RuntimeError("a\nb" * 2000), limit=50).endswith("...")
+
+
+CONTROL_PLANE = ["config.py", "faults.py", "control/__init__.py", "control/wire.py", "control/state.py",
+                 "control/policy.py", "control/controller.py", "control/processor.py"]
+
+
+@pytest.mark.parametrize("rel", CONTROL_PLANE)
+def test_control_plane_modules_do_not_import_torch(rel):
+    src = pathlib.Path(faults.__file__).parent / rel
+    tree = ast.parse(src.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module.split(".")[0])
+    assert not names & {"torch", "torch_npu", "megatron"}
