@@ -48,7 +48,8 @@ def _layout_runs(workdir, run_env, tp, pp):
         ckpt = str(workdir / f"{tag}-ckpt")
         first = _run(workdir, run_env, f"{tag}-first", tp=tp, pp=pp, train_iters=ITERS, save=ckpt,
                      save_interval=1000, exit_interval=HALF)
-        resumed = _run(workdir, run_env, f"{tag}-resumed", tp=tp, pp=pp, train_iters=ITERS, load=ckpt)
+        resumed = _run(workdir, run_env, f"{tag}-resumed", tp=tp, pp=pp, train_iters=ITERS, load=ckpt,
+                       save=ckpt)
         _cache[key] = (full, first, resumed, ckpt)
     return _cache[key]
 
@@ -111,7 +112,7 @@ def test_bf16_tp2_pp2(workdir, run_env):
 def test_unwritable_save_fails_before_training(workdir, run_env, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    r = launch(4, tiny_gpt_args(train_iters=2, save=str(blocker / "sub")), env=run_env,
+    r = launch(1, tiny_gpt_args(train_iters=2, save=str(blocker / "sub")), env=run_env,
                timeout_s=TIMEOUT, loss_log=str(tmp_path / "l.jsonl"))
     assert r.returncode != 0
     assert "--save" in r.stderr
