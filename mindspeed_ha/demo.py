@@ -75,7 +75,7 @@ def run_demo(ns) -> int:
     workdir = os.path.abspath(ns.workdir) if keep else tempfile.mkdtemp(prefix="mindspeed-ha-demo-")
     os.makedirs(workdir, exist_ok=True)
     ckpt = os.path.join(workdir, "checkpoints")
-    launcher = [sys.executable, "-m", "mindspeed_ha.launcher"]
+    launcher = [sys.executable, "-m", "mindspeed_ha.launcher", "--standalone", f"--nproc-per-node={ns.nproc}"]
     tp, pp, iters = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size, ns.train_iters
     if not 1 <= ns.kill_iteration <= iters:
         print(f"--kill-iteration={ns.kill_iteration} must be in [1, --train-iters={iters}]", file=sys.stderr)

@@ -188,7 +188,7 @@ def _model_state(ctx: DyingContext, iteration: int, snapshot: IterationSnapshot)
     if gbs:
         args.consumed_train_samples = iteration * gbs
     state = ckpt.generate_state_dict(
-        args, ctx.model, ctx.optimizer, ctx.opt_param_scheduler, [snapshot.rng_state]
+        args, ckpt.unwrap_model(ctx.model), ctx.optimizer, ctx.opt_param_scheduler, [snapshot.rng_state]
     )
     state["iteration"] = iteration
     sched = state.get("opt_param_scheduler")
@@ -262,9 +262,28 @@ def commit(save_dir: str, iteration: int) -> str:
 
     root = staging_root(save_dir, iteration)
     tmp_iter = os.path.join(root, f"iter_{iteration:07d}")
+    final = ckpt.get_checkpoint_name(save_dir, iteration, return_base_dir=True)
+    if os.path.isdir(final):
+        # A periodic save of the same iteration already published it: keep that one.
+        ckpt.validate_checkpoint_dir(final, iteration)
+        if _tracker_iteration(save_dir) < iteration:
+            ckpt.write_tracker(save_dir, iteration)
+        shutil.rmtree(root, ignore_errors=True)
+        return f"{final} (already saved by a periodic checkpoint)"
     final = ckpt.commit_checkpoint(tmp_iter, save_dir, iteration)
     shutil.rmtree(root, ignore_errors=True)
     return str(final)
+
+
+def _tracker_iteration(save_dir: str) -> int:
+    """Iteration in the tracker file, read locally (no collective), -1 if none/unparsable."""
+    from mindspeed_ha.training import checkpointing as ckpt
+
+    try:
+        with open(ckpt.get_checkpoint_tracker_filename(save_dir)) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return -1
 
 
 def discard(save_dir: str, iteration: int) -> None:

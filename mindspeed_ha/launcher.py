@@ -171,8 +171,8 @@ def _exit_code(codes) -> int:
 def _outcome_text(controller) -> str:
     if controller is None:
         return "controller runs on another node"
-    outcome = getattr(controller, "outcome", None)
-    return f"controller outcome: {outcome}" if outcome is not None else "no controller decision"
+    outcome = controller.outcome()
+    return f"controller outcome: {outcome}"
 
 
 def _write_report(controller) -> None:

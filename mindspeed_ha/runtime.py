@@ -56,6 +56,29 @@ def reset() -> None:
         _runtime = None
 
 
+_uncaught = {"code": 0}
+
+
+def _install_exit_hooks() -> None:
+    """Say GOODBYE at interpreter exit, so a finished rank is not taken for a dead one."""
+    import atexit
+
+    previous = sys.excepthook
+
+    def excepthook(exc_type, exc, tb):
+        _uncaught["code"] = 1
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = excepthook
+
+    def goodbye():
+        rt = get_runtime()
+        if rt is not None:
+            rt.close(_uncaught["code"])
+
+    atexit.register(goodbye)
+
+
 class HARuntime:
     def __init__(self, config, args):
         self.config = config
@@ -86,11 +109,14 @@ class HARuntime:
             replica_count = n
         else:  # every DP rank holds the whole optimizer state
             instance_id, shard_id, replica_count = dp_rank, 0, dp
-        self.layout = dict(
+        from mindspeed_ha.control.state import Layout
+
+        self.layout = Layout(
             tp_rank=mpu.get_tensor_model_parallel_rank(), tp_size=mpu.get_tensor_model_parallel_world_size(),
             pp_rank=mpu.get_pipeline_model_parallel_rank(), pp_size=mpu.get_pipeline_model_parallel_world_size(),
             dp_rank=dp_rank, dp_size=dp, cp_rank=mpu.get_context_parallel_rank(),
             replica_count=replica_count, instance_id=instance_id, shard_id=shard_id,
+            cp_size=mpu.get_context_parallel_world_size(),
         )
         key = self._agree_auth_key()
         self._ensure_controller(key)
@@ -137,19 +163,24 @@ class HARuntime:
         if getattr(config, "auth_key", None) != key:
             config = dataclasses.replace(config, auth_key=key)
             self.config = config
-        self.processor = Processor(config, self.rank, self.layout, getattr(self.args, "save", None))
+        import torch.distributed as dist
+
+        self.processor = Processor(config, self.rank, self.layout, getattr(self.args, "save", None),
+                                   world_size=dist.get_world_size())
         for kind, fn in (("dump", self._on_dump), ("assemble", self._on_assemble), ("commit", self._on_commit)):
             self.processor.on_action(kind, fn)
         self.processor.start()
+        _install_exit_hooks()
 
     def attach(self, model, optimizer, opt_param_scheduler) -> None:
         if self.ctx is not None:
             return
-        lay = self.layout or {}
+        from mindspeed_ha.control.state import Layout
+
+        lay = self.layout or Layout()
         self.ctx = dying.DyingContext(
             args=self.args, model=model, optimizer=optimizer, opt_param_scheduler=opt_param_scheduler,
-            tp_rank=lay.get("tp_rank", 0), pp_rank=lay.get("pp_rank", 0), pp_size=lay.get("pp_size", 1),
-            shard_id=lay.get("shard_id", 0),
+            tp_rank=lay.tp_rank, pp_rank=lay.pp_rank, pp_size=lay.pp_size, shard_id=lay.shard_id,
         )
 
     # ---- step protocol ----------------------------------------------------------------

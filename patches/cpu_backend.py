@@ -128,6 +128,23 @@ def _set_rng_state(wrapped, instance, args, kwargs):
     torch.set_rng_state(new_state)
 
 
+class _CpuStream:
+    """Stand-in for ``torch.cuda.Stream`` on CPU: work is synchronous, waits are no-ops."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream):
+        return None
+
+    def synchronize(self):
+        return None
+
+
+def _stream(wrapped, instance, args, kwargs):
+    return _CpuStream(*args, **kwargs)
+
+
 def _manual_seed(wrapped, instance, args, kwargs):
     import torch
 
@@ -173,6 +190,8 @@ PATCHES = [
           versions=None, doc="torch.cuda.get_rng_state() -> CPU generator state"),
     Patch("cpu.torch_set_rng_state", "torch.cuda", "set_rng_state", _set_rng_state, FEATURE,
           versions=None, doc="torch.cuda.set_rng_state() -> CPU generator"),
+    Patch("cpu.torch_stream", "torch.cuda", "Stream", _stream, FEATURE, versions=None,
+          doc="torch.cuda.Stream() -> synchronous stand-in (DDP with optimizer instances)"),
     Patch("cpu.torch_manual_seed", "torch.cuda", "manual_seed", _manual_seed, FEATURE,
           versions=None, doc="torch.cuda.manual_seed() -> seeds the CPU generator"),
     # RNG tracker.
