@@ -232,17 +232,28 @@ class HARuntime:
         return self.processor.report_fault(exc, self.current)
 
     # ---- action handlers (processor action thread) -------------------------------------
+    def _roles(self, params: dict):
+        from mindspeed_ha.control.policy import DumpPlan
+
+        plan = DumpPlan.from_params(params)
+        return plan, plan.roles(self.rank)
+
     def _on_dump(self, params: dict):
-        k = int(params["iteration"])
-        self.injector.fire("dying", k)
-        detail = dying.dump(self.ctx, k, self.snapshot, bool(params.get("shard")), bool(params.get("model")))
-        return True, detail
+        plan, roles = self._roles(params)
+        self.injector.fire("dying", plan.iteration)
+        detail = dying.dump(self.ctx, plan.iteration, self.snapshot,
+                            write_shard=bool(roles["shards"]), write_model=bool(roles["models"]))
+        return True, f"rank {self.rank}: {detail}"
 
     def _on_assemble(self, params: dict):
-        return True, dying.assemble(self.ctx, int(params["iteration"]))
+        plan, roles = self._roles(params)
+        if not roles["assemble"]:
+            return True, "nothing to assemble"
+        return True, f"rank {self.rank}: {dying.assemble(self.ctx, plan.iteration)}"
 
     def _on_commit(self, params: dict):
-        return True, dying.commit(self.args.save, int(params["iteration"]))
+        plan, _ = self._roles(params)
+        return True, f"rank {self.rank}: {dying.commit(self.args.save, plan.iteration)}"
 
     def close(self, exit_code: int = 0) -> None:
         if self.processor is not None:
