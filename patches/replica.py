@@ -12,9 +12,15 @@ distributed optimizer and ``--ha-replica-count`` > 1):
   transfer"); every instance then runs the same optimizer update on its shard. On gloo
   a reduce-scatter equals an all-reduce's slice bit for bit (measured), so the gradients
   are bitwise those of a run without replicas.
-* grad norm / zero count: stock reduces the distributed optimizer's statistics over the
-  whole world, which counts every shard N times (norm too large by sqrt(N)). We reduce
-  over one instance (all ranks with the same instance id): each shard counted once.
+* grad norm: stock reduces the distributed optimizer's statistics over the whole world,
+  which counts every shard N times (norm too large by sqrt(N)). Each rank holds the
+  fully reduced gradient buffer, so it feeds the norm exactly the gradient slices that
+  DP rank ``r`` of a run *without* replicas would own (shard ``r`` of ``d`` of every
+  bucket, in the distributed optimizer's own order) and the world reduction stays as
+  stock: the grad norm, hence clipping, is bitwise that of a run without replicas.
+  Where a bucket is not divisible by ``d`` (padding is only to the instance size) the
+  statistics are reduced over one instance instead (each shard once; equal to within
+  rounding). The zero count (``--log-num-zeros-in-grad``) still counts each shard N times.
 * the CPU backend has no CUDA stream for the instance's communication stream: handled
   by the CPU backend patch set.
 """
@@ -82,8 +88,70 @@ def _grad_sync_full_dp(wrapped, instance, args, kwargs):
     return None
 
 
+def _replicated(opt) -> bool:
+    ddp = getattr(opt, "ddp_config", None)
+    return ddp is not None and ddp.num_distributed_optimizer_instances > 1
+
+
+def _remember_param_groups(wrapped, instance, args, kwargs):
+    """Record each model param's optimizer group index before the shards replace them."""
+    import inspect
+
+    bound = inspect.signature(wrapped).bind(*args, **kwargs)
+    torch_opt = bound.arguments["optimizer"]
+    group_of = {p: i for i, g in enumerate(torch_opt.param_groups) for p in g["params"]}
+    result = wrapped(*args, **kwargs)
+    instance._ha_param_group_of = group_of
+    return result
+
+
+def _virtual_shard_grads(opt):
+    """Grad slices DP rank ``r`` of a replica-free run would feed to the grad norm, or None.
+
+    Uses megatron-core's own range builder
+    (``DistributedOptimizer._build_model_gbuf_param_range_map``) for shard ``r`` of ``d``.
+    """
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+    from megatron.core.optimizer.distrib_optimizer import Range
+    from megatron.core.transformer.module import param_is_not_shared
+
+    group_of = getattr(opt, "_ha_param_group_of", None)
+    if group_of is None or opt.config.use_precision_aware_optimizer:
+        return None
+    d = mpu.get_data_parallel_world_size(with_context_parallel=True)
+    r = mpu.get_data_parallel_rank(with_context_parallel=True)
+    per_group = [[] for _ in opt.optimizer.param_groups]
+    for buffer in opt.buffers:
+        for bucket in buffer.buckets:
+            size = bucket.grad_data.numel()
+            if size % d:
+                return None
+            start = r * (size // d)
+            world = Range(start + bucket.offset, start + size // d + bucket.offset)
+            ranges = opt._build_model_gbuf_param_range_map(buffer.param_index_map, world, bucket.offset)
+            for model_param, rng in ranges.items():
+                if model_param not in group_of:
+                    return None
+                if not (param_is_not_shared(model_param)
+                        and tensor_parallel.param_is_not_tensor_parallel_duplicate(model_param)):
+                    continue
+                grad = model_param.main_grad.view(-1)[rng["param"].start:rng["param"].end]
+                per_group[group_of[model_param]].append(grad.float())
+    return [g for group in per_group for g in group]
+
+
+def _main_grads_of_virtual_shard(wrapped, instance, args, kwargs):
+    if _replicated(instance):
+        grads = _virtual_shard_grads(instance)
+        if grads is not None:
+            return grads
+        instance._ha_norm_over_instance = True
+    return wrapped(*args, **kwargs)
+
+
 def _grad_stats_over_instance(wrapped, instance, args, kwargs):
-    if _INSTANCE_GROUP is not None and instance.ddp_config.num_distributed_optimizer_instances > 1:
+    if _INSTANCE_GROUP is not None and getattr(instance, "_ha_norm_over_instance", False):
         return _INSTANCE_GROUP
     return wrapped(*args, **kwargs)
 
@@ -106,11 +174,27 @@ PATCHES = [
         doc="all-reduce gradients over the full DP group (bitwise equal to no replicas)",
     ),
     Patch(
+        name="replica.param_groups",
+        module="megatron.core.optimizer.distrib_optimizer",
+        attribute="DistributedOptimizer.__init__",
+        wrapper=_remember_param_groups,
+        feature="replica",
+        doc="remember each model param's optimizer group (for the replica-free grad norm)",
+    ),
+    Patch(
+        name="replica.grad_norm_grads",
+        module="megatron.core.optimizer.optimizer",
+        attribute="MegatronOptimizer.get_main_grads_for_grad_norm",
+        wrapper=_main_grads_of_virtual_shard,
+        feature="replica",
+        doc="grad norm over the replica-free shard r of d (bitwise equal to no replicas)",
+    ),
+    Patch(
         name="replica.grad_norm_group",
         module="megatron.core.optimizer.distrib_optimizer",
         attribute="DistributedOptimizer.get_grad_stats_parallel_group",
         wrapper=_grad_stats_over_instance,
         feature="replica",
-        doc="reduce grad norm / zero count over one optimizer instance (each shard once)",
+        doc="fallback: reduce grad norm over one optimizer instance (each shard once)",
     ),
 ]
