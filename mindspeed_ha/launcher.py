@@ -129,16 +129,22 @@ def main(argv=None) -> int:
     global _survivors
     from mindspeed_ha.config import HAConfig
 
-    os.environ.setdefault("MINDSPEED_HA_AUTH_KEY", secrets.token_hex(32))
-    config = HAConfig.from_args(ns)
-    controller = None
-    if int(targs.node_rank) == 0 and _is_local_address(config.controller_addr):
-        from mindspeed_ha.control.controller import Controller
+    from mindspeed_ha.config import ConfigError
 
-        controller = Controller(config, world_size=_world_size(targs),
-                                bind_addr=config.controller_addr, port=config.controller_port)
-        controller.start()
-        os.environ["MINDSPEED_HA_CONTROLLER_HOSTED"] = "1"
+    os.environ.setdefault("MINDSPEED_HA_AUTH_KEY", secrets.token_hex(32))
+    controller = None
+    try:
+        config = HAConfig.from_args(ns)
+        if int(targs.node_rank) == 0 and _is_local_address(config.controller_addr):
+            from mindspeed_ha.control.controller import Controller
+
+            controller = Controller(config, world_size=_world_size(targs),
+                                    bind_addr=config.controller_addr, port=config.controller_port)
+            controller.start()
+            os.environ["MINDSPEED_HA_CONTROLLER_HOSTED"] = "1"
+    except ConfigError as exc:  # before any worker starts: nothing is lost
+        print(f"mindspeed-ha-run: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     _survivors = _Survivors(controller, float(os.environ.get(ENV_GRACE, "600")))
     wrapt.wrap_function_wrapper(
         "torch.distributed.elastic.multiprocessing.api", "SubprocessContext._poll", _poll_lets_survivors_finish

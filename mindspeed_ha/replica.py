@@ -61,23 +61,35 @@ def shard_holders(dp_ranks: Sequence[int], replica_count: int) -> Dict[int, List
 
 @dataclass(frozen=True)
 class MemoryModel:
-    """Bytes per parameter held on one device by model + optimizer state.
+    """Bytes per parameter held on one device by model + optimizer state (Adam).
 
-    Source: Megatron-LM docs/source/api-guide/dist_optimizer.md (core_v0.12.1), table
-    "bytes per parameter" for Adam: fp16/bf16 params and grads: non-distributed 20,
-    distributed ``4 + 16/d``; fp32 params and grads: non-distributed 16, distributed
-    ``8 + 8/d``. With ``N`` replicas the sharded part is held by ``d/N`` ranks instead of
-    ``d``: ``4 + 16*N/d`` and ``8 + 8*N/d``.
+    Source: Megatron-LM ``docs/source/api-guide/dist_optimizer.md`` (core_v0.12.1), table
+    of bytes per parameter. With ``N`` replicas the sharded part is held by ``d/N`` ranks
+    instead of ``d``, so its ``/d`` becomes ``*N/d``:
+
+    ===========================  ===============  ====================
+    params / grads                non-distributed  distributed
+    ===========================  ===============  ====================
+    bf16 / bf16                   20               ``4 + 16*N/d``
+    bf16 / fp32 (Megatron-LM's    18               ``6 + 12*N/d``
+    bf16 default)
+    fp32 / fp32                   16               ``8 + 8*N/d``
+    ===========================  ===============  ====================
     """
 
     dp_size: int
     replica_count: int = 1
     distributed: bool = True
     bf16: bool = True
+    fp32_grads: bool = False
 
     def bytes_per_param(self) -> float:
         if not self.bf16:
-            return 16.0 if not self.distributed else 8.0 + 8.0 * self.replica_count / self.dp_size
+            unsharded, sharded, whole = 8.0, 8.0, 16.0
+        elif self.fp32_grads:
+            unsharded, sharded, whole = 6.0, 12.0, 18.0
+        else:
+            unsharded, sharded, whole = 4.0, 16.0, 20.0
         if not self.distributed:
-            return 20.0
-        return 4.0 + 16.0 * self.replica_count / self.dp_size
+            return whole
+        return unsharded + sharded * self.replica_count / self.dp_size

@@ -1,0 +1,91 @@
+"""Bad input gets a clear error naming the flag / env var, before any work can be lost."""
+
+import socket
+import sys
+
+import pytest
+
+from mindspeed_ha.config import ConfigError
+from mindspeed_ha.testing.harness import launch, tiny_gpt_args
+
+
+@pytest.fixture
+def parse(monkeypatch):
+    """Megatron-shaped parse_args with the HA patch, as rank 0 of a 4-rank job."""
+    from mindspeed_ha import runtime
+    from mindspeed_ha.patches import registry
+    from mindspeed_ha.training import arguments
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    for var in ("TTP_ADDR", "CONTROLLER_ADDR", "TTP_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    before = set(registry.enabled_features())
+    yield lambda extra: arguments.parse_args(args=tiny_gpt_args(pp=2) + list(extra))
+    registry.disable(*(set(registry.enabled_features()) - before))
+    runtime.reset()
+
+
+def test_wrong_replica_count_names_flag(parse):
+    with pytest.raises(ConfigError, match=r"--ha-replica-count"):
+        parse(["--enable-high-availability", "--ha-replica-count", "3"])
+
+
+def test_repair_without_master_switch(parse):
+    with pytest.raises(ConfigError, match=r"--enable-high-availability"):
+        parse(["--enable-hbmfault-repair"])
+
+
+def test_empty_ttp_addr_names_env(parse, monkeypatch):
+    monkeypatch.setenv("TTP_ADDR", "")
+    with pytest.raises(ConfigError, match="TTP_ADDR"):
+        parse(["--enable-high-availability"])
+
+
+def test_no_replica_activates_no_replica_patch(parse):
+    from mindspeed_ha.patches import registry
+
+    args = parse(["--enable-high-availability", "--distributed-optimizer-no-replica"])
+    assert args.num_distributed_optimizer_instances == 1
+    assert not registry.is_enabled("replica")
+    assert registry.active("replica") == []
+
+
+def test_ha_flags_off_enable_nothing(parse):
+    from mindspeed_ha.patches import registry
+
+    args = parse([])
+    assert args.num_distributed_optimizer_instances == 1
+    assert not registry.is_enabled("ha") and not registry.is_enabled("replica")
+
+
+def test_controller_port_in_use_fails_before_workers_start(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = launch(2, tiny_gpt_args(train_iters=2) + ["--enable-high-availability", "--ha-controller-port", str(port),
+                                                      "--save", str(tmp_path / "ckpt")],
+                   launcher=[sys.executable, "-m", "mindspeed_ha.launcher", "--standalone", "--nproc-per-node=2"],
+                   timeout_s=120)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert str(port) in r.stderr and "--ha-controller-port" in r.stderr
+    assert "training ..." not in r.stdout  # no worker started
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_unwritable_save_dir_fails_before_training(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    r = launch(1, tiny_gpt_args(train_iters=2) + ["--enable-high-availability", "--save", str(blocker / "ckpt")],
+               launcher=[sys.executable, "-m", "mindspeed_ha.launcher", "--standalone", "--nproc-per-node=1"],
+               timeout_s=120, env={"TTP_PORT": str(_free_port())})
+    assert r.returncode != 0
+    assert "--save" in r.stdout + r.stderr
+    assert "iteration        1/" not in r.stdout
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
