@@ -108,6 +108,7 @@ class Controller:
         self._router = None
         self._monitor = None
         self._wake_r = self._wake_w = -1
+        self._wake_lock = threading.Lock()
         self._ident: Dict[int, bytes] = {}
         self._rank_of_ident: Dict[bytes, int] = {}
         self._rank_of_fd: Dict[int, int] = {}
@@ -145,6 +146,7 @@ class Controller:
         self._monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._thread = threading.Thread(target=self._run, name="mindspeed-ha-controller", daemon=True)
         self._thread.start()
         log.info("controller listening on %s:%d for %d ranks", self.bind_addr, self._port, self.world_size)
@@ -157,10 +159,11 @@ class Controller:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
-        for fd in (self._wake_r, self._wake_w):
+        with self._wake_lock:
+            fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
+        for fd in fds:
             if fd >= 0:
                 os.close(fd)
-        self._wake_r = self._wake_w = -1
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -172,11 +175,12 @@ class Controller:
         self.stop()
 
     def _wake(self) -> None:
-        if self._wake_w >= 0:
-            try:
-                os.write(self._wake_w, b"x")
-            except (BlockingIOError, OSError):
-                pass
+        with self._wake_lock:
+            if self._wake_w >= 0:
+                try:
+                    os.write(self._wake_w, b"x")
+                except (BlockingIOError, OSError):
+                    pass
 
     # ------------------------------------------------------------------ public API
     def report_rank_exit(self, rank: int, exitcode: int) -> None:
@@ -443,7 +447,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mindspeed_ha.control.controller",
                                 description="mindspeed-ha job controller (exits with the job)")
     p.add_argument("--world-size", type=int, required=True)
-    p.add_argument("--port", type=int, default=None, help=f"default: {ENV_TTP_PORT} or 8000")
+    p.add_argument("--port", type=int, default=None, help=f"default: {ENV_TTP_PORT} or 8000; 0: any free port")
     p.add_argument("--bind", default=None, help="bind address (default: CONTROLLER_ADDR/TTP_ADDR or 127.0.0.1)")
     p.add_argument("--save", default=None, help="fallback --save directory if ranks register none")
     p.add_argument("--registration-timeout", type=float, default=None,
@@ -451,7 +455,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        cfg = HAConfig.from_args(argparse.Namespace(save=a.save, ha_controller_port=a.port), os.environ)
+        cfg = HAConfig.from_args(argparse.Namespace(save=a.save), os.environ)
         ctl = Controller(cfg, a.world_size, a.bind, a.port if a.port is not None else cfg.controller_port)
         ctl.start()
     except ConfigError as exc:

@@ -145,10 +145,10 @@ class NoCompleteData:
 
 
 def _holder_state(info: RankInfo, unavailable: Mapping[int, str]) -> str:
-    if info.rank in unavailable:
-        return f"rank {info.rank} unavailable ({unavailable[info.rank]})"
     if not info.alive:
         return f"rank {info.rank} dead ({info.dead_reason or 'exited'})"
+    if info.rank in unavailable:
+        return f"rank {info.rank} unavailable ({unavailable[info.rank]})"
     if not info.stopped:
         return f"rank {info.rank} did not answer STOP"
     if info.fault is FaultKind.UCE:

@@ -133,6 +133,8 @@ class Processor:
         self._worker: Optional[threading.Thread] = None
         self._closed = False
         self.stop_received_at: Optional[float] = None
+        #: set when STOP arrives (frozen); for the runtime and tests to wait on
+        self.stop_event = threading.Event()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, timeout: Optional[float] = None) -> "Processor":
@@ -167,27 +169,35 @@ class Processor:
         return self
 
     def close(self, exit_code: Optional[int] = 0, timeout: float = 2.0) -> None:
-        """Send GOODBYE(exit_code) (unless None), stop the threads, close the socket. Idempotent."""
+        """Send GOODBYE(exit_code) (unless None), stop the threads, close the socket.
+
+        Idempotent; a second call (e.g. the main thread after EXIT closed the
+        processor from the action thread) only waits for the threads to end.
+        """
         with self._cond:
-            if self._closed:
-                return
+            first = not self._closed
             self._closed = True
-            if exit_code is not None and self._sock is not None:
+            if first and exit_code is not None and self._sock is not None:
                 self._outbox.append(wire.Goodbye(self.rank, int(exit_code)))
             self._cond.notify_all()
-        self._stop_io.set()
-        self._poke()
-        with self._actions_cv:
-            self._actions.append(None)
-            self._actions_cv.notify()
+        if first:
+            self._stop_io.set()
+            with self._cond:
+                self._poke()
+            with self._actions_cv:
+                self._actions.append(None)
+                self._actions_cv.notify()
         me = threading.current_thread()
         for t in (self._io, self._worker):
-            if t is not None and t is not me:
+            if t is not None and t is not me and t.ident is not None:
                 t.join(timeout)
-        for fd in (self._wake_r, self._wake_w):
+        if not first:
+            return
+        with self._cond:  # pokes happen under this lock: never write to a closed (reused) fd
+            fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
+        for fd in fds:
             if fd >= 0:
                 os.close(fd)
-        self._wake_r = self._wake_w = -1
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -344,7 +354,7 @@ class Processor:
             log.exception("rank %d: processor I/O thread failed", self.rank)
         finally:
             self._flush_outbox()
-            self._sock.close(linger=1000)
+            self._sock.close(linger=500)  # GOODBYE gets 0.5 s to leave; the controller also sees the disconnect
 
     def _handle(self, msg: wire.Message) -> None:
         t, body = msg.type, msg.body
@@ -362,6 +372,7 @@ class Processor:
                 self.stop_received_at = time.monotonic()
                 st, it = self._state.snapshot()
                 self._outbox.append(wire.Stopped(self.rank, st.value, it))
+            self.stop_event.set()
             log.warning("rank %d: STOP (%s); frozen at %s@%d", self.rank, body.reason, st.value, it)
         elif t is wire.MsgType.ACTION:
             with self._actions_cv:
