@@ -16,8 +16,11 @@ Step protocol, called by the training main thread (call-ordering rules):
 3. on an exception in the step: ``report_fault(exc, k)``, which returns the
    controller's action for the main thread (RETRY / RESUME / EXIT).
 
-Both update calls take the lock, move the authoritative :class:`RankState`, append a
-STATUS to the outbox and poke the I/O thread: a few microseconds, no I/O.
+Both update calls take the lock, move the authoritative :class:`RankState` and mark
+it dirty: a few microseconds, no I/O, no thread wake-up. The I/O thread sends the
+latest status as one STATUS at its next wake-up (at most ``heartbeat_interval_s``
+later; every HEARTBEAT carries it too). Intermediate statuses are coalesced: the
+controller needs exact status only at STOP, and STOPPED carries it.
 
 Freeze protocol: on STOP the I/O thread sets ``frozen`` under the same lock, takes
 the authoritative status and queues STOPPED behind every earlier STATUS, so the
@@ -120,6 +123,7 @@ class Processor:
         self._main_action: Optional[wire.Action] = None
         self._outbox: Deque[Any] = collections.deque()
         self._wake_pending = False
+        self._status_dirty = False
         self._handlers: Dict[str, Handler] = {}
         self._actions: Deque[Optional[wire.Action]] = collections.deque()
         self._actions_cv = threading.Condition(threading.Lock())
@@ -233,13 +237,13 @@ class Processor:
             if self._exited is not None:
                 raise ProcessorExited(f"rank {self.rank}: job ended ({self._exited[1]})")
             self._state.transition(OptimizerStatus.UPDATING, iteration)
-            self._queue_locked(wire.Status(self.rank, OptimizerStatus.UPDATING.value, iteration))
+            self._status_dirty = True
 
     def end_update(self, iteration: int) -> None:
         """Mark the optimizer UPDATED at ``iteration`` (never blocks)."""
         with self._cond:
             self._state.transition(OptimizerStatus.UPDATED, iteration)
-            self._queue_locked(wire.Status(self.rank, OptimizerStatus.UPDATED.value, iteration))
+            self._status_dirty = True
 
     def report_fault(self, exc_or_kind: Union[BaseException, FaultKind, str], iteration: int,
                      timeout: Optional[float] = None) -> wire.Action:
@@ -306,6 +310,14 @@ class Processor:
                              self.save_dir, self.run_id, status.value, it)
 
     def _flush_outbox(self) -> None:
+        with self._cond:
+            status = None
+            if self._status_dirty:
+                self._status_dirty = False
+                st, it = self._state.snapshot()
+                status = wire.Status(self.rank, st.value, it)
+        if status is not None:
+            self._send(status)
         while True:
             with self._cond:
                 self._wake_pending = False
@@ -371,6 +383,7 @@ class Processor:
                 self._frozen = True
                 self.stop_received_at = time.monotonic()
                 st, it = self._state.snapshot()
+                self._status_dirty = False  # STOPPED carries it
                 self._outbox.append(wire.Stopped(self.rank, st.value, it))
             self.stop_event.set()
             log.warning("rank %d: STOP (%s); frozen at %s@%d", self.rank, body.reason, st.value, it)
