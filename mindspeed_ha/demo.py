@@ -61,21 +61,28 @@ def _compare(baseline: Dict[int, str], recovered: Dict[int, str]):
     return rows, verdict, max_diff
 
 
-def _phase_seconds(report: Optional[dict]) -> Dict[str, Optional[float]]:
+def _phase_seconds(report: Optional[dict], kill_wall: Optional[float]) -> Dict[str, Optional[float]]:
+    """detect: SIGKILL -> the controller has evidence (agent report / closed connection);
+    decide: evidence -> DUMP sent (freeze every survivor, collect status, choose k and savers);
+    save: DUMP -> EXIT sent (shards + model files, assembly, validation, rename, tracker);
+    total: SIGKILL -> EXIT sent."""
+    out = {"detect": None, "decide": None, "save": None, "total": None}
     if not report:
-        return {"detect": None, "decide": None, "save": None, "total": None}
+        return out
     phases = report.get("phase_seconds") or {}
-    return {k: phases.get(k) for k in ("detect", "decide", "save", "total")}
+    if kill_wall is not None and report.get("fault_wall") is not None:
+        out["detect"] = max(0.0, report["fault_wall"] - kill_wall)
+    if phases.get("decide") is not None:
+        out["decide"] = phases["decide"] + (phases.get("detect") or 0.0)
+    out["save"] = phases.get("save")
+    if kill_wall is not None and report.get("exit_wall") is not None:
+        out["total"] = report["exit_wall"] - kill_wall
+    return out
 
 
 def run_demo(ns) -> int:
     from mindspeed_ha.testing.harness import launch, tiny_gpt_args
 
-    keep = ns.workdir is not None
-    workdir = os.path.abspath(ns.workdir) if keep else tempfile.mkdtemp(prefix="mindspeed-ha-demo-")
-    os.makedirs(workdir, exist_ok=True)
-    ckpt = os.path.join(workdir, "checkpoints")
-    launcher = [sys.executable, "-m", "mindspeed_ha.launcher", "--standalone", f"--nproc-per-node={ns.nproc}"]
     tp, pp, iters = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size, ns.train_iters
     if not 1 <= ns.kill_iteration <= iters:
         print(f"--kill-iteration={ns.kill_iteration} must be in [1, --train-iters={iters}]", file=sys.stderr)
@@ -83,6 +90,11 @@ def run_demo(ns) -> int:
     if not 0 <= ns.kill_rank < ns.nproc:
         print(f"--kill-rank={ns.kill_rank} must be in [0, {ns.nproc - 1}]", file=sys.stderr)
         return 2
+    keep = ns.workdir is not None
+    workdir = os.path.abspath(ns.workdir) if keep else tempfile.mkdtemp(prefix="mindspeed-ha-demo-")
+    os.makedirs(workdir, exist_ok=True)
+    ckpt = os.path.join(workdir, "checkpoints")
+    launcher = [sys.executable, "-m", "mindspeed_ha.launcher", "--standalone", f"--nproc-per-node={ns.nproc}"]
 
     def args(extra):
         a = tiny_gpt_args(tp=tp, pp=pp, train_iters=iters) + ["--enable-high-availability",
@@ -93,6 +105,7 @@ def run_demo(ns) -> int:
 
     inject = f"rank={ns.kill_rank},iteration={ns.kill_iteration},point={ns.kill_point},fault=kill"
     report_path = os.path.join(workdir, "controller_report.json")
+    inject_log = os.path.join(workdir, "injected.jsonl")
     summary: dict = {"fault": f"SIGKILL at {ns.kill_point}", "killed_rank": ns.kill_rank,
                      "kill_iteration": ns.kill_iteration, "kill_point": ns.kill_point,
                      "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
@@ -110,7 +123,8 @@ def run_demo(ns) -> int:
         print(f"[2/3] faulty: kill rank {ns.kill_rank} at {ns.kill_point} of iteration {ns.kill_iteration}", flush=True)
         t0 = time.monotonic()
         faulty = launch(ns.nproc, args(["--save", ckpt]), launcher=launcher, timeout_s=900,
-                        env={"MINDSPEED_HA_INJECT": inject, "MINDSPEED_HA_REPORT": report_path})
+                        env={"MINDSPEED_HA_INJECT": inject, "MINDSPEED_HA_REPORT": report_path,
+                             "MINDSPEED_HA_INJECT_LOG": inject_log})
         summary["faulty_seconds"] = round(time.monotonic() - t0, 2)
         summary["faulty_exit_code"] = faulty.returncode
         controller_report = None
@@ -120,7 +134,11 @@ def run_demo(ns) -> int:
         tracker = os.path.join(ckpt, "latest_checkpointed_iteration.txt")
         ckpt_iter = int(open(tracker).read().strip()) if os.path.exists(tracker) else None
         summary["checkpoint_iteration"] = ckpt_iter
-        summary["phase_seconds"] = _phase_seconds(controller_report)
+        kill_wall = None
+        if os.path.exists(inject_log):
+            with open(inject_log) as f:
+                kill_wall = json.loads(f.readline())["wall"]
+        summary["phase_seconds"] = _phase_seconds(controller_report, kill_wall)
         completed = ns.kill_iteration if ns.kill_point == "between" else ns.kill_iteration - 1
         summary["completed_before_fault"] = completed
         if faulty.returncode != faults.EXIT_DYING_CHECKPOINT_SAVED or ckpt_iter is None:

@@ -182,13 +182,28 @@ def _outcome_text(controller) -> str:
 
 
 def _write_report(controller) -> None:
+    """``MINDSPEED_HA_REPORT``: the controller's outcome as JSON (times in seconds)."""
     path = os.environ.get(ENV_REPORT)
     if not path:
         return
-    report = controller.report() if hasattr(controller, "report") else {"events": list(getattr(controller, "events", []))}
+    o = controller.outcome()
+    to_wall = time.time() - controller.clock()  # controller clock -> wall clock
+    fault_at = None if o.fault_rank is None else controller.state.fault.at
+    first = {}
+    for e in o.events:
+        first.setdefault(e.action.value, e.t)
+    report = {
+        "phase": o.phase.value, "exit_code": o.exit_code, "reason": o.reason, "iteration": o.iteration,
+        "fault_rank": o.fault_rank, "fault_kind": o.fault_kind.value if o.fault_kind else None,
+        "phase_seconds": o.timings,
+        "fault_wall": None if fault_at is None else fault_at + to_wall,
+        "exit_wall": None if "exit" not in first else first["exit"] + to_wall,
+        "events": [{"t_wall": e.t + to_wall, "phase": e.phase.value, "action": e.action.value, "reason": e.reason}
+                   for e in o.events],
+    }
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
-        json.dump(report, f, indent=1, default=str)
+        json.dump(report, f, indent=1)
     os.replace(tmp, path)
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 ENV = "MINDSPEED_HA_INJECT"
+ENV_LOG = "MINDSPEED_HA_INJECT_LOG"  # optional: append a JSON line per fired fault
 POINTS = ("forward", "backward", "grad_sync", "optimizer", "between", "dying")
 FAULTS = ("kill", "raise")
 
@@ -102,6 +103,14 @@ class Injector:
             return
         msg = f"mindspeed-ha injector: {spec.fault} rank {self.rank} at {point} of iteration {iteration}"
         print(msg, flush=True)
+        log_path = os.environ.get(ENV_LOG)
+        if log_path:  # when it happened, for recovery-time measurements (wall clock, seconds)
+            import json
+            import time
+
+            with open(log_path, "a") as f:
+                f.write(json.dumps({"rank": self.rank, "point": point, "iteration": iteration,
+                                    "fault": spec.fault, "wall": time.time()}) + "\n")
         if spec.fault == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         raise InjectedFault(f"{msg} (Connection closed by peer [injected])")
