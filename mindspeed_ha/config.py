@@ -176,9 +176,10 @@ class HAConfig:
             raise ConfigError(
                 f"--distributed-optimizer-no-replica forces --ha-replica-count=1 (got {self.replica_count})"
             )
-        if not isinstance(self.controller_port, int) or not 1 <= self.controller_port <= 65535:
+        if not isinstance(self.controller_port, int) or not 0 <= self.controller_port <= 65535:
             raise ConfigError(
-                f"--ha-controller-port / {ENV_TTP_PORT}={self.controller_port!r}: accepted range 1..65535"
+                f"--ha-controller-port / {ENV_TTP_PORT}={self.controller_port!r}: accepted range 0..65535 "
+                f"(0: mindspeed-ha-run picks a free port)"
             )
         for name, env in (
             ("heartbeat_interval_s", ENV_HEARTBEAT_INTERVAL),
@@ -315,7 +316,11 @@ def controller_addr_from(args: Any, env: Mapping[str, str]) -> str:
 
 
 def port_from(args: Any, env: Mapping[str, str]) -> int:
-    """Controller port: ``TTP_PORT`` > ``--ha-controller-port`` > 8000, range 1..65535."""
+    """Controller port: ``TTP_PORT`` > ``--ha-controller-port`` > 8000, range 0..65535.
+
+    0 asks ``mindspeed-ha-run`` to bind a free port and pass it to the workers in
+    ``TTP_PORT``; without the launcher the runtime rejects it.
+    """
     source, raw = (ENV_TTP_PORT, env[ENV_TTP_PORT]) if env.get(ENV_TTP_PORT) else (
         "--ha-controller-port", _arg(args, "ha_controller_port"))
     if raw is None:
@@ -323,9 +328,9 @@ def port_from(args: Any, env: Mapping[str, str]) -> int:
     try:
         port = int(raw)
     except (TypeError, ValueError):
-        raise ConfigError(f"{source}={raw!r} is not an integer port (accepted range 1..65535)") from None
-    if not 1 <= port <= 65535:
-        raise ConfigError(f"{source}={raw!r} is out of range (accepted range 1..65535)")
+        raise ConfigError(f"{source}={raw!r} is not an integer port (accepted range 0..65535)") from None
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{source}={raw!r} is out of range (accepted range 0..65535; 0: the launcher picks)")
     return port
 
 
@@ -375,7 +380,8 @@ def add_ha_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help=f"Controller address; env {ENV_CONTROLLER_ADDR} > {ENV_TTP_ADDR} > this flag > "
                         f"{DEFAULT_CONTROLLER_ADDR}.")
     g.add_argument("--ha-controller-port", type=int, default=None,
-                   help=f"Controller port (1..65535); env {ENV_TTP_PORT} > this flag > {DEFAULT_PORT}.")
+                   help=f"Controller port (1..65535, or 0: mindspeed-ha-run picks a free one); "
+                        f"env {ENV_TTP_PORT} > this flag > {DEFAULT_PORT}.")
     g.add_argument("--ha-heartbeat-interval", type=float, default=None,
                    help=f"Heartbeat period, s (env {ENV_HEARTBEAT_INTERVAL}; default {DEFAULT_HEARTBEAT_INTERVAL_S}).")
     g.add_argument("--ha-heartbeat-timeout", type=float, default=None,

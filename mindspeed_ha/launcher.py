@@ -142,6 +142,7 @@ def main(argv=None) -> int:
                                     bind_addr=config.controller_addr, port=config.controller_port)
             controller.start()
             os.environ["MINDSPEED_HA_CONTROLLER_HOSTED"] = "1"
+            os.environ["TTP_PORT"] = str(controller.port)  # the bound port (matters for port 0)
     except ConfigError as exc:  # before any worker starts: nothing is lost
         print(f"mindspeed-ha-run: error: {exc}", file=sys.stderr, flush=True)
         return 2

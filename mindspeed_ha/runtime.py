@@ -21,7 +21,7 @@ import os
 import subprocess
 import sys
 import threading
-from typing import Any, Optional
+from typing import Optional
 
 from mindspeed_ha import dying
 from mindspeed_ha.testing.injector import Injector
@@ -77,6 +77,33 @@ def _install_exit_hooks() -> None:
             rt.close(_uncaught["code"])
 
     atexit.register(goodbye)
+    _install_sigterm_deferral()
+
+
+def _install_sigterm_deferral() -> None:
+    """Let a survivor finish the dying checkpoint when its launcher sends SIGTERM.
+
+    Plain torchrun SIGTERMs every worker as soon as one fails (then SIGKILLs after its
+    grace, 30 s by default). If the controller has frozen this rank (a fault is being
+    handled) the signal is deferred: the processor ends the process with the
+    controller's exit code once the checkpoint is written. Otherwise, after waiting up
+    to ``stop_timeout_s`` for the controller's STOP, the default action runs.
+    """
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def on_sigterm(signum, frame):
+        rt = get_runtime()
+        proc = rt.processor if rt is not None else None
+        if proc is not None and proc.stop_event.wait(rt.config.stop_timeout_s):
+            log.warning("rank %d: SIGTERM deferred: a dying checkpoint is in progress", rt.rank)
+            return
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 class HARuntime:
@@ -145,7 +172,13 @@ class HARuntime:
         Detached (own session) so that the controller outlives a SIGKILL of rank 0 and can
         still drive the dying checkpoint; it exits by itself when the job is over.
         """
-        if os.environ.get(ENV_CONTROLLER_HOSTED) == "1" or self.rank != 0:
+        if os.environ.get(ENV_CONTROLLER_HOSTED) == "1":
+            return
+        if self.config.controller_port == 0:
+            from mindspeed_ha.config import ConfigError
+
+            raise ConfigError("--ha-controller-port 0 (pick a free port) needs the mindspeed-ha-run launcher")
+        if self.rank != 0:
             return
         env = dict(os.environ, **{ENV_AUTH_KEY: key.hex()})
         cmd = [sys.executable, "-m", "mindspeed_ha.control.controller",

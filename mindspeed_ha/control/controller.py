@@ -341,7 +341,8 @@ class Controller:
         elif t is wire.MsgType.FAULT:
             info.fault = FaultKind(body.kind) if body.kind in FaultKind._value2member_map_ else FaultKind.UNKNOWN
             info.fault_message = body.message
-            info.status, info.iteration = OptimizerStatus(body.status), body.iteration
+            # body.iteration is the iteration being computed, not the optimizer status's:
+            # STATUS / STOPPED messages stay the only source of (status, iteration).
             if info.failed_at is None:
                 info.failed_at = now
             log.warning("rank %d: %s fault at iteration %d: %s", rank, info.fault.value, body.iteration, body.message)
