@@ -240,6 +240,10 @@ class HARuntime:
             if self.processor is not None:
                 self.processor.end_update(self.current)
 
+    def abort_update(self) -> None:
+        """The update raised: leave the status UPDATING (dirty), unwind the nesting."""
+        self._update_depth -= 1
+
     def iteration_done(self) -> None:
         k = self.current
         if self.snapshot is None or self.snapshot.iteration != k:  # update skipped (inf/nan)

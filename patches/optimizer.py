@@ -29,7 +29,7 @@ def _update_bracket(wrapped, instance, args, kwargs):
         if ok:
             rt.end_update()
         else:
-            rt._update_depth -= 1  # stays UPDATING: the state is dirty
+            rt.abort_update()  # stays UPDATING: the state is dirty
 
 
 _TARGETS = [
