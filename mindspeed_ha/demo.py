@@ -134,16 +134,24 @@ def run_demo(ns) -> int:
         summary["phase_seconds"] = _phase_seconds(controller_report, kill_wall)
         completed = ns.kill_iteration if ns.kill_point == "between" else ns.kill_iteration - 1
         summary["completed_before_fault"] = completed
-        if faulty.returncode != faults.EXIT_DYING_CHECKPOINT_SAVED or ckpt_iter is None:
+        nothing_to_save = (completed == 0 and ckpt_iter is None
+                           and faulty.returncode == faults.EXIT_NO_COMPLETE_DATA)
+        if nothing_to_save:  # killed in iteration 1: no completed step exists, none is lost
+            print("no iteration had completed before the fault: nothing to save; restarting from scratch")
+            ckpt_iter = 0
+            summary["checkpoint_iteration"] = 0
+        elif faulty.returncode != faults.EXIT_DYING_CHECKPOINT_SAVED or ckpt_iter is None:
             print(faulty.stdout[-4000:], faulty.stderr[-4000:], sep="\n", file=sys.stderr)
             print(f"no dying checkpoint (exit code {faulty.returncode})", file=sys.stderr)
             summary.update(steps_lost=None, loss_match="differ", max_abs_loss_diff=None, recovered=False)
             return 1
         summary["steps_lost"] = max(0, completed - ckpt_iter)
 
-        print(f"[3/3] resume from the dying checkpoint at iteration {ckpt_iter}", flush=True)
+        print(f"[3/3] resume from the dying checkpoint at iteration {ckpt_iter}" if not nothing_to_save
+              else "[3/3] restart from iteration 0", flush=True)
         t0 = time.monotonic()
-        resumed = launch(ns.nproc, args(["--load", ckpt, "--save", ckpt]), launcher=launcher, timeout_s=900)
+        resume_args = ["--save", ckpt] if nothing_to_save else ["--load", ckpt, "--save", ckpt]
+        resumed = launch(ns.nproc, args(resume_args), launcher=launcher, timeout_s=900)
         summary["resume_seconds"] = round(time.monotonic() - t0, 2)
         if resumed.returncode != 0:
             print(resumed.stdout[-3000:], resumed.stderr[-3000:], sep="\n", file=sys.stderr)

@@ -76,20 +76,51 @@ def _poll_lets_survivors_finish(wrapped, instance, args, kwargs):
             log.warning("worker rank %d exited with %d; %d still running", rank, code, len(running))
             if state.controller is not None:
                 state.controller.report_rank_exit(rank, code)
-    if failed and running and time.monotonic() - state.first_failure < state.grace_s:
+    controller_done = state.controller is not None and state.controller.wait_done(0) is not None
+    if failed and running and not controller_done and time.monotonic() - state.first_failure < state.grace_s:
         return None  # keep waiting: survivors are saving the dying checkpoint
     return wrapped(*args, **kwargs)
 
 
 def _ha_args(script_args):
-    """The HA flags among the training arguments (unknown flags ignored)."""
+    """The HA flags, and the Megatron flags they are checked against, among the training
+    arguments (other flags ignored)."""
     from mindspeed_ha.config import add_ha_arguments
 
     parser = argparse.ArgumentParser(add_help=False)
     add_ha_arguments(parser)
     parser.add_argument("--save", default=None)
+    parser.add_argument("--use-distributed-optimizer", action="store_true")
+    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size"):
+        parser.add_argument(flag, type=int, default=1)
     ns, _ = parser.parse_known_args(script_args)
     return ns
+
+
+def _check_before_start(targs, ns) -> None:
+    """Everything that can be checked before a worker starts (nothing can be lost yet).
+
+    Raises:
+        ConfigError: naming the flag / env var and the accepted range.
+    """
+    from mindspeed_ha.config import ConfigError, validate_ha_args
+
+    validate_ha_args(ns, _world_size(targs), ns.tensor_model_parallel_size,
+                     ns.pipeline_model_parallel_size, ns.context_parallel_size)
+    raw = os.environ.get(ENV_GRACE, "600")
+    try:
+        grace = float(raw)
+    except ValueError:
+        grace = -1.0
+    if not grace > 0:
+        raise ConfigError(f"{ENV_GRACE}={raw!r}: expected seconds > 0 (default 600)")
+    if ns.save:
+        from mindspeed_ha.training.checkpointing import CheckpointError, check_save_dir_writable
+
+        try:
+            check_save_dir_writable(ns.save)
+        except CheckpointError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 def _is_local_address(addr: str) -> bool:
@@ -114,8 +145,20 @@ def main(argv=None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    targs = get_args_parser().parse_args(argv)
+    parser = get_args_parser()
+    parser.prog = "mindspeed-ha-run"
+    parser.description = (
+        "mindspeed-ha launcher: torchrun's arguments and behaviour, plus, when the training "
+        "arguments carry --enable-high-availability, the job's controller in this process and "
+        f"a grace period ({ENV_GRACE}, default 600 s) for survivors to save the dying "
+        "checkpoint. Exit codes: 75 dying checkpoint saved (rerun with --load), 76 nothing "
+        "written (no complete copy / no completed iteration), 2 bad arguments.")
+    targs = parser.parse_args(argv)
     ns = _ha_args(targs.training_script_args)
+    if not targs.module and not targs.no_python and not os.path.isfile(targs.training_script):
+        print(f"mindspeed-ha-run: error: training script {targs.training_script!r} not found",
+              file=sys.stderr)
+        return 2
     # Workers import mindspeed_ha before the user's code.
     if targs.module:
         targs.training_script_args = ["-m", targs.training_script] + list(targs.training_script_args)
@@ -134,6 +177,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("MINDSPEED_HA_AUTH_KEY", secrets.token_hex(32))
     controller = None
     try:
+        _check_before_start(targs, ns)
         config = HAConfig.from_args(ns)
         if int(targs.node_rank) == 0 and _is_local_address(config.controller_addr):
             from mindspeed_ha.control.controller import Controller
@@ -156,8 +200,7 @@ def main(argv=None) -> int:
     except ChildFailedError as exc:
         codes = {f.exitcode for f in exc.failures.values()}
         code = _exit_code(codes)
-        print(f"mindspeed-ha-run: workers failed (exit codes {sorted(codes)}); "
-              f"{_outcome_text(controller)}", file=sys.stderr, flush=True)
+        print(f"mindspeed-ha-run: {_outcome_text(controller, code)}", file=sys.stderr, flush=True)
     finally:
         if controller is not None:
             _write_report(controller)
@@ -166,20 +209,36 @@ def main(argv=None) -> int:
 
 
 def _exit_code(codes) -> int:
+    """The job's exit status from the workers' (signals are negative).
+
+    75 when the dying checkpoint was saved; otherwise a worker's own error (a plain
+    non-zero exit, e.g. a traceback) wins over the controller's 76/77/78 verdicts, which
+    only follow from it.
+    """
     from mindspeed_ha import faults
 
     if faults.EXIT_DYING_CHECKPOINT_SAVED in codes:
         return faults.EXIT_DYING_CHECKPOINT_SAVED
-    if faults.EXIT_NO_COMPLETE_DATA in codes:
-        return faults.EXIT_NO_COMPLETE_DATA
+    ha_codes = {faults.EXIT_NO_COMPLETE_DATA, faults.EXIT_FAULT_UNRECOVERABLE, faults.EXIT_CONTROLLER_LOST}
+    own = sorted(c for c in codes if c > 0 and c not in ha_codes)
+    if own:
+        return own[0]
+    for c in (faults.EXIT_NO_COMPLETE_DATA, faults.EXIT_FAULT_UNRECOVERABLE, faults.EXIT_CONTROLLER_LOST):
+        if c in codes:
+            return c
     return 1
 
 
-def _outcome_text(controller) -> str:
+def _outcome_text(controller, code: int) -> str:
+    from mindspeed_ha import faults
+
     if controller is None:
-        return "controller runs on another node"
-    outcome = controller.outcome()
-    return f"controller outcome: {outcome}"
+        return f"workers failed (exit {code}); the controller runs on another node"
+    o = controller.outcome()
+    if code == faults.EXIT_DYING_CHECKPOINT_SAVED:
+        return (f"rank {o.fault_rank} failed ({o.fault_kind.value if o.fault_kind else 'fault'}); {o.reason}. "
+                f"Rerun the same command with --load to continue from iteration {o.iteration}.")
+    return f"workers failed (exit {code}); controller: {o.reason or o.phase.value}"
 
 
 def _write_report(controller) -> None:

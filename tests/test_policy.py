@@ -311,3 +311,53 @@ def test_illegal_phase_move_rejected():
     st = state_of(cluster(1, 1, 2, 2))
     with pytest.raises(IllegalTransition):
         st.set_phase(Phase.COMMITTING, 0.0)
+
+
+def test_stop_round_waits_for_a_rank_finishing_its_update():
+    """Kill rank 0 inside its update of iteration 6 (PP2 DP2 N2): its replica rank 1 was
+    caught by STOP inside the same update. Deciding at once would find no complete copy;
+    waiting for rank 1's end_update gives iteration 6 (found by a failing kill-matrix run)."""
+    ranks = kill(cluster(1, 2, 2, 2, it=5), 0)
+    ranks[1].status, ranks[1].iteration = OptimizerStatus.UPDATING, 6
+    ranks[2].iteration = ranks[3].iteration = 6
+    st = state_of(ranks)
+    for i in st.ranks.values():
+        i.stopped, i.last_heartbeat = True, 10.0
+    st.set_phase(Phase.STOPPING, 10.0)
+    d = decide(10.1, st, CFG)
+    assert d.action is ActionKind.NOOP and "finishing the optimizer update" in d.reason
+    st.ranks[1].status = OptimizerStatus.UPDATED  # its STATUS message arrives
+    d = decide(10.2, st, CFG)
+    assert d.action is ActionKind.DUMP and d.params["iteration"] == 6
+
+
+def test_stop_round_does_not_wait_when_waiting_cannot_help():
+    ranks = kill(cluster(1, 1, 4, 2, it=5), 0)  # instance {0,1}, {2,3}
+    ranks[1].status, ranks[1].iteration = OptimizerStatus.UPDATING, 6  # stuck with dead rank 0
+    st = state_of(ranks)
+    for i in st.ranks.values():
+        i.stopped, i.last_heartbeat = True, 10.0
+    st.set_phase(Phase.STOPPING, 10.0)
+    d = decide(10.1, st, CFG)
+    assert d.action is ActionKind.DUMP and d.params["iteration"] == 5
+
+
+def test_settle_wait_is_bounded():
+    ranks = kill(cluster(1, 2, 2, 2, it=5), 0)
+    ranks[1].status, ranks[1].iteration = OptimizerStatus.UPDATING, 6
+    st = state_of(ranks)
+    for i in st.ranks.values():
+        i.stopped, i.last_heartbeat = True, 10.0
+    st.set_phase(Phase.STOPPING, 10.0)
+    d = decide(10.0 + min(CFG.stop_timeout_s, CFG.heartbeat_timeout_s) + 0.01, st, CFG)
+    assert d.action is ActionKind.EXIT and d.params["code"] == EXIT_NO_COMPLETE_DATA
+
+
+def test_nothing_to_save_before_the_first_iteration():
+    ranks = kill(cluster(1, 2, 2, 2, it=0), 0)
+    st = state_of(ranks)
+    for i in st.ranks.values():
+        i.stopped, i.last_heartbeat = True, 10.0
+    st.set_phase(Phase.STOPPING, 10.0)
+    d = decide(10.1, st, CFG)
+    assert d.action is ActionKind.EXIT and "no iteration has completed" in d.reason

@@ -166,6 +166,38 @@ def _usable(info: RankInfo, unavailable: Mapping[int, str]) -> bool:
     )
 
 
+def update_settle_s(config: HAConfig) -> float:
+    """How long the stop round waits for ranks caught inside an optimizer update, seconds."""
+    return min(config.stop_timeout_s, config.heartbeat_timeout_s)
+
+
+def _settle_wait(state: ClusterState, unavailable: Mapping[int, str], choice, elapsed: float,
+                 config: HAConfig) -> Optional[Decision]:
+    """NOOP while a frozen rank is still inside an optimizer update that could raise k.
+
+    STOP freezes a rank against *starting* an update; one already running goes on and
+    normally ends within milliseconds (its collectives stay inside its own optimizer
+    instance). Deciding on the transient UPDATING status would lose that iteration, so
+    the controller waits, up to :func:`update_settle_s`, but only if treating those ranks
+    as UPDATED would give a higher iteration (a rank stuck forever in a collective with
+    the dead peer then costs nothing when another replica already covers its shard).
+    """
+    settling = [r for r, info in state.ranks.items()
+                if r not in unavailable and info.alive and info.stopped
+                and info.status is OptimizerStatus.UPDATING]
+    if not settling or elapsed >= update_settle_s(config):
+        return None
+    optimistic = {r: (dataclasses.replace(info, status=OptimizerStatus.UPDATED) if r in settling else info)
+                  for r, info in state.ranks.items()}
+    best = select_dying_checkpoint(optimistic, unavailable)
+    if isinstance(best, NoCompleteData):
+        return None
+    if isinstance(choice, DumpPlan) and best.iteration <= choice.iteration:
+        return None
+    return Decision(ActionKind.NOOP, f"ranks {settling} are finishing the optimizer update of iteration "
+                                     f"{best.iteration}; waiting up to {update_settle_s(config)} s")
+
+
 def select_dying_checkpoint(
     ranks: Mapping[int, RankInfo], unavailable: Optional[Mapping[int, str]] = None
 ) -> Union[DumpPlan, NoCompleteData]:
@@ -348,8 +380,14 @@ def decide(now: float, state: ClusterState, config: HAConfig) -> Decision:
             return _exit(state, gone, EXIT_FAULT_UNRECOVERABLE,
                          "no --save directory: a dying checkpoint cannot be written")
         choice = select_dying_checkpoint(state.ranks, unavailable)
+        wait = _settle_wait(state, unavailable, choice, elapsed, config)
+        if wait is not None:
+            return wait
         if isinstance(choice, NoCompleteData):
             return _exit(state, gone, EXIT_NO_COMPLETE_DATA, choice.reason + "; nothing written")
+        if choice.iteration == 0:
+            return _exit(state, gone, EXIT_NO_COMPLETE_DATA,
+                         "no iteration has completed yet: nothing to save; nothing written")
         return Decision(ActionKind.DUMP, choice.reason, choice.to_params(save_dir), choice.savers(),
                         Phase.DUMPING)
 

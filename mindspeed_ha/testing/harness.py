@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,9 +41,11 @@ class RunResult:
     losses: Dict[int, str]
     loss_log_path: str
     timed_out: bool = False
+    loss_records: List[dict] = dataclasses.field(default_factory=list)
 
     def records(self) -> List[dict]:
-        return read_loss_log(self.loss_log_path)
+        """The loss log's JSON lines (read when the run ended; the file may be gone)."""
+        return list(self.loss_records)
 
 
 def read_loss_log(path: str) -> List[dict]:
@@ -106,30 +109,37 @@ def launch(nproc: int, train_args: Sequence[str], *, env: Optional[Mapping[str, 
             file is truncated first so only this run's lines are read).
     """
     cmd = list(launcher) if launcher is not None else torchrun_command(nproc)
-    if loss_log is None:
-        loss_log = os.path.join(tempfile.mkdtemp(prefix="mindspeed_ha_run_"), "loss.jsonl")
-    open(loss_log, "w").close()
-    cmd += ["-m", module, *train_args, "--loss-log", loss_log]
-    run_env = dict(os.environ)
-    run_env.setdefault("OMP_NUM_THREADS", "1")
-    if env:
-        run_env.update(env)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=run_env,
-                            cwd=cwd, start_new_session=True, text=True)
-    timed_out = False
+    scratch = tempfile.mkdtemp(prefix="mindspeed_ha_run_")  # removed below, whatever happens
     try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        _kill_group(proc.pid)
-        out, err = proc.communicate()
-    finally:
-        if proc.poll() is None:
+        own_log = loss_log is None
+        if own_log:
+            loss_log = os.path.join(scratch, "loss.jsonl")
+        open(loss_log, "w").close()
+        # torchrun's per-run logs go to our scratch dir too (default: a new /tmp dir per run).
+        cmd += ["--log-dir", os.path.join(scratch, "torchrun"), "-m", module, *train_args, "--loss-log", loss_log]
+        run_env = dict(os.environ)
+        run_env.setdefault("OMP_NUM_THREADS", "1")
+        if env:
+            run_env.update(env)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=run_env,
+                                cwd=cwd, start_new_session=True, text=True)
+        timed_out = False
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
             _kill_group(proc.pid)
-            proc.wait()
-    _kill_group(proc.pid)  # stragglers that outlived the launcher
-    return RunResult(None if timed_out else proc.returncode, out, err, losses_from_log(loss_log),
-                     loss_log, timed_out)
+            out, err = proc.communicate()
+        finally:
+            if proc.poll() is None:
+                _kill_group(proc.pid)
+                proc.wait()
+        _kill_group(proc.pid)  # stragglers that outlived the launcher
+        records = read_loss_log(loss_log)
+        return RunResult(None if timed_out else proc.returncode, out, err, losses_from_log(loss_log),
+                         loss_log, timed_out, records)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _kill_group(pgid: int) -> None:

@@ -257,4 +257,10 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
     if args.save and iteration != 0 and getattr(args, "last_saved_iteration", None) != iteration:
         save_checkpoint(iteration, model, optimizer, opt_param_scheduler, flops, checkpointing_context,
                         train_data_iterator=train_data_iterator)
+    # Tear the process groups down explicitly: left to interpreter shutdown, gloo's
+    # worker threads were seen to abort the process ("terminate called without an
+    # active exception", SIGABRT) after a successful run.
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     return iteration
