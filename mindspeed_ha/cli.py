@@ -33,9 +33,10 @@ def _cmd_patches(ns) -> int:
     if ns.json:
         print(json.dumps(rows, indent=1))
         return 0
-    print(f"{'patch':38} {'feature':12} {'active':6}  {'status':16} target")
+    w = max(len(r["name"]) for r in rows) if rows else 5
+    print(f"{'patch':{w}} {'feature':12} {'active':6}  {'status':16} target")
     for r in rows:
-        print(f"{r['name']:38} {r['feature']:12} {str(r['active']):6}  {r['status'][:16]:16} {r['target']}")
+        print(f"{r['name']:{w}} {r['feature']:12} {str(r['active']):6}  {r['status'][:16]:16} {r['target']}")
     print(f"\nenabled features: {', '.join(registry.enabled_features())}")
     return 0
 
