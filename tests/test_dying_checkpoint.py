@@ -120,3 +120,34 @@ def test_no_replica_reports_no_complete_data(tmp_path):
     assert faulty.returncode == faults.EXIT_NO_COMPLETE_DATA, faulty.stderr[-4000:]
     assert _tracker(save) is None
     assert "no complete data" in (faulty.stdout + faulty.stderr).lower()
+
+
+def test_plain_torchrun_rank0_killed(tmp_path, baselines):
+    """No launcher: rank 0 spawned the controller (detached) and then dies; torchrun
+    SIGTERMs the survivors, which defer it until the dying checkpoint is written. The
+    controller must not outlive the job."""
+    import socket
+
+    import psutil
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    save = str(tmp_path / "ckpt")
+    tp, pp = LAYOUTS["pp2"]
+    args = tiny_gpt_args(tp=tp, pp=pp, train_iters=ITERS) + [
+        "--enable-high-availability", "--ha-controller-port", str(port), "--save", save]
+    faulty = launch(4, args, env={"MINDSPEED_HA_INJECT": f"rank=0,iteration={KILL_AT},point=backward"},
+                    timeout_s=240)
+    assert not faulty.timed_out
+    assert faulty.returncode != 0
+    assert _tracker(save) == KILL_AT - 1, faulty.stderr[-6000:]
+    name_k = f"iter_{KILL_AT - 1:07d}"
+    assert not compare_checkpoint_dirs(os.path.join(save, name_k), os.path.join(baselines["pp2"][1], name_k))
+    controllers = [p for p in psutil.process_iter(["cmdline"])
+                   if "mindspeed_ha.control.controller" in " ".join(p.info["cmdline"] or [])
+                   and str(port) in (p.info["cmdline"] or [])]
+    gone, alive = psutil.wait_procs(controllers, timeout=30)
+    for p in alive:
+        p.kill()
+    assert not alive, "the controller outlived the job"
