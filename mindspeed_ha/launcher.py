@@ -115,12 +115,25 @@ def _check_before_start(targs, ns) -> None:
     if not grace > 0:
         raise ConfigError(f"{ENV_GRACE}={raw!r}: expected seconds > 0 (default 600)")
     if ns.save:
-        from mindspeed_ha.training.checkpointing import CheckpointError, check_save_dir_writable
+        _check_save_writable(ns.save)
 
-        try:
-            check_save_dir_writable(ns.save)
-        except CheckpointError as exc:
-            raise ConfigError(str(exc)) from None
+
+def _check_save_writable(save: str) -> None:
+    """--save must be a directory we can create or write, checked without creating it.
+
+    Raises:
+        ConfigError: naming --save.
+    """
+    from mindspeed_ha.config import ConfigError
+
+    path = os.path.abspath(save)
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"--save {save!r} is not a writable directory ({path!r} is not a writable directory)")
 
 
 def _is_local_address(addr: str) -> bool:
