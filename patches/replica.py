@@ -105,11 +105,14 @@ def _remember_param_groups(wrapped, instance, args, kwargs):
     return result
 
 
-def _virtual_shard_grads(opt):
-    """Grad slices DP rank ``r`` of a replica-free run would feed to the grad norm, or None.
+def _virtual_shard_plan(opt):
+    """``[(model_param, start, end)]``: the slices DP rank ``r`` of a replica-free run feeds
+    to the grad norm, in the distributed optimizer's own order; None if not applicable.
 
-    Uses megatron-core's own range builder
-    (``DistributedOptimizer._build_model_gbuf_param_range_map``) for shard ``r`` of ``d``.
+    Computed once per optimizer with megatron-core's own range builder
+    (``DistributedOptimizer._build_model_gbuf_param_range_map``) for shard ``r`` of ``d``;
+    the order is ``_build_optimizer_group_ranges``'s: by param group, then buffer, bucket
+    and param order.
     """
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
@@ -136,9 +139,18 @@ def _virtual_shard_grads(opt):
                 if not (param_is_not_shared(model_param)
                         and tensor_parallel.param_is_not_tensor_parallel_duplicate(model_param)):
                     continue
-                grad = model_param.main_grad.view(-1)[rng["param"].start:rng["param"].end]
-                per_group[group_of[model_param]].append(grad.float())
-    return [g for group in per_group for g in group]
+                per_group[group_of[model_param]].append((model_param, rng["param"].start, rng["param"].end))
+    return [item for group in per_group for item in group]
+
+
+def _virtual_shard_grads(opt):
+    """The grads of :func:`_virtual_shard_plan` (views into the reduced grad buffer), or None."""
+    if not hasattr(opt, "_ha_virtual_shard_plan"):
+        opt._ha_virtual_shard_plan = _virtual_shard_plan(opt)
+    plan = opt._ha_virtual_shard_plan
+    if plan is None:
+        return None
+    return [p.main_grad.view(-1)[lo:hi].float() for p, lo, hi in plan]
 
 
 def _main_grads_of_virtual_shard(wrapped, instance, args, kwargs):

@@ -24,11 +24,13 @@ def measure(nproc, extra, hidden):
     from mindspeed_ha.testing.harness import tiny_gpt_args
 
     out = tempfile.mkdtemp(prefix="msha_mem_")
-    args = tiny_gpt_args(train_iters=1, hidden_size=hidden, bf16=True) + extra
+    args = tiny_gpt_args(train_iters=2, hidden_size=hidden, bf16=True) + extra
     cmd = [sys.executable, "-m", "mindspeed_ha.launcher", "--standalone", f"--nproc-per-node={nproc}",
            os.path.join(HERE, "_memory_probe.py"), *args]
     env = dict(os.environ, MINDSPEED_HA_BENCH_OUT=out, OMP_NUM_THREADS="1")
-    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"probe failed ({r.returncode}):\n{r.stderr[-4000:]}")
     rows = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(out, "rank*.json")))]
     for p in glob.glob(os.path.join(out, "*")):
         os.remove(p)
