@@ -13,6 +13,7 @@ import argparse
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,15 +27,14 @@ def measure(nproc, extra, hidden):
     out = tempfile.mkdtemp(prefix="msha_mem_")
     args = tiny_gpt_args(train_iters=2, hidden_size=hidden, bf16=True) + extra
     cmd = [sys.executable, "-m", "mindspeed_ha.launcher", "--standalone", f"--nproc-per-node={nproc}",
-           os.path.join(HERE, "_memory_probe.py"), *args]
+           "--log-dir", os.path.join(out, "torchrun"), os.path.join(HERE, "_memory_probe.py"), *args]
     env = dict(os.environ, MINDSPEED_HA_BENCH_OUT=out, OMP_NUM_THREADS="1")
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if r.returncode != 0:
+        shutil.rmtree(out, ignore_errors=True)
         raise SystemExit(f"probe failed ({r.returncode}):\n{r.stderr[-4000:]}")
     rows = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(out, "rank*.json")))]
-    for p in glob.glob(os.path.join(out, "*")):
-        os.remove(p)
-    os.rmdir(out)
+    shutil.rmtree(out, ignore_errors=True)
     return rows
 
 

@@ -94,11 +94,24 @@ def test_kill_rank_dying_checkpoint(tmp_path, baselines, name, layout, rank, poi
             f"iteration {it}: resumed {float.fromhex(loss)} != {float.fromhex(base_losses[it])}"
 
 
-def test_kill_at_grad_sync(tmp_path, baselines):
-    save = str(tmp_path / "ckpt")
-    faulty = _run(_args("pp2", "--save", save), env={"MINDSPEED_HA_INJECT": f"rank=2,iteration={KILL_AT},point=grad_sync"})
+def test_kill_at_grad_sync_detected_within_seconds(tmp_path, baselines):
+    """Also the recovery timeline: death -> evidence at the controller -> EXIT, from the
+    injector's wall-clock kill time and the launcher's controller report."""
+    import json
+
+    save, report, kills = str(tmp_path / "ckpt"), str(tmp_path / "report.json"), str(tmp_path / "kills.jsonl")
+    faulty = _run(_args("pp2", "--save", save), env={
+        "MINDSPEED_HA_INJECT": f"rank=2,iteration={KILL_AT},point=grad_sync",
+        "MINDSPEED_HA_REPORT": report, "MINDSPEED_HA_INJECT_LOG": kills})
     assert faulty.returncode == faults.EXIT_DYING_CHECKPOINT_SAVED, faulty.stderr[-6000:]
     assert _tracker(save) == KILL_AT - 1
+    with open(report) as f:
+        rep = json.load(f)
+    with open(kills) as f:
+        killed_at = json.loads(f.readline())["wall"]
+    assert rep["fault_rank"] == 2 and rep["iteration"] == KILL_AT - 1
+    assert 0 <= rep["fault_wall"] - killed_at < 5.0, "death not detected within seconds"
+    assert rep["exit_wall"] - killed_at < 30.0
 
 
 def test_saver_killed_during_dying_checkpoint_publishes_nothing(tmp_path):
