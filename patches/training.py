@@ -9,11 +9,16 @@ model, optimizer, opt_param_scheduler, config)``; the same wrapper serves Megatr
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 from .registry import Patch
 
-_TRAIN_STEP_PARAMS = ("forward_step_func", "data_iterator", "model", "optimizer", "opt_param_scheduler", "config")
+
+@functools.lru_cache(maxsize=None)
+def _signature(fn) -> inspect.Signature:
+    return inspect.signature(fn)
+
 
 
 def _start_runtime(wrapped, instance, args, kwargs):
@@ -54,7 +59,7 @@ def _train_step(wrapped, instance, args, kwargs):
     rt = get_runtime()
     if rt is None:
         return wrapped(*args, **kwargs)
-    bound = inspect.signature(wrapped).bind(*args, **kwargs)
+    bound = _signature(wrapped).bind(*args, **kwargs)  # once per function, not per iteration
     call = bound.arguments
     rt.attach(call.get("model"), call.get("optimizer"), call.get("opt_param_scheduler"))
     iteration = rt.enter_iteration()
