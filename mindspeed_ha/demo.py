@@ -74,7 +74,7 @@ def _phase_seconds(report: Optional[dict], kill_wall: Optional[float]) -> Dict[s
 
 
 def run_demo(ns) -> int:
-    from mindspeed_ha.testing.harness import launch, tiny_gpt_args
+    from mindspeed_ha.testing.harness import launch, launcher_command, tiny_gpt_args
 
     tp, pp, iters = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size, ns.train_iters
     if not 1 <= ns.kill_iteration <= iters:
@@ -87,7 +87,7 @@ def run_demo(ns) -> int:
     workdir = os.path.abspath(ns.workdir) if keep else tempfile.mkdtemp(prefix="mindspeed-ha-demo-")
     os.makedirs(workdir, exist_ok=True)
     ckpt = os.path.join(workdir, "checkpoints")
-    launcher = [sys.executable, "-m", "mindspeed_ha.launcher", "--standalone", f"--nproc-per-node={ns.nproc}"]
+    launcher = launcher_command(ns.nproc)
 
     def args(extra):
         a = tiny_gpt_args(tp=tp, pp=pp, train_iters=iters) + ["--enable-high-availability",

@@ -60,21 +60,15 @@ def shard_path(save_dir: str, iteration: int, tp: int, pp: int, shard_id: int) -
     return os.path.join(staging_root(save_dir, iteration), "shards", f"tp{tp:02d}_pp{pp:03d}_s{shard_id:04d}.pt")
 
 
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _atomic_torch_save(obj, path: str) -> None:
     import torch
 
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(obj, tmp)
-    _fsync_file(tmp)
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 

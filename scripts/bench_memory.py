@@ -15,19 +15,18 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def measure(nproc, extra, hidden):
-    from mindspeed_ha.testing.harness import tiny_gpt_args
+    from mindspeed_ha.testing.harness import launcher_command, tiny_gpt_args
 
     out = tempfile.mkdtemp(prefix="msha_mem_")
     args = tiny_gpt_args(train_iters=2, hidden_size=hidden, bf16=True) + extra
-    cmd = [sys.executable, "-m", "mindspeed_ha.launcher", "--standalone", f"--nproc-per-node={nproc}",
-           "--log-dir", os.path.join(out, "torchrun"), os.path.join(HERE, "_memory_probe.py"), *args]
+    cmd = launcher_command(nproc) + ["--log-dir", os.path.join(out, "torchrun"),
+                                     os.path.join(HERE, "_memory_probe.py"), *args]
     env = dict(os.environ, MINDSPEED_HA_BENCH_OUT=out, OMP_NUM_THREADS="1")
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if r.returncode != 0:

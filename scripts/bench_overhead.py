@@ -26,9 +26,9 @@ def main():
     ap.add_argument("--hidden-size", type=int, default=128)
     ap.add_argument("--replicas", type=int, default=2)
     ns = ap.parse_args()
-    from mindspeed_ha.testing.harness import launch, tiny_gpt_args
+    from mindspeed_ha.testing.harness import launch, launcher_command, tiny_gpt_args
 
-    launcher = [sys.executable, "-m", "mindspeed_ha.launcher", "--standalone", f"--nproc-per-node={ns.nproc}"]
+    launcher = launcher_command(ns.nproc)
     base = tiny_gpt_args(tp=ns.tp, pp=ns.pp, train_iters=ns.iters, hidden_size=ns.hidden_size, log_interval=ns.iters)
     ha = ["--enable-high-availability", "--ha-replica-count", str(ns.replicas)]
     times = {"off": [], "on": []}

@@ -1,12 +1,11 @@
 """Bad input gets a clear error naming the flag / env var, before any work can be lost."""
 
 import socket
-import sys
 
 import pytest
 
 from mindspeed_ha.config import ConfigError
-from mindspeed_ha.testing.harness import launch, tiny_gpt_args
+from mindspeed_ha.testing.harness import launch, launcher_command, tiny_gpt_args
 
 
 @pytest.fixture
@@ -66,7 +65,7 @@ def test_controller_port_in_use_fails_before_workers_start(tmp_path):
         port = busy.getsockname()[1]
         r = launch(2, tiny_gpt_args(train_iters=2) + ["--enable-high-availability", "--ha-controller-port", str(port),
                                                       "--save", str(tmp_path / "ckpt")],
-                   launcher=[sys.executable, "-m", "mindspeed_ha.launcher", "--standalone", "--nproc-per-node=2"],
+                   launcher=launcher_command(2),
                    timeout_s=120)
     assert r.returncode == 2, r.stderr[-3000:]
     assert str(port) in r.stderr and "--ha-controller-port" in r.stderr
@@ -78,7 +77,7 @@ def test_unwritable_save_dir_fails_before_training(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     r = launch(2, tiny_gpt_args(train_iters=2) + ["--enable-high-availability", "--save", str(blocker / "ckpt")],
-               launcher=[sys.executable, "-m", "mindspeed_ha.launcher", "--standalone", "--nproc-per-node=2"],
+               launcher=launcher_command(2),
                timeout_s=120, env={"TTP_PORT": "0"})
     assert r.returncode != 0
     assert "--save" in r.stdout + r.stderr

@@ -9,13 +9,12 @@ equal the uninterrupted run's bit for bit (same seed, dropout on).
 """
 
 import os
-import sys
 
 import pytest
 
 from mindspeed_ha import faults
 from mindspeed_ha.testing.compare import compare_checkpoint_dirs
-from mindspeed_ha.testing.harness import launch, tiny_gpt_args
+from mindspeed_ha.testing.harness import launch, launcher_command, tiny_gpt_args
 
 ITERS = 5
 KILL_AT = 3
@@ -23,7 +22,7 @@ LAYOUTS = {"pp2": (1, 2), "tp2": (2, 1)}  # (TP, PP) on 4 ranks -> DP 2, 2 optim
 
 
 def _launcher():
-    return [sys.executable, "-m", "mindspeed_ha.launcher", "--standalone", "--nproc-per-node=4"]
+    return launcher_command(4)
 
 
 def _args(layout, *extra):

@@ -5,16 +5,15 @@ all-reduce's slice bitwise) and the grad norm is fed the replica-free shard, so
 losses and grad norms must be identical, not merely close.
 """
 
-import sys
 
 import pytest
 
-from mindspeed_ha.testing.harness import launch, tiny_gpt_args
+from mindspeed_ha.testing.harness import launch, launcher_command, tiny_gpt_args
 
 
 @pytest.mark.parametrize("tp,pp,extra", [(1, 1, []), (1, 2, ["--bf16"])], ids=["dp4-fp32", "pp2-dp2-bf16"])
 def test_replicas_bitwise_equal_to_no_ha(tp, pp, extra):
-    launcher = [sys.executable, "-m", "mindspeed_ha.launcher", "--standalone", "--nproc-per-node=4"]
+    launcher = launcher_command(4)
     base = tiny_gpt_args(tp=tp, pp=pp, train_iters=6) + extra
     off = launch(4, base, launcher=launcher, timeout_s=240)
     on = launch(4, base + ["--enable-high-availability", "--ha-controller-port", "0"],

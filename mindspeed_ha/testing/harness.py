@@ -66,6 +66,11 @@ def torchrun_command(nproc: int) -> List[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
 
 
+def launcher_command(nproc: int) -> List[str]:
+    """``python -m mindspeed_ha.launcher --standalone --nproc-per-node N`` (``mindspeed-ha-run``)."""
+    return [sys.executable, "-m", "mindspeed_ha.launcher", "--standalone", f"--nproc-per-node={nproc}"]
+
+
 def tiny_gpt_args(tp: int = 1, pp: int = 1, train_iters: int = 8, **overrides) -> List[str]:
     """The standard tiny GPT every test uses (4 layers, hidden 64, 4 heads, seq 32, mbs 2,
     gbs 8, byte-level tokenizer, distributed optimizer, dropout 0.1).
