@@ -157,8 +157,9 @@ class HARuntime:
         import torch
         import torch.distributed as dist
 
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        buf = torch.zeros(32, dtype=torch.uint8, device=device)
+        from mindspeed_ha.accelerator import collective_device
+
+        buf = torch.zeros(32, dtype=torch.uint8, device=collective_device())
         if dist.get_rank() == 0:
             buf.copy_(torch.frombuffer(bytearray(os.urandom(32)), dtype=torch.uint8))
         dist.broadcast(buf, src=0)

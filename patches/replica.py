@@ -46,14 +46,15 @@ def _after_initialize_model_parallel(wrapped, instance, args, kwargs):
 
     import inspect
 
+    from mindspeed_ha.accelerator import collective_device
+
     bound = inspect.signature(wrapped).bind_partial(*args, **kwargs)
     n = bound.arguments.get("num_distributed_optimizer_instances", 1)
     if n <= 1:
         return result
     my_instance = dist.get_rank(mpu.get_inter_partial_data_parallel_group())
     world = dist.get_world_size()
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    mine = torch.tensor([my_instance], dtype=torch.int64, device=device)
+    mine = torch.tensor([my_instance], dtype=torch.int64, device=collective_device())
     every = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(every, mine)
     ids = [int(t.item()) for t in every]

@@ -40,6 +40,8 @@ import torch
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 
+from mindspeed_ha.accelerator import collective_device
+
 from .arguments import get_args
 
 log = logging.getLogger("mindspeed_ha.training.checkpointing")
@@ -106,11 +108,6 @@ def checkpoint_exists(checkpoints_path):
     return checkpoints_path is not None and os.path.exists(get_checkpoint_tracker_filename(checkpoints_path))
 
 
-def _reduce_device():
-    backend = torch.distributed.get_backend()
-    return "cuda" if backend == "nccl" else "cpu"
-
-
 def read_metadata(tracker_filename):
     """(iteration, release) from the tracker; the max over ranks when distributed."""
     with open(tracker_filename, "r") as f:
@@ -125,7 +122,7 @@ def read_metadata(tracker_filename):
     if not (iteration > 0 or release):
         raise CheckpointError(f"error parsing metadata file {tracker_filename}")
     if torch.distributed.is_initialized():
-        t = torch.tensor([iteration], dtype=torch.long, device=_reduce_device())
+        t = torch.tensor([iteration], dtype=torch.long, device=collective_device())
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         max_iter = int(t[0].item())
         if max_iter != iteration:
