@@ -48,7 +48,7 @@ def _cmd_controller(ns, rest) -> int:
 
 
 def _cmd_preprocess(ns, rest) -> int:
-    from mindspeed_ha.training import data
+    from mindspeed_ha.testing.trainer import data
 
     return data.main(rest) or 0
 

@@ -174,7 +174,7 @@ class DyingContext:
 
 
 def _model_state(ctx: DyingContext, iteration: int, snapshot: IterationSnapshot) -> Dict[str, Any]:
-    from mindspeed_ha.training import checkpointing as ckpt
+    from mindspeed_ha.testing.trainer import checkpointing as ckpt
 
     args = copy.copy(ctx.args)
     args.iteration = iteration
@@ -200,7 +200,7 @@ def dump(ctx: DyingContext, iteration: int, snapshot: Optional[IterationSnapshot
     Raises:
         RuntimeError: this rank has no snapshot for ``iteration`` (its state moved on).
     """
-    from mindspeed_ha.training import checkpointing as ckpt
+    from mindspeed_ha.testing.trainer import checkpointing as ckpt
 
     save = ctx.args.save
     if snapshot is None or snapshot.iteration != iteration:
@@ -226,7 +226,7 @@ def dump(ctx: DyingContext, iteration: int, snapshot: Optional[IterationSnapshot
 def assemble(ctx: DyingContext, iteration: int) -> str:
     """Phase 2 on one rank per (TP, PP): shard files -> ``distrib_optim.pt``."""
     import torch
-    from mindspeed_ha.training import checkpointing as ckpt
+    from mindspeed_ha.testing.trainer import checkpointing as ckpt
 
     opt = _unwrap_distributed_optimizer(ctx.optimizer)
     if opt is None:
@@ -252,7 +252,7 @@ def assemble(ctx: DyingContext, iteration: int) -> str:
 
 def commit(save_dir: str, iteration: int) -> str:
     """Phase 3 on one rank: validate, rename into ``save_dir``, update the tracker."""
-    from mindspeed_ha.training import checkpointing as ckpt
+    from mindspeed_ha.testing.trainer import checkpointing as ckpt
 
     root = staging_root(save_dir, iteration)
     tmp_iter = os.path.join(root, f"iter_{iteration:07d}")
@@ -271,7 +271,7 @@ def commit(save_dir: str, iteration: int) -> str:
 
 def _tracker_iteration(save_dir: str) -> int:
     """Iteration in the tracker file, read locally (no collective), -1 if none/unparsable."""
-    from mindspeed_ha.training import checkpointing as ckpt
+    from mindspeed_ha.testing.trainer import checkpointing as ckpt
 
     try:
         with open(ckpt.get_checkpoint_tracker_filename(save_dir)) as f:

@@ -3,7 +3,7 @@
 Usage is torchrun's (``torch.distributed.run``)::
 
     mindspeed-ha-run --nproc-per-node 8 pretrain_gpt.py ... --enable-high-availability
-    mindspeed-ha-run --standalone --nproc-per-node 4 -m mindspeed_ha.training.pretrain_gpt ...
+    mindspeed-ha-run --standalone --nproc-per-node 4 -m mindspeed_ha.testing.trainer.pretrain_gpt ...
 
 What it adds when the training arguments carry ``--enable-high-availability``:
 

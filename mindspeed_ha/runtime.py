@@ -255,7 +255,7 @@ class HARuntime:
         self.injector.fire("between", k)
 
     def _take_snapshot(self, iteration: int) -> None:
-        from mindspeed_ha.training.checkpointing import collect_rng_state
+        from mindspeed_ha.testing.trainer.checkpointing import collect_rng_state
 
         self.snapshot = dying.IterationSnapshot(iteration, collect_rng_state())
 

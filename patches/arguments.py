@@ -1,7 +1,7 @@
 """Feature ``core``: add the HA flags to Megatron's own argument parser and act on them.
 
 Wraps ``parse_args`` of Megatron-LM (``megatron.training.arguments``) and of our
-Megatron-shaped trainer (``mindspeed_ha.training.arguments``): the user's
+Megatron-shaped trainer (``mindspeed_ha.testing.trainer.arguments``): the user's
 ``extra_args_provider`` still runs, then :func:`mindspeed_ha.config.add_ha_arguments`
 adds ``--enable-high-availability`` and friends (skipping any flag the framework already
 defines, e.g. MindSpeed-LLM's own copies). After parsing, the flags are validated
@@ -97,11 +97,11 @@ PATCHES = [
     ),
     Patch(
         name="arguments.parse_args.trainer",
-        module="mindspeed_ha.training.arguments",
+        module="mindspeed_ha.testing.trainer.arguments",
         attribute="parse_args",
         wrapper=_parse_args_wrapper,
         feature="core",
         versions=None,
-        doc="add and validate the HA flags in mindspeed_ha.training's parse_args",
+        doc="add and validate the HA flags in mindspeed_ha.testing.trainer's parse_args",
     ),
 ]

@@ -4,7 +4,7 @@ Adaptation points 1 (start processors once model-parallel groups exist) and 5 (c
 classify, report, wait for the controller's action). The wrapped ``train_step`` has
 Megatron-LM core_v0.12.1's signature ``train_step(forward_step_func, data_iterator,
 model, optimizer, opt_param_scheduler, config)``; the same wrapper serves Megatron-LM's
-``megatron.training.training`` and our Megatron-shaped ``mindspeed_ha.training.training``.
+``megatron.training.training`` and our Megatron-shaped ``mindspeed_ha.testing.trainer.training``.
 """
 
 from __future__ import annotations
@@ -103,12 +103,12 @@ PATCHES = [
     ),
     Patch(
         name="ha.train_step.trainer",
-        module="mindspeed_ha.training.training",
+        module="mindspeed_ha.testing.trainer.training",
         attribute="train_step",
         wrapper=_train_step,
         feature="ha",
         versions=None,
-        doc="exception decorator + step protocol around mindspeed_ha.training's train_step",
+        doc="exception decorator + step protocol around mindspeed_ha.testing.trainer's train_step",
     ),
     Patch(
         name="testing.inject_grad_sync",

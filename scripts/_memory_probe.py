@@ -14,9 +14,9 @@ import torch
 from megatron.core.enums import ModelType
 from megatron.core.utils import get_model_config
 
-from mindspeed_ha.training import arguments, pretrain_gpt
-from mindspeed_ha.training import training as T
-from mindspeed_ha.training.initialize import initialize_megatron
+from mindspeed_ha.testing.trainer import arguments, pretrain_gpt
+from mindspeed_ha.testing.trainer import training as T
+from mindspeed_ha.testing.trainer.initialize import initialize_megatron
 
 
 def _bytes(t):

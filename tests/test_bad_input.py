@@ -13,7 +13,7 @@ def parse(monkeypatch):
     """Megatron-shaped parse_args with the HA patch, as rank 0 of a 4-rank job."""
     from mindspeed_ha import runtime
     from mindspeed_ha.patches import registry
-    from mindspeed_ha.training import arguments
+    from mindspeed_ha.testing.trainer import arguments
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "0")

@@ -124,7 +124,7 @@ def test_unwritable_save_fails_before_training(workdir, run_env, tmp_path):
 
 def test_indexed_dataset_round_trip(tmp_path):
     from megatron.core.datasets.indexed_dataset import IndexedDataset
-    from mindspeed_ha.training.data import EOD_ID, build_indexed_dataset, split_documents
+    from mindspeed_ha.testing.trainer.data import EOD_ID, build_indexed_dataset, split_documents
 
     docs = split_documents("hello world\n\nsecond paragraph\nwith two lines\n\n\n  \n\nwörld")
     assert docs == ["hello world", "second paragraph\nwith two lines", "wörld"]
@@ -137,7 +137,7 @@ def test_indexed_dataset_round_trip(tmp_path):
 
 
 def test_preprocess_cli(tmp_path):
-    from mindspeed_ha.training import data
+    from mindspeed_ha.testing.trainer import data
 
     src = tmp_path / "in.txt"
     src.write_text("line one\nline two\n", encoding="utf-8")
@@ -160,7 +160,7 @@ def _fake_ckpt(root, iteration, with_optim=True, corrupt=False):
 
 
 def test_commit_refuses_invalid_and_keeps_tracker(tmp_path):
-    from mindspeed_ha.training.checkpointing import CheckpointError, commit_checkpoint, write_tracker
+    from mindspeed_ha.testing.trainer.checkpointing import CheckpointError, commit_checkpoint, write_tracker
 
     save = tmp_path / "save"
     save.mkdir()
@@ -179,7 +179,7 @@ def test_commit_refuses_invalid_and_keeps_tracker(tmp_path):
 
 
 def test_commit_publishes_atomically(tmp_path):
-    from mindspeed_ha.training.checkpointing import commit_checkpoint
+    from mindspeed_ha.testing.trainer.checkpointing import commit_checkpoint
 
     save = tmp_path / "save"
     tmp = save / "x.tmp"
@@ -197,7 +197,7 @@ def test_commit_publishes_atomically(tmp_path):
 
 
 def test_unwritable_save_message(tmp_path):
-    from mindspeed_ha.training.checkpointing import CheckpointError, check_save_dir_writable
+    from mindspeed_ha.testing.trainer.checkpointing import CheckpointError, check_save_dir_writable
 
     f = tmp_path / "f"
     f.write_text("")
@@ -214,7 +214,7 @@ def test_unwritable_save_message(tmp_path):
     (["--global-batch-size", "3"], "--global-batch-size"),
 ])
 def test_validate_args_names_flag(argv, flag, monkeypatch):
-    from mindspeed_ha.training.arguments import ArgumentError, parse_args, validate_args
+    from mindspeed_ha.testing.trainer.arguments import ArgumentError, parse_args, validate_args
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     base = tiny_gpt_args(train_iters=2)
@@ -224,7 +224,7 @@ def test_validate_args_names_flag(argv, flag, monkeypatch):
 
 
 def test_validate_args_megatron_semantics(monkeypatch):
-    from mindspeed_ha.training.arguments import parse_args, validate_args
+    from mindspeed_ha.testing.trainer.arguments import parse_args, validate_args
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     args = validate_args(parse_args(args=tiny_gpt_args(tp=2, train_iters=2)))

@@ -20,7 +20,7 @@ import sys
 import tempfile
 from typing import Dict, List, Mapping, Optional, Sequence
 
-TRAINER_MODULE = "mindspeed_ha.training.pretrain_gpt"
+TRAINER_MODULE = "mindspeed_ha.testing.trainer.pretrain_gpt"
 
 
 @dataclasses.dataclass

@@ -2,5 +2,5 @@
 
 Modules mirror Megatron-LM core_v0.12.1's ``megatron/training`` names (arguments,
 initialize, checkpointing, training) plus ``pretrain_gpt`` and ``data``, so one patch
-set can target both ``megatron.training.X`` and ``mindspeed_ha.training.X``.
+set can target both ``megatron.training.X`` and ``mindspeed_ha.testing.trainer.X``.
 """

@@ -2,7 +2,7 @@
 
 :func:`train` looks up :func:`train_step`, :func:`save_checkpoint` and
 :func:`training_log` in this module's globals at call time, so a wrapt patch on
-``mindspeed_ha.training.training.<name>`` (or, in Megatron-LM,
+``mindspeed_ha.testing.trainer.training.<name>`` (or, in Megatron-LM,
 ``megatron.training.training.<name>``) takes effect. The per-iteration path issues no
 collectives beyond Megatron-LM's (forward/backward, gradient sync, optimizer, the loss
 function's DP all-reduce for logging).

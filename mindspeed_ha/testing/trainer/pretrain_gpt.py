@@ -1,6 +1,6 @@
 """Pretrain GPT on megatron-core (Megatron-LM's pretrain_gpt.py shape).
 
-    torchrun --standalone --nproc-per-node 4 -m mindspeed_ha.training.pretrain_gpt \\
+    torchrun --standalone --nproc-per-node 4 -m mindspeed_ha.testing.trainer.pretrain_gpt \\
         --tensor-model-parallel-size 2 --num-layers 4 --hidden-size 64 ...
 """
 
@@ -14,9 +14,9 @@ from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-from mindspeed_ha.training.arguments import core_transformer_config_from_args, get_args
-from mindspeed_ha.training.data import build_gpt_datasets
-from mindspeed_ha.training.training import pretrain
+from mindspeed_ha.testing.trainer.arguments import core_transformer_config_from_args, get_args
+from mindspeed_ha.testing.trainer.data import build_gpt_datasets
+from mindspeed_ha.testing.trainer.training import pretrain
 
 
 def model_provider(pre_process=True, post_process=True) -> GPTModel:

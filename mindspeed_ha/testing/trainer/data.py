@@ -13,7 +13,7 @@
   Megatron-LM's pretraining-sampler order (resume at ``consumed_samples``). It uses no
   DataLoader and draws nothing from any torch RNG, so resumed dropout stays bitwise.
 
-CLI: ``python -m mindspeed_ha.training.data --input X.txt --output-prefix P [--split-lines]``.
+CLI: ``python -m mindspeed_ha.testing.trainer.data --input X.txt --output-prefix P [--split-lines]``.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ from mindspeed_ha.accelerator import collective_device
 
 from .arguments import get_args
 
-log = logging.getLogger("mindspeed_ha.training.checkpointing")
+log = logging.getLogger("mindspeed_ha.testing.trainer.checkpointing")
 
 CHECKPOINT_VERSION = 3.0
 MODEL_FILE = "model_optim_rng.pt"
