@@ -1,0 +1,55 @@
+"""Feature ``testing``: exact per-iteration losses of a Megatron-LM run, for loss-curve proofs.
+
+Megatron-LM logs losses rounded to 7 significant digits; a bitwise comparison of a
+recovered run with an uninterrupted one needs the exact values. With
+``MINDSPEED_HA_LOSS_LOG=PATH`` every rank appends one JSON line per ``train_step`` to
+``PATH.rank<R>``: ``{"iteration": k, "loss": {name: float.hex()}, "grad_norm": hex}``.
+The recorder only reads ``train_step``'s return value; it works with every HA flag off
+(the switch is the environment variable, not an HA flag).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from .registry import Patch, enable
+
+ENV_LOSS_LOG = "MINDSPEED_HA_LOSS_LOG"
+
+
+def _hex(value):
+    if value is None:
+        return None
+    return float(value).hex()
+
+
+def _record_losses(wrapped, instance, args, kwargs):
+    path = os.environ.get(ENV_LOSS_LOG)
+    result = wrapped(*args, **kwargs)
+    if not path:
+        return result
+    from megatron.training.global_vars import get_args
+
+    loss_dict, grad_norm = result[0], result[5]
+    row = {"iteration": int(get_args().curr_iteration) + 1,
+           "loss": {k: _hex(v) for k, v in (loss_dict or {}).items()},
+           "grad_norm": _hex(grad_norm)}
+    with open(f"{path}.rank{os.environ.get('RANK', '0')}", "a") as f:
+        f.write(json.dumps(row) + "\n")
+    return result
+
+
+def autoenable() -> bool:
+    """Enable feature ``testing`` when the loss log or the fault injector is configured."""
+    if os.environ.get(ENV_LOSS_LOG) or os.environ.get("MINDSPEED_HA_INJECT"):
+        enable("testing")
+        return True
+    return False
+
+
+PATCHES = [
+    Patch("testing.loss_log", "megatron.training.training", "train_step", _record_losses,
+          "testing", versions=None,
+          doc="MINDSPEED_HA_LOSS_LOG: exact per-iteration losses and grad norm (hex floats)"),
+]
