@@ -10,6 +10,13 @@ crash or silently compute the wrong thing, and passes every other call through:
 * ``DistributedOptimizer.load_state_dict`` gives every param one *shared* ``step``
   tensor that torch AdamW then advances once per param (resume silently wrong): each
   param gets its own copy.
+* ``DistributedOptimizer.load_state_dict`` re-applies saved param groups by position
+  (distrib_optimizer.py ``load_state_dict``); under ``torch_dist`` with
+  ``fully_sharded_model_space`` the groups come from global rank 0 only, so a pipeline
+  stage whose groups are in another order resumes with weight decay on the wrong
+  params, silently, on every device. Saved groups are matched to this optimizer's by
+  their key ``(wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr)`` (the key
+  megatron-core's ``_get_param_groups`` builds them from) before the stock load.
 * ``DistributedOptimizer._set_main_param_and_optimizer_states`` raises KeyError
   ``'step'`` (torch AdamW keeps ``step`` in its state, the parameter file does not) and
   copies into leaf params outside ``no_grad``: the current ``step`` is kept, copy runs
@@ -64,6 +71,25 @@ def _load_state_dict(wrapped, instance, args, kwargs):
     return result
 
 
+_GROUP_KEY = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+
+
+def _group_key(group):
+    return tuple(group.get(k) for k in _GROUP_KEY)
+
+
+def _param_groups_by_key(wrapped, instance, args, kwargs):
+    state_dict = args[0] if args else kwargs.get("state_dict")
+    saved = (state_dict or {}).get("optimizer", {}).get("param_groups")
+    own = instance.optimizer.param_groups
+    if saved and len(saved) == len(own):
+        by_key = {_group_key(g): g for g in saved}
+        want = [_group_key(g) for g in own]
+        if len(by_key) == len(saved) and set(want) == set(by_key) and want != [_group_key(g) for g in saved]:
+            state_dict["optimizer"] = dict(state_dict["optimizer"], param_groups=[by_key[k] for k in want])
+    return wrapped(*args, **kwargs)
+
+
 def _set_main_param_and_optimizer_states(wrapped, instance, args, kwargs):
     import torch
 
@@ -89,6 +115,9 @@ PATCHES = [
     Patch("fix.dist_opt_load_state_dict", _DO, "DistributedOptimizer.load_state_dict",
           _load_state_dict, "core",
           doc="torch AdamW: one step tensor per param after load (stock shares one)"),
+    Patch("fix.dist_opt_param_groups_by_key", _DO, "DistributedOptimizer.load_state_dict",
+          _param_groups_by_key, "core",
+          doc="load: saved param groups matched by (wd_mult, lr_mult, ...) key, not by position"),
     Patch("fix.dist_opt_set_states", _DO, "DistributedOptimizer._set_main_param_and_optimizer_states",
           _set_main_param_and_optimizer_states, "core",
           doc="torch AdamW: keep 'step' and copy under no_grad when loading parameter state"),

@@ -45,6 +45,10 @@ class Patch:
         versions: inclusive-exclusive ``(min, max)`` megatron-core versions
             (``"0.12.0"``, ``"0.13.0"``); ``None`` for targets outside megatron-core.
         doc: one line saying what the patch changes, printed by ``mindspeed-ha patches``.
+        replace: the target is not a function to wrap but a value to replace:
+            ``wrapper(original) -> replacement`` runs once when the module is imported.
+            Not gated (a value cannot pass calls through), so only for library
+            compatibility shims that behave like the original for every existing use.
     """
 
     name: str
@@ -54,6 +58,7 @@ class Patch:
     feature: str
     versions: Optional[Tuple[str, str]] = ("0.12.0", "0.13.0")
     doc: str = ""
+    replace: bool = False
 
     def __post_init__(self):
         if self.feature not in FEATURES:
@@ -172,6 +177,10 @@ def _apply(module, patch: Patch) -> None:
         _applied[patch.name] = f"skipped: {reason}"
         log.warning("patch %s not applied (%s)", patch.name, reason)
         return
+    if patch.replace:
+        setattr(parent, attr, patch.wrapper(original))
+        _applied[patch.name] = "applied"
+        return
     # Look up staticmethod/classmethod descriptors raw so binding stays right.
     raw = vars(parent).get(attr, original) if isinstance(parent, type) else original
     if isinstance(raw, (staticmethod, classmethod)):
@@ -209,7 +218,7 @@ def report() -> List[dict]:
                 "name": p.name,
                 "target": f"{p.module}:{p.attribute}",
                 "feature": p.feature,
-                "active": p.feature in _enabled and _applied.get(p.name) == "applied",
+                "active": (p.feature in _enabled or p.replace) and _applied.get(p.name) == "applied",
                 "status": _applied.get(p.name, "pending import"),
                 "doc": p.doc,
             }
