@@ -24,7 +24,8 @@ stop_timeout_s                     ``MINDSPEED_HA_STOP_TIMEOUT`` >             `
                                    ``--ha-stop-timeout``
 action_timeout_s                   ``MINDSPEED_HA_ACTION_TIMEOUT`` >           ``600.0``
                                    ``--ha-action-timeout``
-connect_timeout_s                  ``MINDSPEED_HA_CONNECT_TIMEOUT``            ``60.0``
+connect_timeout_s                  ``MINDSPEED_HA_CONNECT_TIMEOUT`` >          ``60.0``
+                                   ``--ha-connect-timeout``
 max_message_bytes                  ``MINDSPEED_HA_MAX_MESSAGE_BYTES``          ``1 MiB``
 auth_key                           ``MINDSPEED_HA_AUTH_KEY`` (hex)             ``None``
 =================================  ==========================================  ===============
@@ -137,7 +138,8 @@ class HAConfig:
         heartbeat_timeout_s: silence after which a rank is declared dead, seconds.
         stop_timeout_s: how long the STOP round waits for STOPPED replies, seconds.
         action_timeout_s: deadline of one DUMP / ASSEMBLE / COMMIT action, seconds.
-        connect_timeout_s: how long a processor tries to register, seconds.
+        connect_timeout_s: how long a processor tries to register, seconds (the
+            deadline of the registration wait; generous for slow nodes).
         max_message_bytes: cap on one control message.
         auth_key: HMAC key shared by the job (None until the launcher provides it).
         save_dir: Megatron's ``--save`` (None: a dying checkpoint cannot be written).
@@ -251,7 +253,9 @@ class HAConfig:
             action_timeout_s=_env_float(
                 env, ENV_ACTION_TIMEOUT, "--ha-action-timeout",
                 _arg(args, "ha_action_timeout"), DEFAULT_ACTION_TIMEOUT_S),
-            connect_timeout_s=_env_float(env, ENV_CONNECT_TIMEOUT, None, None, DEFAULT_CONNECT_TIMEOUT_S),
+            connect_timeout_s=_env_float(
+                env, ENV_CONNECT_TIMEOUT, "--ha-connect-timeout",
+                _arg(args, "ha_connect_timeout"), DEFAULT_CONNECT_TIMEOUT_S),
             max_message_bytes=_int_env(env, ENV_MAX_MESSAGE_BYTES, DEFAULT_MAX_MESSAGE_BYTES),
             auth_key=auth_key_from(env),
             save_dir=_arg(args, "save", None) or None,
@@ -392,6 +396,9 @@ def add_ha_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--ha-action-timeout", type=float, default=None,
                    help=f"Deadline of a save/assemble/commit step, s (env {ENV_ACTION_TIMEOUT}; "
                         f"default {DEFAULT_ACTION_TIMEOUT_S}).")
+    g.add_argument("--ha-connect-timeout", type=float, default=None,
+                   help=f"Deadline for a rank to register with the controller, s (env {ENV_CONNECT_TIMEOUT}; "
+                        f"default {DEFAULT_CONNECT_TIMEOUT_S}; raise it for slow nodes).")
     return parser
 
 

@@ -1,5 +1,19 @@
-"""Controller + processors in one process over real localhost ZeroMQ."""
+"""Controller + processors in one process over real localhost ZeroMQ, and the standalone
+controller as its own process.
 
+Teardown is by fixtures, so it happens when a test fails too: ``closing`` (an ExitStack)
+closes every controller, processor, socket and process a test made, then ``no_leaks``
+checks that no thread outlived the test and every ZeroMQ context was terminated
+explicitly (none was left for the garbage collector). Assertions are about outcomes and
+orderings, never about how fast something happened.
+"""
+
+import contextlib
+import logging
+import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -17,16 +31,21 @@ from mindspeed_ha.faults import (EXIT_DYING_CHECKPOINT_SAVED, EXIT_FAULT_UNRECOV
 
 KEY = b"t" * 32
 CFG = HAConfig(enabled=True, distributed_optimizer=True, replica_count=2, auth_key=KEY, controller_addr="127.0.0.1",
-               heartbeat_interval_s=0.05, heartbeat_timeout_s=0.3, stop_timeout_s=2.0, action_timeout_s=5.0,
+               heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, stop_timeout_s=5.0, action_timeout_s=10.0,
                connect_timeout_s=5.0, save_dir=None)
 WORLD = 4  # TP1 PP1 DP4, N=2: instances {0,1} and {2,3}; shard s held by ranks s and s+2
 
 
 class Job:
-    """A controller and WORLD processors with recording action handlers."""
+    """A controller and WORLD processors with recording action handlers.
 
-    def __init__(self, cfg=CFG, save_dir="/save", dump_delay=0.0):
+    Everything it starts is registered on ``stack`` as soon as it exists, so a failure
+    half-way through still closes what was made.
+    """
+
+    def __init__(self, stack, cfg=CFG, save_dir="/save", dump_delay=0.0):
         self.ctl = Controller(cfg, WORLD, "127.0.0.1", 0, tick_s=0.01).start()
+        stack.callback(self.ctl.stop)
         self.calls = {k: [] for k in ("dump", "assemble", "commit")}
         self.exits = {}
         self.exited = {r: threading.Event() for r in range(WORLD)}
@@ -37,6 +56,7 @@ class Job:
             p = Processor(cfg, r, lay, save_dir, port=self.ctl.port, exit_handler=self._exit_handler(r))
             for kind in self.calls:
                 p.on_action(kind, self._handler(kind, r, dump_delay if kind == "dump" else 0.0))
+            stack.callback(p.close, None)  # no GOODBYE to linger on: the controller goes too
             self.procs.append(p.start())
 
     def _handler(self, kind, rank, delay):
@@ -59,32 +79,52 @@ class Job:
             self.procs[r].begin_update(iteration)
             self.procs[r].end_update(iteration)
 
-    def close(self):
-        for p in self.procs:
-            p.close(None)  # the controller is gone: no GOODBYE to linger on
-        self.ctl.stop()
 
 
 @pytest.fixture
-def no_leaks():
+def no_leaks(monkeypatch):
+    """Fails a test that leaves a thread running or a ZeroMQ context not terminated.
+
+    Every ``zmq.Context()`` made during the test is recorded (and so kept from the
+    garbage collector) and must be closed by the end of it.
+    """
+    contexts = []
+
+    class RecordedContext(zmq.Context):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            contexts.append(self)
+
+    monkeypatch.setattr(zmq, "Context", RecordedContext)
     before = set(threading.enumerate())
     yield
     leaked = [t for t in threading.enumerate() if t not in before and t.is_alive()]
+    open_contexts = [c for c in contexts if not c.closed]
+    for c in open_contexts:  # report, then end them so that one failure does not hang the rest
+        c.destroy(linger=0)
     assert not leaked, f"leaked threads: {leaked}"
+    assert not open_contexts, f"{len(open_contexts)} ZeroMQ context(s) left open"
 
 
 @pytest.fixture
-def job(no_leaks):
-    jobs = []
+def closing(no_leaks):
+    """An ExitStack closed after the test, before ``no_leaks`` checks (failures included)."""
+    with contextlib.ExitStack() as stack:
+        yield stack
 
+
+@pytest.fixture
+def job(closing):
     def make(**kw):
-        j = Job(**kw)
-        jobs.append(j)
-        return j
+        return Job(closing, **kw)
 
-    yield make
-    for j in jobs:
-        j.close()
+    return make
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def assert_dying_checkpoint(j, dead, iteration):
@@ -119,56 +159,54 @@ def test_socket_close_is_detected_and_round_completes(job):
     t0 = time.monotonic()
     j.procs[2].close(None)  # the process vanishes: no GOODBYE, TCP connection closed
     for r in (0, 1, 3):
-        assert j.procs[r].stop_event.wait(5)
-    latency = max(j.procs[r].stop_received_at for r in (0, 1, 3)) - t0
+        assert j.procs[r].stop_event.wait(10)
+        assert j.procs[r].stop_received_at >= t0  # STOP follows the disconnect
     out = assert_dying_checkpoint(j, dead=2, iteration=2)
-    assert latency < 0.25, latency  # disconnect -> STOP at every survivor (ms; see report)
+    assert "control connection closed" in out.events[0].reason
     plan = out.plan
     assert plan.shard_savers == {(0, 0, 0): 0, (0, 0, 1): 1}  # instance 0 intact: preferred
 
 
-def test_report_rank_exit_is_instant(job):
+def test_report_rank_exit_stops_the_survivors(job):
     j = job()
     j.step(1)
     t0 = time.monotonic()
     j.ctl.report_rank_exit(0, -9)
     for r in (1, 2, 3):
-        assert j.procs[r].stop_event.wait(5)
-    latency = max(j.procs[r].stop_received_at for r in (1, 2, 3)) - t0
+        assert j.procs[r].stop_event.wait(10)
+        assert j.procs[r].stop_received_at >= t0
     out = assert_dying_checkpoint(j, dead=0, iteration=1)
+    assert "agent report" in out.events[0].reason  # the report, not a missed heartbeat, was the evidence
     assert out.plan.shard_savers == {(0, 0, 0): 2, (0, 0, 1): 3}
-    assert latency < 0.1, latency
-    assert out.timings["detect"] < 0.1
+    assert out.timings["detect"] >= 0
 
 
-def test_missed_heartbeats_detected_after_timeout(no_leaks):
-    # a fifth, hung rank: registers through a raw socket and then never speaks again
+def test_missed_heartbeats_detected_after_timeout(closing):
+    # a second, hung rank: registers through a raw socket and then never speaks again
     ctl = Controller(CFG, 2, "127.0.0.1", 0, tick_s=0.01).start()
-    try:
-        ctx = zmq.Context()
-        raw = ctx.socket(zmq.DEALER)
-        wire.configure_socket(raw, CFG.max_message_bytes)
-        raw.connect(f"tcp://127.0.0.1:{ctl.port}")
-        codec = wire.Codec(KEY, wire.new_sender("rank", 1))
-        lay = Layout(dp_rank=1, dp_size=2, replica_count=2, instance_id=1)
-        raw.send(codec.encode(wire.Register(1, 2, 1, "h", lay, "/save", "", "updated", 1)))
-        assert raw.poll(5000)
-        raw.recv()
-        p0 = Processor(CFG, 0, Layout(dp_size=2, replica_count=2), "/save", port=ctl.port,
-                       iteration=1, exit_handler=lambda c, r: None).start()
-        t_silent = time.monotonic()
-        assert p0.stop_event.wait(5)
-        detect = p0.stop_received_at - t_silent
-        assert CFG.heartbeat_timeout_s <= detect < CFG.heartbeat_timeout_s + 0.2, detect
-        out = ctl.wait_done(10)
-        assert out.exit_code == EXIT_FAULT_UNRECOVERABLE or out.exit_code == EXIT_NO_COMPLETE_DATA or \
-            out.exit_code == EXIT_DYING_CHECKPOINT_SAVED
-        assert "missed heartbeats" in out.events[0].reason
-        p0.close(0)
-        raw.close(0)
-        ctx.term()
-    finally:
-        ctl.stop()
+    closing.callback(ctl.stop)
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    closing.callback(wire.close_all, ctx, raw)
+    wire.configure_socket(raw, CFG.max_message_bytes)
+    raw.connect(f"tcp://127.0.0.1:{ctl.port}")
+    codec = wire.Codec(KEY, wire.new_sender("rank", 1))
+    lay = Layout(dp_rank=1, dp_size=2, replica_count=2, instance_id=1)
+    t_register = time.monotonic()  # the controller hears rank 1 for the last time after this
+    raw.send(codec.encode(wire.Register(1, 2, 1, "h", lay, "/save", "", "updated", 1)))
+    assert raw.poll(10000)
+    assert codec.decode(raw.recv()).body.accepted
+    p0 = Processor(CFG, 0, Layout(dp_size=2, replica_count=2), "/save", port=ctl.port,
+                   iteration=1, exit_handler=lambda c, r: None)
+    closing.callback(p0.close, None)
+    p0.start()
+    assert p0.stop_event.wait(30)
+    assert p0.stop_received_at - t_register >= CFG.heartbeat_timeout_s  # never declared dead early
+    out = ctl.wait_done(30)
+    assert out is not None and "rank 1 missed heartbeats" in out.events[0].reason
+    # rank 0 holds the only healthy copy and is asked to dump; it has no dump handler here
+    assert out.exit_code == EXIT_FAULT_UNRECOVERABLE and "failed on rank 0" in out.reason, out.reason
+    assert ctl.unresponsive_ranks().keys() == {1}  # the launcher ends such a rank's process
 
 
 def test_freeze_blocks_begin_update_and_dirty_holder_is_skipped(job):
@@ -177,7 +215,7 @@ def test_freeze_blocks_begin_update_and_dirty_holder_is_skipped(job):
     j.procs[1].begin_update(2)  # rank 1 is inside update 2 when the fault hits: dirty
     j.step(2, ranks=[0, 2, 3])
     j.ctl.report_rank_exit(3, 1)
-    assert j.procs[1].stop_event.wait(5)
+    assert j.procs[1].stop_event.wait(10)
     assert j.procs[1].frozen
     # frozen: a new update must not start; it stays blocked until EXIT ends the rank
     started = threading.Event()
@@ -190,12 +228,12 @@ def test_freeze_blocks_begin_update_and_dirty_holder_is_skipped(job):
         except ProcessorExited as exc:
             errors.append(exc)
 
-    assert j.procs[0].stop_event.wait(5)
+    assert j.procs[0].stop_event.wait(10)
     t = threading.Thread(target=next_step)
     t.start()
-    assert started.wait(5)
-    out = j.ctl.wait_done(10)
-    t.join(5)
+    assert started.wait(10)
+    out = j.ctl.wait_done(30)
+    t.join(10)
     assert not t.is_alive() and len(errors) == 1  # released only by EXIT
     # shard 1: rank 3 dead, rank 1 dirty (UPDATING@2) -> shard 1 only complete at... nowhere
     assert out.exit_code == EXIT_NO_COMPLETE_DATA, out.reason
@@ -235,39 +273,42 @@ def test_no_save_dir_exits_77(job):
     assert not j.calls["dump"]
 
 
-def test_normal_end_all_goodbye(no_leaks):
+def test_normal_end_all_goodbye(closing):
     ctl = Controller(CFG, 2, "127.0.0.1", 0, tick_s=0.01).start()
-    try:
-        ps = [Processor(CFG, r, Layout(dp_rank=r, dp_size=2, replica_count=2, instance_id=r), None,
-                        port=ctl.port).start() for r in range(2)]
-        for p in ps:
-            p.close(0)
-        out = ctl.wait_done(5)
-        assert out.phase is Phase.DONE and out.exit_code is None and out.fault_rank is None
-    finally:
-        ctl.stop()
+    closing.callback(ctl.stop)
+    ps = []
+    for r in range(2):
+        p = Processor(CFG, r, Layout(dp_rank=r, dp_size=2, replica_count=2, instance_id=r), None, port=ctl.port)
+        closing.callback(p.close, None)
+        ps.append(p.start())
+    for p in ps:
+        p.close(0)
+    out = ctl.wait_done(10)
+    assert out.phase is Phase.DONE and out.exit_code is None and out.fault_rank is None
+    assert ctl.unresponsive_ranks() == {}
 
 
-def test_port_in_use_is_config_error(no_leaks):
+def test_port_in_use_is_config_error(closing):
     a = Controller(CFG, 1, "127.0.0.1", 0).start()
-    try:
-        with pytest.raises(ConfigError) as ei:
-            Controller(CFG, 1, "127.0.0.1", a.port).start()
-        assert str(a.port) in str(ei.value) and "--ha-controller-port" in str(ei.value)
-        assert "TTP_PORT" in str(ei.value)
-    finally:
-        a.stop()
+    closing.callback(a.stop)
+    with pytest.raises(ConfigError) as ei:
+        Controller(CFG, 1, "127.0.0.1", a.port).start()  # its context is closed before the error
+    assert str(a.port) in str(ei.value) and "--ha-controller-port" in str(ei.value)
+    assert "TTP_PORT" in str(ei.value)
 
 
-def test_wrong_key_cannot_register(no_leaks):
+def test_wrong_key_cannot_register(closing):
     ctl = Controller(CFG, 1, "127.0.0.1", 0).start()
-    try:
-        bad = CFG.with_auth_key(b"x" * 32)
-        with pytest.raises(ControlPlaneError, match="registration failed"):
-            Processor(bad, 0, Layout(), None, port=ctl.port).start(timeout=0.5)
-        assert ctl.codec.rejected["bad_mac"] >= 1
-    finally:
-        ctl.stop()
+    closing.callback(ctl.stop)
+    bad = CFG.with_auth_key(b"x" * 32)
+    with pytest.raises(ControlPlaneError, match="registration failed"):
+        Processor(bad, 0, Layout(), None, port=ctl.port).start(timeout=0.5)
+    assert ctl.codec.rejected["bad_mac"] >= 1
+
+
+def test_unreachable_controller_fails_within_the_deadline_and_names_it(closing):
+    with pytest.raises(ControlPlaneError, match="--ha-connect-timeout"):
+        Processor(CFG, 0, Layout(), None, port=free_port()).start(timeout=0.5)
 
 
 def test_missing_auth_key_is_config_error():
@@ -277,32 +318,94 @@ def test_missing_auth_key_is_config_error():
         Processor(CFG.replace(auth_key=None), 0, Layout())
 
 
+def test_registration_retries_are_logged_once(closing, caplog):
+    """A rank that starts before its controller re-sends REGISTER until answered; the
+    rank and the controller each log the registration once, not once per REGISTER."""
+    caplog.set_level(logging.DEBUG, logger="mindspeed_ha.control")
+    port = free_port()
+    p = Processor(CFG, 0, Layout(), None, port=port)
+    closing.callback(p.close, None)
+    started = {}
+    t = threading.Thread(target=lambda: started.setdefault("p", p.start(timeout=60)))
+    closing.callback(t.join, 60)
+    t.start()
+
+    def lines(logger, text):
+        return [r for r in caplog.records if r.name == logger and text in r.getMessage()]
+
+    deadline = time.monotonic() + 30
+    while len(lines("mindspeed_ha.control.processor", "REGISTER #")) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(lines("mindspeed_ha.control.processor", "REGISTER #")) >= 3  # nobody listening yet
+    ctl = Controller(CFG, 1, "127.0.0.1", port, tick_s=0.01).start()
+    closing.callback(ctl.stop)
+    t.join(60)
+    assert started.get("p") is p
+    # the REGISTERs queued while nobody listened reach the controller too: each is answered
+    deadline = time.monotonic() + 30
+    while not lines("mindspeed_ha.control.controller", "REGISTER repeated") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lines("mindspeed_ha.control.controller", "REGISTER repeated")
+    p.close(0)
+    assert ctl.wait_done(30) is not None  # every REGISTERED has been handled by now
+    assert len(lines("mindspeed_ha.control.processor", "registered with the controller")) == 1
+    assert len(lines("mindspeed_ha.control.controller", "registered (pid")) == 1
+
+
+def _end(proc):
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
+def test_standalone_controller_imports_nothing_heavy_and_answers(closing, tmp_path):
+    """``python -m mindspeed_ha.control.controller``, as rank 0 starts it under plain torchrun,
+    imports neither torch nor megatron (so it listens within a second of starting), answers a
+    rank, and exits with the job."""
+    port = free_port()
+    err = open(tmp_path / "controller.err", "w+")
+    closing.callback(err.close)
+    cmd = [sys.executable, "-X", "importtime", "-m", "mindspeed_ha.control.controller", "--world-size", "1",
+           "--port", str(port), "--bind", "127.0.0.1", "--registration-timeout", "120"]
+    proc = subprocess.Popen(cmd, env=dict(os.environ, MINDSPEED_HA_AUTH_KEY=KEY.hex()),
+                            stdout=subprocess.DEVNULL, stderr=err)
+    closing.callback(_end, proc)
+    p = Processor(CFG, 0, Layout(), None, port=port)
+    closing.callback(p.close, None)
+    p.start(timeout=60)  # raises ControlPlaneError unless the controller answers
+    p.close(0)
+    assert proc.wait(60) == 0  # every rank said goodbye 0: the job is over
+    err.seek(0)
+    text = err.read()
+    imported = {line.rsplit("|", 1)[1].strip().split(".")[0]
+                for line in text.splitlines() if line.startswith("import time:")}
+    assert "zmq" in imported, text[-2000:]
+    heavy = imported & {"torch", "megatron", "numpy", "transformer_engine", "apex"}
+    assert not heavy, f"the standalone controller imports {sorted(heavy)}"
+
+
 def test_standalone_controller_exits_without_registrations(monkeypatch, no_leaks):
     from mindspeed_ha.control import controller
 
     monkeypatch.setenv("MINDSPEED_HA_AUTH_KEY", KEY.hex())
-    t0 = time.monotonic()
     assert controller.main(["--world-size", "2", "--port", "0", "--registration-timeout", "0.3"]) == 1
-    assert time.monotonic() - t0 < 5
     monkeypatch.delenv("MINDSPEED_HA_AUTH_KEY")
     assert controller.main(["--world-size", "2", "--port", "0"]) == 2  # no key: refuses to start
 
 
-def test_standalone_controller_exits_with_the_job(monkeypatch, no_leaks):
+def test_standalone_controller_exits_with_the_job(monkeypatch, closing):
     from mindspeed_ha.control import controller
 
     monkeypatch.setenv("MINDSPEED_HA_AUTH_KEY", KEY.hex())
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     rc = {}
     t = threading.Thread(target=lambda: rc.setdefault("rc", controller.main(
         ["--world-size", "1", "--port", str(port), "--registration-timeout", "10"])))
+    closing.callback(t.join, 30)
     t.start()
     p = Processor(CFG, 0, Layout(), None, port=port)
-    p.start()
+    closing.callback(p.close, None)
+    p.start(timeout=30)
     p.close(0)
-    t.join(10)
+    t.join(30)
     assert rc["rc"] == 0

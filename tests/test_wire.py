@@ -122,3 +122,23 @@ def test_short_key_refused():
 def test_endpoint_ipv6():
     assert wire.endpoint("::1", 80) == "tcp://[::1]:80"
     assert wire.endpoint("10.0.0.1", 80) == "tcp://10.0.0.1:80"
+
+
+def test_close_all_ends_sockets_and_context_with_pending_messages():
+    """A frame queued for a peer that never came must not keep the context alive."""
+    import socket
+
+    import zmq
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, -1)  # the default: wait forever; close_all overrides it
+    dealer.connect(wire.endpoint("127.0.0.1", port))
+    dealer.send(b"queued", zmq.NOBLOCK)
+    idle = ctx.socket(zmq.ROUTER)
+    wire.close_all(ctx, dealer, idle, None)
+    assert dealer.closed and idle.closed and ctx.closed
+    wire.close_all(ctx, dealer)  # idempotent

@@ -121,12 +121,41 @@ class Controller:
         return self._port
 
     def start(self) -> "Controller":
-        """Bind and start the I/O thread. Raises ConfigError if the port is in use."""
-        self._ctx = zmq.Context()
-        router = self._ctx.socket(zmq.ROUTER)
-        wire.configure_socket(router, self.config.max_message_bytes)
-        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        """Bind and start the I/O thread. Raises ConfigError if the port is in use.
+
+        The I/O thread owns the sockets, the context and the wake pipe and closes them
+        when it ends (linger 0); if starting fails half-way, everything created so far is
+        closed here before the error propagates.
+        """
+        ctx = zmq.Context()
+        router = monitor = None
+        wake: Tuple[int, ...] = ()
+        try:
+            router = ctx.socket(zmq.ROUTER)
+            wire.configure_socket(router, self.config.max_message_bytes)
+            router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            self._bind(router)
+            monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            wake = os.pipe()
+            for fd in wake:
+                os.set_blocking(fd, False)
+            self._ctx, self._router, self._monitor = ctx, router, monitor
+            self._wake_r, self._wake_w = wake
+            self._thread = threading.Thread(target=self._run, name="mindspeed-ha-controller", daemon=True)
+            self._thread.start()
+        except BaseException:
+            self._thread = None
+            self._ctx = self._router = self._monitor = None
+            self._wake_r = self._wake_w = -1
+            for fd in wake:
+                os.close(fd)
+            wire.close_all(ctx, monitor, router)
+            raise
+        log.info("controller listening on %s:%d for %d ranks", self.bind_addr, self._port, self.world_size)
+        return self
+
+    def _bind(self, router: Any) -> None:
         try:
             if self._port == 0:
                 host = self.bind_addr.strip("[]")
@@ -134,39 +163,21 @@ class Controller:
             else:
                 router.bind(wire.endpoint(self.bind_addr, self._port))
         except zmq.ZMQError as exc:
-            router.close(0)
-            self._ctx.term()
-            self._ctx = None
             if exc.errno == errno.EADDRINUSE:
                 raise ConfigError(
                     f"controller port {self._port} on {self.bind_addr} is already in use: choose another with "
                     f"--ha-controller-port or {ENV_TTP_PORT} (1..65535)") from exc
             raise ConfigError(f"cannot bind the controller to {self.bind_addr}:{self._port}: {exc}") from exc
-        self._router = router
-        self._monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._thread = threading.Thread(target=self._run, name="mindspeed-ha-controller", daemon=True)
-        self._thread.start()
-        log.info("controller listening on %s:%d for %d ranks", self.bind_addr, self._port, self.world_size)
-        return self
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop the I/O thread and close its sockets (idempotent)."""
+        """Stop the I/O thread, which closes its sockets and context (idempotent)."""
         self._stopping.set()
         self._wake()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
-        with self._wake_lock:
-            fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
-        for fd in fds:
-            if fd >= 0:
-                os.close(fd)
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():  # it still owns the sockets: it closes them when it ends
+                log.error("controller thread did not stop within %.1f s", timeout)
 
     def __enter__(self) -> "Controller":
         return self.start()
@@ -193,6 +204,25 @@ class Controller:
         if not self._done.wait(timeout):
             return None
         return self.outcome()
+
+    def unresponsive_ranks(self) -> Dict[int, str]:
+        """Ranks given up on for silence once a fault round started: rank -> reason.
+
+        A rank whose heartbeats stopped (a hung or SIGSTOPped process) is left out of
+        the dying checkpoint, but its process may still exist and cannot act on a
+        SIGTERM while stopped: whoever hosts the workers ends it (the launcher SIGKILLs
+        it). Empty while no fault was acted on: until then silence is fault evidence
+        for :func:`decide`, not a verdict. Ranks that said goodbye or whose exit was
+        reported are never listed. Thread-safe.
+        """
+        with self._lock:
+            st = self.state
+            if st.fault is None:
+                return {}
+            now, limit = self.clock(), self.config.heartbeat_timeout_s
+            return {r: f"no heartbeat for {now - i.last_heartbeat:.1f} s (> {limit} s)"
+                    for r, i in sorted(st.ranks.items())
+                    if i.alive and i.exit_code is None and now - i.last_heartbeat > limit}
 
     @property
     def phase(self) -> Phase:
@@ -224,17 +254,18 @@ class Controller:
 
     # ------------------------------------------------------------------ I/O thread
     def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        wake_r = self._wake_r
         timeout_ms = max(1, int(self.tick_s * 1000))
         try:
+            poller = zmq.Poller()
+            poller.register(self._router, zmq.POLLIN)
+            poller.register(self._monitor, zmq.POLLIN)
+            poller.register(wake_r, zmq.POLLIN)
             while not self._stopping.is_set():
                 ready = dict(poller.poll(timeout_ms))
-                if self._wake_r in ready:
+                if wake_r in ready:
                     try:
-                        while os.read(self._wake_r, 4096):
+                        while os.read(wake_r, 4096):
                             pass
                     except BlockingIOError:
                         pass
@@ -253,8 +284,13 @@ class Controller:
                     self._done.set()
                     break
         finally:
-            self._monitor.close(0)
-            self._router.close(0)
+            with self._wake_lock:
+                fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
+            for fd in fds:
+                os.close(fd)
+            ctx, router, monitor = self._ctx, self._router, self._monitor
+            self._ctx = self._router = self._monitor = None
+            wire.close_all(ctx, monitor, router)
             log.info("controller thread exits (phase %s)", self.state.phase.value)
 
     def _drain_cmds(self, now: float) -> None:
@@ -371,8 +407,9 @@ class Controller:
             ok, detail = False, f"world size {body.world_size} != controller's {self.world_size}"
         if ok:
             old = st.ranks.get(body.rank)
-            if old is not None and old.sender == sender:
-                info = old  # re-sent REGISTER (lost REGISTERED): idempotent
+            repeat = old is not None and old.sender == sender
+            if repeat:
+                info = old  # re-sent REGISTER (its REGISTERED crossed it or was lost): idempotent
             else:
                 info = RankInfo(rank=body.rank, layout=body.layout, last_heartbeat=now, pid=body.pid,
                                 host=body.host, save_dir=body.save_dir, sender=sender)
@@ -393,8 +430,11 @@ class Controller:
                 self.first_register_at = now
             if not st.run_id:
                 st.run_id = body.run_id
-            log.info("rank %d registered (pid %d on %s, layout %s); %d/%d ranks", body.rank, body.pid, body.host,
-                     body.layout, len(st.ranks), self.world_size)
+            if repeat:
+                log.debug("rank %d: REGISTER repeated, answered again", body.rank)
+            else:
+                log.info("rank %d registered (pid %d on %s, layout %s); %d/%d ranks", body.rank, body.pid,
+                         body.host, body.layout, len(st.ranks), self.world_size)
         else:
             log.error("registration refused: %s", detail)
         try:

@@ -43,7 +43,7 @@ from typing import Any, Callable, Deque, Dict, Optional, Tuple, Union
 
 import zmq
 
-from mindspeed_ha.config import ENV_AUTH_KEY, ConfigError, HAConfig
+from mindspeed_ha.config import ENV_AUTH_KEY, ENV_CONNECT_TIMEOUT, ConfigError, HAConfig
 from mindspeed_ha.control import wire
 from mindspeed_ha.control.policy import ActionKind
 from mindspeed_ha.control.state import Layout, OptimizerStatus, RankState
@@ -61,6 +61,9 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[Dict[str, Any]], Tuple[bool, str]]
 ExitHandler = Callable[[int, str], None]
+
+#: how long a GOODBYE may take to leave when the processor closes (ms); every other close: 0
+GOODBYE_LINGER_MS = 500
 
 #: actions whose arrival is delivered to the main thread (report_fault / begin_update)
 MAIN_THREAD_KINDS = frozenset({ActionKind.RETRY.value, ActionKind.RESUME.value, ActionKind.EXIT.value})
@@ -128,6 +131,7 @@ class Processor:
         self._actions: Deque[Optional[wire.Action]] = collections.deque()
         self._actions_cv = threading.Condition(threading.Lock())
         self._registered = threading.Event()
+        self._register_attempts = 0  # REGISTER frames sent (I/O thread only)
         self._register_error: Optional[str] = None
         self._stop_io = threading.Event()
         self._ctx: Optional[zmq.Context] = None
@@ -136,6 +140,7 @@ class Processor:
         self._io: Optional[threading.Thread] = None
         self._worker: Optional[threading.Thread] = None
         self._closed = False
+        self._goodbye_queued = False
         self.stop_received_at: Optional[float] = None
         #: set when STOP arrives (frozen); for the runtime and tests to wait on
         self.stop_event = threading.Event()
@@ -144,29 +149,52 @@ class Processor:
     def start(self, timeout: Optional[float] = None) -> "Processor":
         """Connect, register and start the threads; block until REGISTERED.
 
+        REGISTER is re-sent with backoff (0.1 s doubling to 2 s) until answered; the
+        wait is bounded by ``timeout``. Registration is logged once, at the first
+        REGISTERED. The I/O thread owns the socket, the context and the wake pipe and
+        closes them when it ends; a failure before it runs closes them here.
+
         Raises:
             ControlPlaneError: no REGISTERED within ``timeout`` (default
                 ``config.connect_timeout_s``) or the controller refused the rank.
         """
-        self._ctx = zmq.Context()
-        sock = self._ctx.socket(zmq.DEALER)
-        wire.configure_socket(sock, self.config.max_message_bytes)
-        sock.setsockopt(zmq.ROUTING_ID, f"r{self.rank}-{secrets.token_hex(4)}".encode())
-        sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-        sock.connect(wire.endpoint(self.addr, self.port))
-        self._sock = sock
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._io = threading.Thread(target=self._io_loop, name=f"mindspeed-ha-processor-{self.rank}", daemon=True)
-        self._worker = threading.Thread(target=self._action_loop, name=f"mindspeed-ha-action-{self.rank}",
+        ctx = zmq.Context()
+        sock = None
+        wake: Tuple[int, ...] = ()
+        try:
+            sock = ctx.socket(zmq.DEALER)
+            wire.configure_socket(sock, self.config.max_message_bytes)
+            sock.setsockopt(zmq.ROUTING_ID, f"r{self.rank}-{secrets.token_hex(4)}".encode())
+            sock.setsockopt(zmq.RECONNECT_IVL, 100)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+            sock.connect(wire.endpoint(self.addr, self.port))
+            wake = os.pipe()
+            for fd in wake:
+                os.set_blocking(fd, False)
+            self._ctx, self._sock = ctx, sock
+            self._wake_r, self._wake_w = wake
+            self._io = threading.Thread(target=self._io_loop, name=f"mindspeed-ha-processor-{self.rank}",
                                         daemon=True)
-        self._io.start()
-        self._worker.start()
+            self._worker = threading.Thread(target=self._action_loop, name=f"mindspeed-ha-action-{self.rank}",
+                                            daemon=True)
+            self._io.start()
+        except BaseException:  # nothing runs yet: close what was made here
+            self._io = self._worker = None
+            self._ctx = self._sock = None
+            self._wake_r = self._wake_w = -1
+            for fd in wake:
+                os.close(fd)
+            wire.close_all(ctx, sock)
+            raise
+        try:
+            self._worker.start()
+        except BaseException:
+            self.close(None)
+            raise
         wait = self.config.connect_timeout_s if timeout is None else timeout
         if not self._registered.wait(wait) or self._register_error:
-            why = self._register_error or f"no answer from {self.addr}:{self.port} within {wait} s"
+            why = self._register_error or (f"no answer from {self.addr}:{self.port} within {wait} s "
+                                           f"(--ha-connect-timeout / {ENV_CONNECT_TIMEOUT})")
             self.close(None)
             raise ControlPlaneError(f"rank {self.rank}: controller registration failed: {why} "
                                     "(check CONTROLLER_ADDR/TTP_ADDR, TTP_PORT, MINDSPEED_HA_AUTH_KEY)")
@@ -183,6 +211,7 @@ class Processor:
             self._closed = True
             if first and exit_code is not None and self._sock is not None:
                 self._outbox.append(wire.Goodbye(self.rank, int(exit_code)))
+                self._goodbye_queued = True
             self._cond.notify_all()
         if first:
             self._stop_io.set()
@@ -195,16 +224,8 @@ class Processor:
         for t in (self._io, self._worker):
             if t is not None and t is not me and t.ident is not None:
                 t.join(timeout)
-        if not first:
-            return
-        with self._cond:  # pokes happen under this lock: never write to a closed (reused) fd
-            fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
-        for fd in fds:
-            if fd >= 0:
-                os.close(fd)
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
+                if t.is_alive() and first:  # the I/O thread closes its socket and context when it ends
+                    log.error("rank %d: %s did not stop within %.1f s", self.rank, t.name, timeout)
 
     # ------------------------------------------------------------------ step protocol
     @property
@@ -338,6 +359,9 @@ class Processor:
             while not self._stop_io.is_set():
                 now = time.monotonic()
                 if not self._registered.is_set() and now >= next_register:
+                    self._register_attempts += 1
+                    log.debug("rank %d: REGISTER #%d to %s:%s", self.rank, self._register_attempts, self.addr,
+                              self.port)
                     self._send(self._register_body())
                     next_register = now + backoff
                     backoff = min(backoff * 2, 2.0)
@@ -365,13 +389,37 @@ class Processor:
         except Exception:  # noqa: BLE001 - keep the reason in the log, never crash silently
             log.exception("rank %d: processor I/O thread failed", self.rank)
         finally:
+            self._close_io()
+
+    def _close_io(self) -> None:
+        """End of the I/O thread: flush, close the socket and context, then the wake pipe.
+
+        Linger is 0 except when this close sends a GOODBYE: that frame gets up to
+        ``GOODBYE_LINGER_MS`` to leave (``term()`` returns as soon as it has), because
+        without it the controller would take a clean exit for a death.
+        """
+        try:
             self._flush_outbox()
-            self._sock.close(linger=500)  # GOODBYE gets 0.5 s to leave; the controller also sees the disconnect
+        except Exception:  # noqa: BLE001 - closing must not fail
+            log.exception("rank %d: cannot flush the control queue", self.rank)
+        with self._cond:
+            goodbye = self._goodbye_queued
+        ctx, sock = self._ctx, self._sock
+        self._ctx = self._sock = None
+        wire.close_all(ctx, sock, linger_ms=GOODBYE_LINGER_MS if goodbye else 0)
+        with self._cond:  # pokes happen under this lock: never write to a closed (reused) fd
+            fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
 
     def _handle(self, msg: wire.Message) -> None:
         t, body = msg.type, msg.body
         if t is wire.MsgType.REGISTERED:
             if body.accepted:
+                if not self._registered.is_set():  # once: answers to repeated REGISTERs are not news
+                    log.info("rank %d registered with the controller at %s:%s (REGISTER sent %d times)",
+                             self.rank, self.addr, self.port, self._register_attempts)
                 self._registered.set()
             elif self._registered.is_set() and body.detail.startswith("unregistered"):
                 self._registered.clear()  # a new controller: register again
