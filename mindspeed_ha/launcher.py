@@ -18,6 +18,9 @@ What it adds when the training arguments carry ``--enable-high-availability``:
   ``MINDSPEED_HA_DYING_GRACE_S`` seconds (default 600), then stops the rest as torchrun
   would. (The reference asks users to edit torchrun for this; here it is a patch of
   ``SubprocessContext._poll``, installed only in this process.)
+* A worker the controller gave up on for missed heartbeats (hung, e.g. SIGSTOPped) is
+  SIGKILLed as soon as the controller acts on the fault: a stopped process cannot act
+  on the SIGTERM torchrun sends at the end, which would cost torchrun's 30 s wait.
 * ``MINDSPEED_HA_REPORT=FILE`` writes the controller's event log and outcome as JSON.
 
 Without the HA flag it behaves exactly like torchrun.
@@ -30,10 +33,12 @@ import json
 import logging
 import os
 import secrets
+import signal
 import socket
+import subprocess
 import sys
 import time
-from typing import Dict, Optional
+from typing import Dict, Optional, Set
 
 import wrapt
 
@@ -51,15 +56,42 @@ class _Survivors:
         self.grace_s = grace_s
         self.first_failure: Optional[float] = None
         self.reported: Dict[int, int] = {}
+        self.killed: Set[int] = set()
 
 
 _survivors: Optional[_Survivors] = None
+
+
+def _end_unresponsive_workers(instance, state: _Survivors) -> None:
+    """SIGKILL the workers the controller gave up on for silence (hung, e.g. SIGSTOPped).
+
+    The controller has already left them out of the dying checkpoint. A stopped process
+    cannot act on the SIGTERM torchrun would send when the job ends, so torchrun would
+    wait its 30 s before SIGKILL; end it now (its process group, as torchrun does) and
+    let the next poll report its exit to the controller like any other death.
+    """
+    hung = state.controller.unresponsive_ranks()
+    if not hung:
+        return
+    for local_rank, handler in instance.subprocess_handlers.items():
+        rank = int(instance.envs[local_rank].get("RANK", local_rank))
+        if rank not in hung or rank in state.killed or handler.proc.poll() is not None:
+            continue
+        log.warning("worker rank %d (pid %d) is unresponsive (%s): SIGKILL", rank, handler.proc.pid, hung[rank])
+        state.killed.add(rank)
+        handler.close(death_sig=signal.SIGKILL)
+        try:
+            handler.proc.wait(5)
+        except subprocess.TimeoutExpired:  # e.g. uninterruptible sleep: torchrun's teardown retries
+            log.error("worker rank %d (pid %d) still there after SIGKILL", rank, handler.proc.pid)
 
 
 def _poll_lets_survivors_finish(wrapped, instance, args, kwargs):
     state = _survivors
     if state is None:
         return wrapped(*args, **kwargs)
+    if state.controller is not None:
+        _end_unresponsive_workers(instance, state)
     running, failed = [], {}
     for local_rank, handler in instance.subprocess_handlers.items():
         code = handler.proc.poll()

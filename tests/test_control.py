@@ -1,5 +1,5 @@
-"""Controller + processors in one process over real localhost ZeroMQ, and the standalone
-controller as its own process.
+"""Controller + processors in one process over real localhost ZeroMQ; the standalone
+controller as its own process; a hung (SIGSTOPped) rank in a real 4-rank launcher job.
 
 Teardown is by fixtures, so it happens when a test fails too: ``closing`` (an ExitStack)
 closes every controller, processor, socket and process a test made, then ``no_leaks``
@@ -28,6 +28,7 @@ from mindspeed_ha.control.processor import Processor, ProcessorExited
 from mindspeed_ha.control.state import Layout, OptimizerStatus, Phase
 from mindspeed_ha.faults import (EXIT_DYING_CHECKPOINT_SAVED, EXIT_FAULT_UNRECOVERABLE, EXIT_NO_COMPLETE_DATA,
                                  CommunicationError, ControlPlaneError, FaultKind)
+from mindspeed_ha.testing.harness import launch, launcher_command, tiny_gpt_args
 
 KEY = b"t" * 32
 CFG = HAConfig(enabled=True, distributed_optimizer=True, replica_count=2, auth_key=KEY, controller_addr="127.0.0.1",
@@ -409,3 +410,37 @@ def test_standalone_controller_exits_with_the_job(monkeypatch, closing):
     p.close(0)
     t.join(30)
     assert rc["rc"] == 0
+
+
+@pytest.mark.hog
+def test_stopped_rank_is_detected_and_ended_by_the_launcher(tmp_path):
+    """SIGSTOP is a hang: the process and its TCP connections stay, every thread stops,
+    heartbeats included. The controller declares the rank dead after the heartbeat
+    timeout, the survivors write the dying checkpoint, and the launcher SIGKILLs the
+    stopped process itself (it cannot act on torchrun's closing SIGTERM)."""
+    import json
+
+    import psutil
+
+    save, report, fired_log = str(tmp_path / "ckpt"), str(tmp_path / "report.json"), str(tmp_path / "fired.jsonl")
+    args = tiny_gpt_args(tp=1, pp=2, train_iters=5) + [
+        "--enable-high-availability", "--ha-controller-port", "0", "--save", save,
+        "--ha-heartbeat-interval", "0.5", "--ha-heartbeat-timeout", "5"]
+    r = launch(4, args, launcher=launcher_command(4), timeout_s=300, env={
+        "MINDSPEED_HA_INJECT": "rank=1,iteration=3,point=backward,fault=stop",
+        "MINDSPEED_HA_INJECT_LOG": fired_log, "MINDSPEED_HA_REPORT": report})
+    assert not r.timed_out, r.stderr[-6000:]
+    assert r.returncode == EXIT_DYING_CHECKPOINT_SAVED, r.stderr[-6000:]
+    with open(fired_log) as f:
+        fired = [json.loads(line) for line in f]
+    assert [(x["rank"], x["fault"]) for x in fired] == [(1, "stop")]
+    pid = fired[0]["pid"]
+    with open(report) as f:
+        rep = json.load(f)
+    assert rep["fault_rank"] == 1 and "rank 1 missed heartbeats" in rep["events"][0]["reason"]
+    assert rep["iteration"] == 2  # iteration 3 was being computed: nothing completed is lost
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as f:
+        assert int(f.read()) == 2
+    assert f"worker rank 1 (pid {pid}) is unresponsive" in r.stderr, r.stderr[-6000:]
+    assert f"Sending process {pid} closing signal" not in r.stderr  # torchrun had nothing left to end
+    assert not psutil.pid_exists(pid)

@@ -12,7 +12,9 @@ Points (where in iteration ``k`` the fault fires):
     ``between``     after iteration k completed, before k+1 starts
     ``dying``       while this rank writes its part of a dying checkpoint
 Faults: ``kill`` (SIGKILL to itself: the process vanishes, nothing runs after),
-``raise`` (raise :class:`InjectedFault`, a RuntimeError carrying a gloo-like message).
+``raise`` (raise :class:`InjectedFault`, a RuntimeError carrying a gloo-like message),
+``stop`` (SIGSTOP to itself: a hang; every thread stops, heartbeats included, the
+process and its connections stay; it goes on only if someone sends SIGCONT).
 Several specs may be joined with ``;``.
 """
 
@@ -26,7 +28,7 @@ from typing import List, Optional
 ENV = "MINDSPEED_HA_INJECT"
 ENV_LOG = "MINDSPEED_HA_INJECT_LOG"  # optional: append a JSON line per fired fault
 POINTS = ("forward", "backward", "grad_sync", "optimizer", "between", "dying")
-FAULTS = ("kill", "raise")
+FAULTS = ("kill", "raise", "stop")
 
 
 class InjectedFault(RuntimeError):
@@ -110,7 +112,10 @@ class Injector:
 
             with open(log_path, "a") as f:
                 f.write(json.dumps({"rank": self.rank, "point": point, "iteration": iteration,
-                                    "fault": spec.fault, "wall": time.time()}) + "\n")
+                                    "fault": spec.fault, "pid": os.getpid(), "wall": time.time()}) + "\n")
         if spec.fault == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if spec.fault == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return  # continued (SIGCONT): the hang is over
         raise InjectedFault(f"{msg} (Connection closed by peer [injected])")
