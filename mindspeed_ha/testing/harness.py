@@ -11,6 +11,7 @@ Shipped for users' own integration tests (CPU/gloo works everywhere)::
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import os
 import shutil
@@ -21,6 +22,7 @@ import tempfile
 from typing import Dict, List, Mapping, Optional, Sequence
 
 TRAINER_MODULE = "mindspeed_ha.testing.trainer.pretrain_gpt"
+ENV_LOSS_LOG = "MINDSPEED_HA_LOSS_LOG"  # patches/testing.py
 
 
 @dataclasses.dataclass
@@ -59,6 +61,22 @@ def read_loss_log(path: str) -> List[dict]:
 def losses_from_log(path: str) -> Dict[int, str]:
     """iteration -> lm_loss_hex; a later record for the same iteration wins."""
     return {int(r["iteration"]): r["lm_loss_hex"] for r in read_loss_log(path)}
+
+
+def read_rank_loss_logs(prefix: str):
+    """Records and losses of the ``testing.loss_log`` patch (files ``<prefix>.rank<R>``).
+
+    Returns:
+        ``(records, losses)``: every rank's records (``rank`` added), and iteration ->
+        ``float.hex()`` of ``lm loss`` from the ranks that report it (the last pipeline
+        stage); a later record for the same iteration wins.
+    """
+    records: List[dict] = []
+    for path in sorted(glob.glob(f"{glob.escape(prefix)}.rank*")):
+        rank = int(path.rsplit(".rank", 1)[1])
+        records += [dict(r, rank=rank) for r in read_loss_log(path)]
+    losses = {int(r["iteration"]): r["loss"]["lm loss"] for r in records if "lm loss" in r["loss"]}
+    return records, losses
 
 
 def torchrun_command(nproc: int) -> List[str]:
@@ -101,8 +119,12 @@ def tiny_gpt_args(tp: int = 1, pp: int = 1, train_iters: int = 8, **overrides) -
 def launch(nproc: int, train_args: Sequence[str], *, env: Optional[Mapping[str, str]] = None,
            timeout_s: float = 300, launcher: Optional[Sequence[str]] = None,
            cwd: Optional[str] = None, module: str = TRAINER_MODULE,
-           loss_log: Optional[str] = None) -> RunResult:
+           loss_log: Optional[str] = None, script: Optional[str] = None) -> RunResult:
     """Run ``<launcher> -m <module> <train_args> --loss-log <fresh file>`` and wait.
+
+    With ``script`` (e.g. Megatron-LM's own ``pretrain_gpt.py``) the command is
+    ``<launcher> <script> <train_args>`` and the losses come from the ``testing.loss_log``
+    patch (``MINDSPEED_HA_LOSS_LOG``, one file per rank) instead of ``--loss-log``.
 
     Args:
         nproc: ranks (``--nproc-per-node``) for the default torchrun launcher.
@@ -121,9 +143,16 @@ def launch(nproc: int, train_args: Sequence[str], *, env: Optional[Mapping[str, 
             loss_log = os.path.join(scratch, "loss.jsonl")
         open(loss_log, "w").close()
         # torchrun's per-run logs go to our scratch dir too (default: a new /tmp dir per run).
-        cmd += ["--log-dir", os.path.join(scratch, "torchrun"), "-m", module, *train_args, "--loss-log", loss_log]
+        cmd += ["--log-dir", os.path.join(scratch, "torchrun")]
         run_env = dict(os.environ)
         run_env.setdefault("OMP_NUM_THREADS", "1")
+        if script is None:
+            cmd += ["-m", module, *train_args, "--loss-log", loss_log]
+        else:
+            cmd += [script, *train_args]
+            run_env[ENV_LOSS_LOG] = loss_log
+            for stale in glob.glob(f"{glob.escape(loss_log)}.rank*"):
+                os.remove(stale)
         if env:
             run_env.update(env)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=run_env,
@@ -140,9 +169,12 @@ def launch(nproc: int, train_args: Sequence[str], *, env: Optional[Mapping[str, 
                 _kill_group(proc.pid)
                 proc.wait()
         _kill_group(proc.pid)  # stragglers that outlived the launcher
-        records = read_loss_log(loss_log)
-        return RunResult(None if timed_out else proc.returncode, out, err, losses_from_log(loss_log),
-                         loss_log, timed_out, records)
+        if script is None:
+            records, losses = read_loss_log(loss_log), losses_from_log(loss_log)
+        else:
+            records, losses = read_rank_loss_logs(loss_log)
+        return RunResult(None if timed_out else proc.returncode, out, err, losses, loss_log,
+                         timed_out, records)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
