@@ -483,6 +483,18 @@ class Controller:
 
 
 # ---------------------------------------------------------------------- standalone
+def _process_age_s() -> Optional[float]:
+    """Seconds since this process started (Linux ``/proc``, 10 ms ticks; None elsewhere)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/uptime") as f:
+            uptime_s = float(f.read().split()[0])
+        return max(0.0, uptime_s - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """``python -m mindspeed_ha.control.controller``: run until DONE; exit with the job's code."""
     p = argparse.ArgumentParser(prog="python -m mindspeed_ha.control.controller",
@@ -502,6 +514,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ConfigError as exc:
         print(f"mindspeed-ha controller: {exc}", file=sys.stderr)
         return 2
+    age = _process_age_s()
+    if age is not None:  # imports nothing heavy: well under a second, even on a busy node
+        log.info("controller listening %.2f s after its process started", age)
     reg_timeout = a.registration_timeout or 2 * cfg.connect_timeout_s
     t0 = time.monotonic()
     try:
