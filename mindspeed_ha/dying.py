@@ -22,6 +22,8 @@ The state saved is the one consistent at the end of iteration ``k``: the control
 only picks ranks whose optimizer status is UPDATED(k) and that are frozen (they will
 not start the update of ``k+1``); the RNG state is the snapshot taken when iteration
 ``k``'s optimizer update ended (:class:`IterationSnapshot`).
+
+Megatron-LM's names and file contents come from :mod:`mindspeed_ha.integrations.megatron_lm`.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ import os
 import shutil
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
+
+from mindspeed_ha.integrations import megatron_lm as mlm
 
 log = logging.getLogger("mindspeed_ha.dying")
 
@@ -174,17 +178,17 @@ class DyingContext:
 
 
 def _model_state(ctx: DyingContext, iteration: int, snapshot: IterationSnapshot) -> Dict[str, Any]:
-    from mindspeed_ha.testing.trainer import checkpointing as ckpt
-
     args = copy.copy(ctx.args)
     args.iteration = iteration
     gbs = getattr(args, "global_batch_size", None)
     if gbs:
         args.consumed_train_samples = iteration * gbs
-    state = ckpt.generate_state_dict(
-        args, ckpt.unwrap_model(ctx.model), ctx.optimizer, ctx.opt_param_scheduler, [snapshot.rng_state]
+    # num_floating_point_operations_so_far is a statistic of the training loop the runtime
+    # cannot see: left out (Megatron-LM's loader reads 0).
+    state = mlm.generate_state_dict(
+        args, mlm.unwrap_model(ctx.model), ctx.optimizer, ctx.opt_param_scheduler, [snapshot.rng_state],
+        iteration=iteration,
     )
-    state["iteration"] = iteration
     sched = state.get("opt_param_scheduler")
     if isinstance(sched, dict) and gbs and "num_steps" in sched:
         # The LR scheduler steps after the optimizer update; the update of ``iteration``
@@ -200,8 +204,6 @@ def dump(ctx: DyingContext, iteration: int, snapshot: Optional[IterationSnapshot
     Raises:
         RuntimeError: this rank has no snapshot for ``iteration`` (its state moved on).
     """
-    from mindspeed_ha.testing.trainer import checkpointing as ckpt
-
     save = ctx.args.save
     if snapshot is None or snapshot.iteration != iteration:
         have = None if snapshot is None else snapshot.iteration
@@ -214,7 +216,7 @@ def dump(ctx: DyingContext, iteration: int, snapshot: Optional[IterationSnapshot
         _atomic_torch_save(shard, path)
         written.append(os.path.basename(path))
     if write_model:
-        path = ckpt.get_checkpoint_name(
+        path = mlm.get_checkpoint_name(
             staging_root(save, iteration), iteration,
             pipeline_parallel=ctx.pp_size > 1, tensor_rank=ctx.tp_rank, pipeline_rank=ctx.pp_rank,
         )
@@ -226,8 +228,6 @@ def dump(ctx: DyingContext, iteration: int, snapshot: Optional[IterationSnapshot
 def assemble(ctx: DyingContext, iteration: int) -> str:
     """Phase 2 on one rank per (TP, PP): shard files -> ``distrib_optim.pt``."""
     import torch
-    from mindspeed_ha.testing.trainer import checkpointing as ckpt
-
     opt = _unwrap_distributed_optimizer(ctx.optimizer)
     if opt is None:
         return "no distributed optimizer: nothing to assemble"
@@ -241,43 +241,31 @@ def assemble(ctx: DyingContext, iteration: int) -> str:
             raise RuntimeError(f"{path}: shard is for iteration {shard.get('iteration')}, expected {iteration}")
         shards.append(shard)
     state = assemble_dp_zero(shards)
-    model_path = ckpt.get_checkpoint_name(
+    model_path = mlm.get_checkpoint_name(
         staging_root(save, iteration), iteration,
         pipeline_parallel=ctx.pp_size > 1, tensor_rank=ctx.tp_rank, pipeline_rank=ctx.pp_rank,
     )
-    out = ckpt.get_distributed_optimizer_checkpoint_name(model_path)
+    out = mlm.get_distributed_optimizer_checkpoint_name(model_path)
     _atomic_torch_save(state, out)
     return os.path.relpath(out, staging_root(save, iteration))
 
 
 def commit(save_dir: str, iteration: int) -> str:
     """Phase 3 on one rank: validate, rename into ``save_dir``, update the tracker."""
-    from mindspeed_ha.testing.trainer import checkpointing as ckpt
-
     root = staging_root(save_dir, iteration)
-    tmp_iter = os.path.join(root, f"iter_{iteration:07d}")
-    final = ckpt.get_checkpoint_name(save_dir, iteration, return_base_dir=True)
+    staged = mlm.get_checkpoint_name(root, iteration, return_base_dir=True)
+    final = mlm.get_checkpoint_name(save_dir, iteration, return_base_dir=True)
     if os.path.isdir(final):
         # A periodic save of the same iteration already published it: keep that one.
-        ckpt.validate_checkpoint_dir(final, iteration)
-        if _tracker_iteration(save_dir) < iteration:
-            ckpt.write_tracker(save_dir, iteration)
+        mlm.validate_checkpoint_dir(final, iteration)
+        tracked = mlm.read_tracker_iteration(save_dir)
+        if tracked is None or tracked < iteration:
+            mlm.write_tracker(save_dir, iteration)
         shutil.rmtree(root, ignore_errors=True)
         return f"{final} (already saved by a periodic checkpoint)"
-    final = ckpt.commit_checkpoint(tmp_iter, save_dir, iteration)
+    final = mlm.commit_checkpoint(staged, save_dir, iteration)
     shutil.rmtree(root, ignore_errors=True)
-    return str(final)
-
-
-def _tracker_iteration(save_dir: str) -> int:
-    """Iteration in the tracker file, read locally (no collective), -1 if none/unparsable."""
-    from mindspeed_ha.testing.trainer import checkpointing as ckpt
-
-    try:
-        with open(ckpt.get_checkpoint_tracker_filename(save_dir)) as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return -1
+    return final
 
 
 def discard(save_dir: str, iteration: int) -> None:

@@ -24,7 +24,7 @@ import threading
 from typing import Optional
 
 from mindspeed_ha import dying
-from mindspeed_ha.testing.injector import Injector
+from mindspeed_ha.integrations import megatron_lm
 
 log = logging.getLogger("mindspeed_ha.runtime")
 
@@ -113,6 +113,8 @@ class HARuntime:
         self.rank = int(os.environ.get("RANK", "0"))
         self.processor = None
         self.controller_proc = None
+        from mindspeed_ha.testing.injector import Injector  # test hooks: loaded only with a runtime
+
         self.injector = Injector.from_env(self.rank)
         self.layout = None
         self.current: Optional[int] = None  # iteration in progress
@@ -211,9 +213,12 @@ class HARuntime:
             return
         from mindspeed_ha.control.state import Layout
 
+        # Megatron-LM's global args are the validated ones (with --yaml-cfg not even the
+        # object parse_args returned); the built-in trainer has none there.
+        args = megatron_lm.current_args() or self.args
         lay = self.layout or Layout()
         self.ctx = dying.DyingContext(
-            args=self.args, model=model, optimizer=optimizer, opt_param_scheduler=opt_param_scheduler,
+            args=args, model=model, optimizer=optimizer, opt_param_scheduler=opt_param_scheduler,
             tp_rank=lay.tp_rank, pp_rank=lay.pp_rank, pp_size=lay.pp_size, shard_id=lay.shard_id,
         )
 
@@ -255,9 +260,7 @@ class HARuntime:
         self.injector.fire("between", k)
 
     def _take_snapshot(self, iteration: int) -> None:
-        from mindspeed_ha.testing.trainer.checkpointing import collect_rng_state
-
-        self.snapshot = dying.IterationSnapshot(iteration, collect_rng_state())
+        self.snapshot = dying.IterationSnapshot(iteration, megatron_lm.collect_rng_state())
 
     def handle_fault(self, exc: BaseException):
         """Report ``exc`` to the controller and carry out its action.

@@ -8,7 +8,6 @@ resumed run.
 
 import math
 import os
-import argparse
 
 import pytest
 import torch
@@ -144,56 +143,6 @@ def test_preprocess_cli(tmp_path):
     assert data.main(["--input", str(src), "--output-prefix", str(tmp_path / "p"), "--split-lines"]) == 0
     from megatron.core.datasets.indexed_dataset import IndexedDataset
     assert len(IndexedDataset(str(tmp_path / "p"))) == 2
-
-
-def _fake_ckpt(root, iteration, with_optim=True, corrupt=False):
-    d = root / "mp_rank_00"
-    d.mkdir(parents=True)
-    args = argparse.Namespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                              use_distributed_optimizer=True, no_save_optim=False)
-    torch.save({"args": args, "iteration": iteration, "model": {}}, d / "model_optim_rng.pt")
-    if with_optim:
-        if corrupt:
-            (d / "distrib_optim.pt").write_bytes(b"not a torch file")
-        else:
-            torch.save({"param": torch.zeros(2)}, d / "distrib_optim.pt")
-
-
-def test_commit_refuses_invalid_and_keeps_tracker(tmp_path):
-    from mindspeed_ha.testing.trainer.checkpointing import CheckpointError, commit_checkpoint, write_tracker
-
-    save = tmp_path / "save"
-    save.mkdir()
-    write_tracker(str(save), 3)
-    for name, kw in (("missing", dict(with_optim=False)), ("corrupt", dict(corrupt=True))):
-        tmp = save / f"{name}.tmp"
-        _fake_ckpt(tmp, 5, **kw)
-        with pytest.raises(CheckpointError):
-            commit_checkpoint(str(tmp), str(save), 5)
-        assert (save / "latest_checkpointed_iteration.txt").read_text() == "3"
-        assert not (save / "iter_0000005").exists()
-    wrong = save / "wrong.tmp"
-    _fake_ckpt(wrong, 4)
-    with pytest.raises(CheckpointError, match="iteration"):
-        commit_checkpoint(str(wrong), str(save), 5)
-
-
-def test_commit_publishes_atomically(tmp_path):
-    from mindspeed_ha.testing.trainer.checkpointing import commit_checkpoint
-
-    save = tmp_path / "save"
-    tmp = save / "x.tmp"
-    _fake_ckpt(tmp, 7)
-    final = commit_checkpoint(str(tmp), str(save), 7)
-    assert final == str(save / "iter_0000007") and not tmp.exists()
-    assert (save / "latest_checkpointed_iteration.txt").read_text() == "7"
-    assert sorted(os.listdir(save)) == ["iter_0000007", "latest_checkpointed_iteration.txt"]
-    again = save / "y.tmp"
-    _fake_ckpt(again, 7)
-    with pytest.raises(FileExistsError):
-        commit_checkpoint(str(again), str(save), 7)
-    commit_checkpoint(str(again), str(save), 7, overwrite=True)
-    assert sorted(os.listdir(save)) == ["iter_0000007", "latest_checkpointed_iteration.txt"]
 
 
 def test_unwritable_save_message(tmp_path):

@@ -1,0 +1,339 @@
+"""Megatron-LM core_v0.12.1, ``--ckpt-format torch`` (legacy): the facts mindspeed-ha relies on.
+
+The runtime, the dying checkpoint and the built-in trainer learn Megatron-LM's formats
+here and nowhere else. Each fact and where Megatron-LM core_v0.12.1 defines it:
+
+* Names (``megatron/training/checkpointing.py``: ``get_checkpoint_name``,
+  ``get_distributed_optimizer_checkpoint_name``, ``get_checkpoint_tracker_filename``)::
+
+      <save>/latest_checkpointed_iteration.txt       "<iteration>" (or "release")
+      <save>/iter_XXXXXXX/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt
+      <save>/iter_XXXXXXX/mp_rank_TT[_PPP][_EEE]/distrib_optim.pt   (--use-distributed-optimizer)
+
+  ``TT`` tensor rank (2 digits), ``_PPP`` pipeline rank only when PP > 1, ``_EEE`` expert
+  rank only when EP > 1 (3 digits each); ``iter_`` + 7 digits.
+* ``model_optim_rng.pt`` (same file: ``generate_state_dict``, plus
+  ``num_floating_point_operations_so_far`` added by ``save_checkpoint``): ``args``,
+  ``checkpoint_version`` 3.0, ``iteration``, ``model`` (``model0``, ``model1``... with
+  virtual pipeline chunks; ``state_dict_for_save_checkpoint()`` of each chunk),
+  ``optimizer`` (``optimizer.state_dict()``) and ``opt_param_scheduler`` unless
+  ``--no-save-optim``, ``rerun_state_machine``, ``rng_state`` unless ``--no-save-rng``,
+  ``num_floating_point_operations_so_far``. It is written by the ranks of expert-data-
+  parallel rank 0, one file per model-parallel position.
+* ``rng_state`` (same file: ``get_rng_state`` and ``load_checkpoint``): a list with one
+  dict per DP rank under ``--data-parallel-random-init``, else one dict, with keys
+  ``random_rng_state``, ``np_rng_state``, ``torch_rng_state``, ``cuda_rng_state``,
+  ``rng_tracker_states`` (megatron.core.tensor_parallel's tracker; must be non-empty).
+* ``distrib_optim.pt``: the DP-zero parameter state of
+  ``megatron/core/optimizer/distrib_optimizer.py`` (``get_parameter_state_dp_zero`` /
+  ``load_parameter_state``); :mod:`mindspeed_ha.dying` assembles it, this module only
+  names it.
+* Args (``megatron/training/global_vars.py`` ``get_args``; set by
+  ``megatron/training/initialize.py`` ``initialize_megatron`` after ``validate_args``,
+  which with ``--yaml-cfg`` is another object than the one ``parse_args`` returned).
+* Model wrappers (``megatron/training/utils.py`` ``unwrap_model``): DDP, FSDP and
+  ``Float16Module`` hold the model in ``.module``.
+
+Ours, not Megatron-LM's: publication is atomic (:func:`commit_checkpoint`: validate a
+staged directory, fsync, rename it to ``iter_XXXXXXX``, then replace the tracker through
+a temporary file), where Megatron-LM writes in place and then the tracker. Nothing here
+uses a collective: the dying checkpoint calls it while peers are dead.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import random
+import shutil
+import sys
+import tempfile
+from typing import Any, List, Optional
+
+import numpy as np
+import torch
+
+log = logging.getLogger("mindspeed_ha.integrations.megatron_lm")
+
+CHECKPOINT_VERSION = 3.0
+MODEL_FILE = "model_optim_rng.pt"
+OPTIM_FILE = "distrib_optim.pt"
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written, validated or committed."""
+
+
+# ---- args and model -----------------------------------------------------------------
+def current_args() -> Optional[Any]:
+    """Megatron-LM's global args, or None when ``megatron.training`` is not in use or not set up.
+
+    Never imports ``megatron.training`` (it is not on PyPI and importing it has side
+    effects): only looks at it when the training script already did.
+    """
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    if global_vars is None:
+        return None
+    try:
+        return global_vars.get_args()
+    except AssertionError:  # "args is not initialized."
+        return None
+
+
+def unwrap_model(model):
+    """Strip DDP / FSDP / Float16Module wrappers (``.module``) from one model or a list of chunks."""
+    def one(m):
+        while hasattr(m, "module"):
+            m = m.module
+        return m
+    return [one(m) for m in model] if isinstance(model, list) else one(model)
+
+
+# ---- names --------------------------------------------------------------------------
+def get_checkpoint_name(checkpoints_path, iteration, release=False, pipeline_parallel=None,
+                        tensor_rank=None, pipeline_rank=None, expert_parallel=None, expert_rank=None,
+                        return_base_dir=False, basename=MODEL_FILE):
+    """A rank's checkpoint file, or with ``return_base_dir`` the ``iter_XXXXXXX`` directory.
+
+    Arguments left None are read from megatron-core's parallel state (this rank's).
+    """
+    directory = "release" if release else f"iter_{iteration:07d}"
+    if return_base_dir:
+        return os.path.join(checkpoints_path, directory)
+    if None in (pipeline_parallel, tensor_rank, pipeline_rank, expert_parallel, expert_rank):
+        from megatron.core import parallel_state as mpu
+
+        if pipeline_parallel is None:
+            pipeline_parallel = mpu.get_pipeline_model_parallel_world_size() > 1
+        if tensor_rank is None:
+            tensor_rank = mpu.get_tensor_model_parallel_rank()
+        if pipeline_rank is None:
+            pipeline_rank = mpu.get_pipeline_model_parallel_rank()
+        if expert_parallel is None:
+            expert_parallel = mpu.get_expert_model_parallel_world_size() > 1
+        if expert_rank is None:
+            expert_rank = mpu.get_expert_model_parallel_rank()
+    return os.path.join(checkpoints_path, directory,
+                        _rank_dir(tensor_rank, pipeline_parallel, pipeline_rank, expert_parallel, expert_rank),
+                        basename)
+
+
+def _rank_dir(tensor_rank: int, pipeline_parallel: bool, pipeline_rank: int,
+              expert_parallel: bool = False, expert_rank: int = 0) -> str:
+    """``mp_rank_TT[_PPP][_EEE]``."""
+    name = f"mp_rank_{tensor_rank:02d}"
+    if pipeline_parallel:
+        name += f"_{pipeline_rank:03d}"
+    if expert_parallel:
+        name += f"_{expert_rank:03d}"
+    return name
+
+
+def get_distributed_optimizer_checkpoint_name(model_checkpoint_name: str) -> str:
+    """``distrib_optim.pt`` beside the rank's ``model_optim_rng.pt``."""
+    return os.path.join(os.path.dirname(model_checkpoint_name), OPTIM_FILE)
+
+
+def get_checkpoint_tracker_filename(checkpoints_path: str) -> str:
+    return os.path.join(checkpoints_path, TRACKER_FILE)
+
+
+def read_tracker_iteration(checkpoints_path: str) -> Optional[int]:
+    """The iteration the tracker names, read locally (no collective); None if there is no
+    tracker, it says ``release`` or cannot be parsed."""
+    try:
+        with open(get_checkpoint_tracker_filename(checkpoints_path)) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+# ---- content ------------------------------------------------------------------------
+def collect_rng_state() -> dict:
+    """This rank's RNG state, one element of Megatron-LM's ``rng_state`` list. No collectives."""
+    from megatron.core import tensor_parallel
+
+    device_state = torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.get_rng_state()
+    try:
+        import mindspeed_ha.patches.registry as reg
+        if reg.is_enabled("cpu_backend"):
+            device_state = torch.cuda.get_rng_state()  # the CPU generator (cpu_backend shim)
+    except ImportError:
+        pass
+    return {
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "cuda_rng_state": device_state,
+        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def set_rng_state(rng_state: dict) -> None:
+    """Restore one rank's RNG state (the inverse of :func:`collect_rng_state`).
+
+    Raises:
+        KeyError: a key is missing or ``rng_tracker_states`` is empty (Megatron-LM then
+            asks for ``--no-load-rng`` or ``--finetune``).
+    """
+    from megatron.core import tensor_parallel
+
+    random.setstate(rng_state["random_rng_state"])
+    np.random.set_state(rng_state["np_rng_state"])
+    torch.set_rng_state(rng_state["torch_rng_state"])
+    torch.cuda.set_rng_state(rng_state["cuda_rng_state"])
+    if not rng_state["rng_tracker_states"]:
+        raise KeyError("rng_tracker_states")
+    tensor_parallel.get_cuda_rng_tracker().set_states(rng_state["rng_tracker_states"])
+
+
+def generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state, iteration=None,
+                        rerun_state=None, num_floating_point_operations_so_far=None) -> dict:
+    """One rank's ``model_optim_rng.pt`` content.
+
+    Args:
+        args: the run's argument namespace (``no_save_optim`` and ``no_save_rng`` are honoured).
+        model: list of unwrapped model chunks (see :func:`unwrap_model`).
+        rng_state: the ``rng_state`` list (one :func:`collect_rng_state` dict per DP rank
+            with ``--data-parallel-random-init``, else one).
+        iteration: stored when given.
+        rerun_state: the rerun state machine's state (None when not tracked).
+        num_floating_point_operations_so_far: stored when given (a loader reads 0 when absent).
+    """
+    sd = {"args": args, "checkpoint_version": CHECKPOINT_VERSION}
+    if iteration is not None:
+        sd["iteration"] = iteration
+    for i, chunk in enumerate(model):
+        sd["model" if len(model) == 1 else f"model{i}"] = chunk.state_dict_for_save_checkpoint()
+    if not args.no_save_optim:
+        if optimizer is not None and not getattr(optimizer, "is_stub_optimizer", False):
+            sd["optimizer"] = optimizer.state_dict()
+        if opt_param_scheduler is not None:
+            sd["opt_param_scheduler"] = opt_param_scheduler.state_dict()
+    sd["rerun_state_machine"] = rerun_state
+    if not args.no_save_rng:
+        sd["rng_state"] = rng_state
+    if num_floating_point_operations_so_far is not None:
+        sd["num_floating_point_operations_so_far"] = num_floating_point_operations_so_far
+    return sd
+
+
+# ---- validation and atomic publication ------------------------------------------------
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_tracker(save_root: str, iteration: int) -> None:
+    """Atomically set the tracker to ``iteration`` (temp file + fsync + os.replace + fsync dir)."""
+    tracker = get_checkpoint_tracker_filename(save_root)
+    fd, tmp = tempfile.mkstemp(prefix=f".{TRACKER_FILE}.", dir=save_root)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(str(iteration))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, tracker)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    _fsync_dir(save_root)
+
+
+def expected_files(ckpt_args) -> List[str]:
+    """Relative paths every complete checkpoint of a run with ``ckpt_args`` holds (no expert parallelism)."""
+    tp, pp = ckpt_args.tensor_model_parallel_size, ckpt_args.pipeline_model_parallel_size
+    dist_opt = ckpt_args.use_distributed_optimizer and not ckpt_args.no_save_optim
+    out = []
+    for t in range(tp):
+        for p in range(pp):
+            rank_dir = _rank_dir(t, pp > 1, p)
+            out.append(os.path.join(rank_dir, MODEL_FILE))
+            if dist_opt:
+                out.append(os.path.join(rank_dir, OPTIM_FILE))
+    return out
+
+
+def validate_checkpoint_dir(ckpt_dir: str, iteration: Optional[int] = None) -> List[str]:
+    """Check that an ``iter_XXXXXXX`` directory is complete; returns its files (relative paths).
+
+    Raises:
+        CheckpointError: no model file, a missing expected file, an unloadable file, or
+            a wrong ``iteration`` inside.
+    """
+    found = sorted(glob.glob(os.path.join(ckpt_dir, "mp_rank_*", MODEL_FILE)))
+    if not found:
+        raise CheckpointError(f"{ckpt_dir}: no mp_rank_*/{MODEL_FILE}")
+    try:
+        first = torch.load(found[0], map_location="cpu", weights_only=False)
+    except Exception as exc:
+        raise CheckpointError(f"{found[0]}: not loadable: {exc}") from exc
+    if "args" not in first:
+        raise CheckpointError(f"{found[0]}: no 'args' key")
+    files = expected_files(first["args"])
+    for rel in files:
+        path = os.path.join(ckpt_dir, rel)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{ckpt_dir}: missing {rel}")
+        try:
+            sd = first if path == found[0] else torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as exc:
+            raise CheckpointError(f"{path}: not loadable: {exc}") from exc
+        if rel.endswith(MODEL_FILE) and iteration is not None and sd.get("iteration") != iteration:
+            raise CheckpointError(f"{path}: iteration {sd.get('iteration')} != {iteration}")
+    return files
+
+
+def commit_checkpoint(tmp_dir: str, save_root: str, iteration: int, overwrite: bool = False) -> str:
+    """Validate ``tmp_dir``, make it durable, publish it as ``iter_XXXXXXX``, update the tracker.
+
+    No collectives. Steps: :func:`validate_checkpoint_dir`; fsync every file and dir;
+    rename to ``<save_root>/iter_XXXXXXX``; fsync ``save_root``; :func:`write_tracker`.
+
+    Args:
+        tmp_dir: the staged ``iter_XXXXXXX`` content, on the same filesystem as ``save_root``.
+        overwrite: an existing ``iter_XXXXXXX`` is replaced (moved aside, deleted after
+            the tracker is durable); otherwise it is an error.
+
+    Returns:
+        the published directory.
+
+    Raises:
+        CheckpointError: validation failed (nothing renamed, tracker untouched).
+        FileExistsError: ``iter_XXXXXXX`` exists and not ``overwrite``.
+        OSError: fsync, rename or the tracker write failed.
+    """
+    validate_checkpoint_dir(tmp_dir, iteration)
+    final = get_checkpoint_name(save_root, iteration, return_base_dir=True)
+    if os.path.exists(final) and not overwrite:
+        raise FileExistsError(f"{final} already exists; refusing to replace it")
+    for root, dirs, files in os.walk(tmp_dir):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(root)
+    old = None
+    if os.path.exists(final):
+        old = f"{final}.replaced.{os.getpid()}"
+        os.rename(final, old)
+        log.warning("checkpoint %s exists: replacing it", final)
+    os.rename(tmp_dir, final)
+    _fsync_dir(save_root)
+    write_tracker(save_root, iteration)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+__all__ = [
+    "CHECKPOINT_VERSION", "MODEL_FILE", "OPTIM_FILE", "TRACKER_FILE", "CheckpointError",
+    "current_args", "unwrap_model",
+    "get_checkpoint_name", "get_distributed_optimizer_checkpoint_name", "get_checkpoint_tracker_filename",
+    "read_tracker_iteration", "collect_rng_state", "set_rng_state", "generate_state_dict",
+    "write_tracker", "expected_files", "validate_checkpoint_dir", "commit_checkpoint",
+]
