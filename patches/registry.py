@@ -13,14 +13,26 @@ straight to the original, so importing ``mindspeed_ha`` with every HA flag off
 changes no behaviour. Features are switched on by :func:`enable` once Megatron's
 arguments are parsed (``ha``, ``replica``, ...) or at install time
 (``cpu_backend`` when no CUDA/NPU device exists, ``core`` always).
+
+Wrappers compose with other patchers: a layer of ours wraps whatever function the target
+holds when it is applied (another framework's replacement included) and never replaces
+it. MindSpeed's patch manager (``mindspeed/patch_utils.py``) re-sets a target each time
+its ``apply_patches()`` runs, to a replacement or to its wrappers around the function it
+saw first, which drops a layer of ours put on in between; the registry wraps
+``MindSpeedPatchesManager.apply_patches``/``remove_patches`` and puts such layers back on
+top (:func:`_around_mindspeed`). A patch's wrapper runs at most once per call even when a
+foreign wrapper sits between two layers of it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata
 import logging
+import sys
 import threading
+import types
 from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 import wrapt
@@ -143,16 +155,50 @@ def _supported(patch: Patch) -> Optional[str]:
     return None
 
 
-def _gated(patch: Patch):
-    feature, wrapper = patch.feature, patch.wrapper
+_local = threading.local()
+_wrapping: Set[str] = set()  # patches applied as layers (not ``replace``)
 
-    @wrapt.decorator
-    def gate(wrapped, instance, args, kwargs):
-        if feature in _enabled:
-            return wrapper(wrapped, instance, args, kwargs)
+
+def _call(patch: Patch, wrapped, instance, args, kwargs):
+    """Run ``patch.wrapper`` if its feature is on and it is not already running on this
+    thread (a foreign wrapper between two layers of the same patch: the inner one passes)."""
+    running = _local.__dict__.setdefault("running", set())
+    if patch.feature not in _enabled or patch.name in running:
         return wrapped(*args, **kwargs)
+    running.add(patch.name)
+    try:
+        return patch.wrapper(wrapped, instance, args, kwargs)
+    finally:
+        running.discard(patch.name)
 
-    return gate
+
+class _Gate(wrapt.FunctionWrapper):
+    """One layer of ours around a target; ``_self_patch`` tells our layers from others'."""
+
+    def __init__(self, wrapped, patch: Patch):
+        super().__init__(wrapped, functools.partial(_call, patch))
+        self._self_patch = patch
+
+
+def _gated(patch: Patch):
+    _wrapping.add(patch.name)
+    return lambda wrapped: _Gate(wrapped, patch)
+
+
+def _stored(parent, attr: str):
+    """``parent.attr`` as stored: a class's staticmethod/classmethod stays a descriptor."""
+    value = getattr(parent, attr)
+    return vars(parent).get(attr, value) if isinstance(parent, type) else value
+
+
+def _wrap(parent, attr: str, raw, patch: Patch):
+    """Set ``parent.attr`` to a layer of ``patch`` around ``raw``; return the layer."""
+    if isinstance(raw, (staticmethod, classmethod)):
+        layer = type(raw)(_gated(patch)(raw.__func__))
+    else:
+        layer = _gated(patch)(raw)
+    setattr(parent, attr, layer)
+    return layer
 
 
 def _resolve_parent(module, attribute: str):
@@ -181,13 +227,7 @@ def _apply(module, patch: Patch) -> None:
         setattr(parent, attr, patch.wrapper(original))
         _applied[patch.name] = "applied"
         return
-    # Look up staticmethod/classmethod descriptors raw so binding stays right.
-    raw = vars(parent).get(attr, original) if isinstance(parent, type) else original
-    if isinstance(raw, (staticmethod, classmethod)):
-        kind = type(raw)
-        setattr(parent, attr, kind(_gated(patch)(raw.__func__)))
-    else:
-        setattr(parent, attr, _gated(patch)(original))
+    _wrap(parent, attr, _stored(parent, attr), patch)
     _applied[patch.name] = "applied"
     log.debug("patch %s applied to %s.%s", patch.name, patch.module, patch.attribute)
 
@@ -197,6 +237,81 @@ def _on_import(module) -> None:
         for patch in list(_patches.values()):
             if patch.module == module.__name__:
                 _apply(module, patch)
+
+
+_relayered: Dict[str, tuple] = {}  # name -> (parent, attr, under, layer), in the order put on
+
+
+def _has_layer(obj, name: str) -> bool:
+    """Whether a layer of patch ``name`` is in ``obj``'s chain of wrapped functions:
+    ``__wrapped__`` (functools.wraps, wrapt), ``__func__`` (descriptors, methods) and the
+    parent of a wrapt bound wrapper (what ``getattr(cls, name)`` returns for our layer)."""
+    for _ in range(100):
+        for o in (obj, getattr(obj, "_self_parent", None)):
+            if isinstance(o, _Gate) and o._self_patch.name == name:
+                return True
+        if isinstance(obj, (staticmethod, classmethod, types.MethodType)):
+            obj = obj.__func__
+        else:
+            obj = getattr(obj, "__wrapped__", None)
+        if obj is None:
+            return False
+    return False
+
+
+def _rebind(attr: str, old, new) -> None:
+    """Every module global ``attr`` that is ``old`` (``from m import f`` copies) -> ``new``."""
+    for mod in list(sys.modules.values()):
+        try:
+            if vars(mod).get(attr) is old:
+                setattr(mod, attr, new)
+        except TypeError:  # not a module (no __dict__)
+            continue
+
+
+def _reapply() -> None:
+    """Put a layer back on top of every target where another patcher dropped ours."""
+    with _lock:
+        for patch in list(_patches.values()):
+            module = sys.modules.get(patch.module)
+            if patch.name not in _wrapping or _applied.get(patch.name) != "applied" or module is None:
+                continue
+            try:
+                parent, attr = _resolve_parent(module, patch.attribute)
+                under = _stored(parent, attr)
+            except AttributeError:
+                continue
+            if _has_layer(under, patch.name):
+                continue
+            layer = _wrap(parent, attr, under, patch)
+            if not isinstance(parent, type):
+                _rebind(attr, under, layer)
+            _relayered[patch.name] = (parent, attr, under, layer)
+            log.info("patch %s put back on top of %s.%s (replaced by another patcher)",
+                     patch.name, patch.module, patch.attribute)
+
+
+def _peel() -> None:
+    """Take off the layers :func:`_reapply` put on, so MindSpeed finds the functions it set
+    (it recognises them by identity to rebind or restore them)."""
+    with _lock:
+        for parent, attr, under, layer in reversed(list(_relayered.values())):
+            if _stored(parent, attr) is layer:
+                setattr(parent, attr, under)
+                if not isinstance(parent, type):
+                    _rebind(attr, layer, under)
+        _relayered.clear()
+
+
+def _around_mindspeed(wrapped, instance, args, kwargs):
+    """Around MindSpeed's apply_patches()/remove_patches(): it sets its targets from the
+    functions it recorded at its first application (patch_utils.py ``Patch.apply_patch``),
+    then we put our dropped layers back on top."""
+    _peel()
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _reapply()
 
 
 def install(patches: Iterable[Patch] = ()) -> None:
@@ -229,3 +344,9 @@ def report() -> List[dict]:
 def active(feature: Optional[str] = None) -> List[str]:
     """Names of patches that are applied and whose feature is enabled."""
     return [r["name"] for r in report() if r["active"] and (feature is None or r["feature"] == feature)]
+
+
+for _entry in ("apply_patches", "remove_patches"):
+    register(Patch(f"compose.mindspeed.{_entry}", "mindspeed.patch_utils", f"MindSpeedPatchesManager.{_entry}",
+                   _around_mindspeed, "core", versions=None,
+                   doc=f"put our layers back on top after MindSpeed's {_entry}()"))
