@@ -2,10 +2,11 @@
 
 Wraps ``parse_args`` of Megatron-LM (``megatron.training.arguments``) and of our
 Megatron-shaped trainer (``mindspeed_ha.testing.trainer.arguments``): the user's
-``extra_args_provider`` still runs, then :func:`mindspeed_ha.config.add_ha_arguments`
-adds ``--enable-high-availability`` and friends (skipping any flag the framework already
-defines, e.g. MindSpeed-LLM's own copies). After parsing, the flags are validated
-(errors name the flag and the accepted range) and the features are switched on.
+``extra_args_provider`` still runs, then, when parsing starts,
+:func:`mindspeed_ha.config.add_ha_arguments` adds ``--enable-high-availability`` and
+friends (skipping any flag the framework already defines, e.g. MindSpeed-LLM's own
+copies, whichever of its wrappers and ours is outside). After parsing, the flags are
+validated (errors name the flag and the accepted range) and the features are switched on.
 """
 
 from __future__ import annotations
@@ -28,6 +29,25 @@ def _add_missing_ha_arguments(parser: argparse.ArgumentParser) -> argparse.Argum
         if not action.option_strings or set(action.option_strings) & existing:
             continue
         group._add_action(action)
+    return parser
+
+
+def _add_missing_ha_arguments_at_parse(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add our flags when ``parser`` starts parsing, after every provider has run.
+
+    A framework's provider can run after ours and define the same flags: MindSpeed-LLM's
+    parse_args decorator, when it is inside our wrapper, adds its providers to the one we
+    pass (mindspeed_llm/training/arguments.py ``extra_args_provider_decorator``); adding
+    ours first would make argparse reject its copies as conflicting.
+    """
+    parse_known_args = parser.parse_known_args  # parse_args() calls it too
+
+    def parse_known_args_with_ha(*args, **kwargs):
+        vars(parser).pop("parse_known_args", None)  # once; back to argparse's own method
+        _add_missing_ha_arguments(parser)
+        return parse_known_args(*args, **kwargs)
+
+    parser.parse_known_args = parse_known_args_with_ha
     return parser
 
 
@@ -78,7 +98,7 @@ def _parse_args_wrapper(wrapped, instance, args, kwargs):
     def provider_with_ha(parser):
         if provider is not None:
             parser = provider(parser)
-        return _add_missing_ha_arguments(parser)
+        return _add_missing_ha_arguments_at_parse(parser)
 
     parsed = wrapped(provider_with_ha, *args, **kwargs)
     apply_ha_args(parsed)

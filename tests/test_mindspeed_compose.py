@@ -330,3 +330,97 @@ def test_feature_off_is_pass_through_under_mindspeed(target):
     ms.apply_patches()
     registry.disable("testing")
     assert _calls(mod.train_step, 1) == ["mindspeed"]
+
+
+# ---- the argument patch when the framework defines the HA flags itself ------------------
+#
+# MindSpeed-LLM 2.3.0 defines the four flags (mindspeed_llm/features_manager/
+# high_availability/high_availability.py lines 10-21, store_true) through the provider its
+# parse_args decorator adds (mindspeed_llm/training/arguments.py lines 34-52: the user's
+# provider first, then every feature's register_args).
+
+def _framework_parse_args(extra_args_provider=None, ignore_unknown_args=False, argv=()):
+    """Megatron-LM core_v0.12.1 parse_args' structure (arguments.py lines 69-98)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser.add_argument("--use-distributed-optimizer", action="store_true")
+    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    parser.add_argument("--num-distributed-optimizer-instances", type=int, default=1)
+    if extra_args_provider is not None:
+        parser = extra_args_provider(parser)
+    if ignore_unknown_args:
+        return parser.parse_known_args(list(argv))[0]
+    return parser.parse_args(list(argv))
+
+
+def _add_mindspeed_llm_ha_flags(parser):
+    group = parser.add_argument_group(title="high-availability")
+    for flag in ("--enable-high-availability", "--enable-hbmfault-repair", "--enable-worker-reboot",
+                 "--distributed-optimizer-no-replica"):
+        group.add_argument(flag, action="store_true")
+    return parser
+
+
+def _mindspeed_llm_parse_args_decorator(parse_args):
+    @functools.wraps(parse_args)
+    def wrapper(extra_args_provider=None, ignore_unknown_args=False, **kw):
+        def provider(parser):
+            if extra_args_provider is not None:
+                parser = extra_args_provider(parser)
+            return _add_mindspeed_llm_ha_flags(parser)
+
+        return parse_args(provider, ignore_unknown_args, **kw)
+
+    return wrapper
+
+
+def _with_our_patch(fn):
+    from mindspeed_ha.patches.arguments import _parse_args_wrapper
+
+    return wrapt.FunctionWrapper(fn, _parse_args_wrapper)
+
+
+@pytest.fixture
+def ha_parse(monkeypatch):
+    from mindspeed_ha import runtime
+
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("RANK", "0")
+    for var in ("TTP_ADDR", "CONTROLLER_ADDR", "TTP_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    before = set(registry.enabled_features())
+    yield
+    registry.disable(*(set(registry.enabled_features()) - before))
+    runtime.reset()
+
+
+STACKS = {
+    # the base parser already defines the flags
+    "framework-defines": lambda: _with_our_patch(lambda provider=None, ignore=False, **kw: _framework_parse_args(
+        lambda p: provider(_add_mindspeed_llm_ha_flags(p)), ignore, **kw)),
+    # MindSpeed-LLM's decorator around ours (mindspeed_ha imported first: its hook wraps first)
+    "mindspeed-outside": lambda: _mindspeed_llm_parse_args_decorator(_with_our_patch(_framework_parse_args)),
+    # ours around MindSpeed-LLM's decorator (mindspeed_ha imported after MindSpeed patched):
+    # its provider adds the flags after ours ran
+    "mindspeed-inside": lambda: _with_our_patch(_mindspeed_llm_parse_args_decorator(_framework_parse_args)),
+}
+
+
+@pytest.mark.parametrize("stack", sorted(STACKS))
+@pytest.mark.parametrize("ignore_unknown", [False, True])
+def test_framework_defined_ha_flags_parse_and_we_validate(ha_parse, stack, ignore_unknown):
+    from mindspeed_ha.config import ConfigError
+
+    parse_args = STACKS[stack]()
+    base = ["--use-distributed-optimizer", "--pipeline-model-parallel-size", "2", "--enable-high-availability"]
+    args = parse_args(None, ignore_unknown, argv=base + ["--ha-replica-count", "4"])
+    assert args.enable_high_availability and args.num_distributed_optimizer_instances == 4
+    assert registry.is_enabled("ha") and registry.is_enabled("replica")
+    args = parse_args(None, ignore_unknown, argv=base + ["--enable-hbmfault-repair", "--distributed-optimizer-no-replica"])
+    assert args.enable_hbmfault_repair and args.num_distributed_optimizer_instances == 1
+    # our validation runs on the framework's flags: d = 8 / 2 = 4, N = 3 does not divide it
+    with pytest.raises(ConfigError, match="--ha-replica-count"):
+        parse_args(None, ignore_unknown, argv=base + ["--ha-replica-count", "3"])
+    with pytest.raises(ConfigError, match="--enable-high-availability"):
+        parse_args(None, ignore_unknown, argv=["--enable-worker-reboot"])
