@@ -16,6 +16,7 @@ import os
 from .registry import Patch, enable
 
 ENV_LOSS_LOG = "MINDSPEED_HA_LOSS_LOG"
+ENV_PATCH_REPORT = "MINDSPEED_HA_PATCH_REPORT"
 
 
 def _hex(value):
@@ -40,9 +41,33 @@ def _record_losses(wrapped, instance, args, kwargs):
     return result
 
 
+def _write_patch_report(path: str) -> None:
+    from mindspeed_ha.runtime import get_runtime
+
+    from .registry import active, enabled_features
+
+    rt = get_runtime()
+    row = {"features": enabled_features(), "active": active(), "runtime": rt is not None}
+    with open(f"{path}.rank{os.environ.get('RANK', '0')}", "w") as f:
+        json.dump(row, f)
+
+
+def _report_after_pretrain(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    path = os.environ.get(ENV_PATCH_REPORT)
+    if path:
+        _write_patch_report(path)
+    return result
+
+
 def autoenable() -> bool:
-    """Enable feature ``testing`` when the loss log or the fault injector is configured."""
-    if os.environ.get(ENV_LOSS_LOG) or os.environ.get("MINDSPEED_HA_INJECT"):
+    """Enable feature ``testing`` when the loss log or the fault injector is configured.
+
+    ``MINDSPEED_HA_PATCH_REPORT=PATH``: when ``pretrain`` returns every rank writes ``PATH.rank<R>`` with the
+    enabled features, the active patches and whether an HA runtime was configured
+    (what ``mindspeed-ha patches`` shows, from inside a real run).
+    """
+    if any(os.environ.get(v) for v in (ENV_LOSS_LOG, ENV_PATCH_REPORT, "MINDSPEED_HA_INJECT")):
         enable("testing")
         return True
     return False
@@ -52,4 +77,7 @@ PATCHES = [
     Patch("testing.loss_log", "megatron.training.training", "train_step", _record_losses,
           "testing", versions=None,
           doc="MINDSPEED_HA_LOSS_LOG: exact per-iteration losses and grad norm (hex floats)"),
+    Patch("testing.patch_report", "megatron.training.training", "pretrain", _report_after_pretrain,
+          "testing", versions=None,
+          doc="MINDSPEED_HA_PATCH_REPORT: active patches and runtime per rank after pretrain()"),
 ]

@@ -1,0 +1,141 @@
+"""Megatron-LM's own pretrain_gpt.py (core_v0.12.1, unmodified) on 4 CPU/gloo ranks.
+
+The tree is unpacked from ../shared/third_party into a temporary directory and run as
+users run it, through ``mindspeed-ha-run``; its file hashes are compared before and after
+the whole module (nothing of ours ever writes into it).
+
+Standard of proof for each fault: the launcher exits 75, the dying checkpoint holds the
+last completed iteration (0 steps lost) in the run's ``--ckpt-format``, Megatron-LM's own
+``--load`` resumes from it, and every per-iteration loss (exact, from the
+``testing.loss_log`` patch) equals the uninterrupted run's bit for bit, dropout on.
+"""
+
+import json
+import os
+import glob
+
+import pytest
+
+from mindspeed_ha import faults
+from mindspeed_ha.testing import megatron_lm as mlm
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TARBALL = os.environ.get("MINDSPEED_HA_MEGATRON_LM_TARBALL") or os.path.join(
+    REPO, "..", "shared", "third_party", "Megatron-LM-core_v0.12.1.tar.gz")
+CORPUS = os.path.join(REPO, "..", "shared", "data", "tinyshakespeare.txt")
+ITERS = 8
+KILL_AT = 6
+LAYOUTS = {"pp2": (1, 2), "tp2": (2, 1)}  # (TP, PP) on 4 ranks: DP 2, 2 optimizer replicas
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory):
+    assert os.path.exists(TARBALL), f"Megatron-LM tarball not found: {TARBALL} (MINDSPEED_HA_MEGATRON_LM_TARBALL)"
+    root = mlm.unpack(TARBALL, str(tmp_path_factory.mktemp("megatron_lm")))
+    return {"root": root, "digest": mlm.tree_digest(root)}
+
+
+@pytest.fixture(scope="module")
+def real_data(tree, tmp_path_factory):
+    """A real indexed dataset, made by the stock tools/preprocess_data.py."""
+    return mlm.build_indexed_dataset(tree["root"], CORPUS, str(tmp_path_factory.mktemp("indexed")))
+
+
+def _args(layout, fmt="torch", data=None, ha=True, **overrides):
+    tp, pp = LAYOUTS[layout]
+    extra = dict(data or {})
+    if ha:
+        overrides.update(enable_high_availability=True, ha_controller_port=0)
+    return mlm.stock_gpt_args(tp=tp, pp=pp, train_iters=ITERS, ckpt_format=fmt, **extra, **overrides)
+
+
+def _run(tree, args, env=None):
+    r = mlm.launch_stock(tree["root"], args, env=env)
+    assert not r.timed_out, r.stderr[-4000:]
+    return r
+
+
+def _report(prefix):
+    rows = {}
+    for path in glob.glob(prefix + ".rank*"):
+        with open(path) as f:
+            rows[int(path.rsplit(".rank", 1)[1])] = json.load(f)
+    return rows
+
+
+@pytest.fixture(scope="module")
+def baselines(tree, real_data, tmp_path_factory):
+    """Uninterrupted runs, every HA flag off (the launcher and the package still in place)."""
+    out = {}
+    for name, layout, data in (("pp2", "pp2", None), ("tp2", "tp2", None), ("pp2_real", "pp2", real_data)):
+        report = str(tmp_path_factory.mktemp(f"report_{name}") / "patches")
+        r = _run(tree, _args(layout, data=data, ha=False), env={"MINDSPEED_HA_PATCH_REPORT": report})
+        assert r.returncode == 0, r.stderr[-4000:]
+        assert sorted(r.losses) == list(range(1, ITERS + 1))
+        out[name] = {"losses": r.losses, "report": _report(report)}
+    return out
+
+
+def test_flags_off_equals_ha_on_without_fault(tree, baselines, tmp_path):
+    """HA off: no HA patch active, no runtime (so no processor, no controller port), and the
+    losses of HA on without a fault, bit for bit."""
+    off = baselines["pp2"]["report"]
+    assert sorted(off) == [0, 1, 2, 3]
+    for rank, row in off.items():
+        assert not row["runtime"], rank
+        assert not [p for p in row["active"] if not p.startswith(("cpu.", "fix.", "compat.", "arguments.", "testing."))], row
+        assert not set(row["features"]) & {"ha", "replica", "hbm_repair", "worker_reboot"}, row
+    report = str(tmp_path / "patches")
+    r = _run(tree, _args("pp2"), env={"MINDSPEED_HA_PATCH_REPORT": report})
+    assert r.returncode == 0, r.stderr[-4000:]
+    on = _report(report)
+    assert all(row["runtime"] and "ha.train_step.megatron" in row["active"] for row in on.values()), on
+    assert all("replica" in row["features"] for row in on.values()), on
+    assert r.losses == baselines["pp2"]["losses"]
+
+
+# (name, layout, format, killed rank, data). Megatron's rank order is tp-dp-pp:
+# PP2: stage 0 = ranks {0, 1}, stage 1 (PP-last) = {2, 3}; TP2 (PP1): every rank is PP-last.
+CASES = [
+    ("pp2_torch_rank0", "pp2", "torch", 0, None),
+    ("pp2_torch_pplast", "pp2", "torch", 3, None),
+    ("pp2_dist_rank0", "pp2", "torch_dist", 0, None),
+    ("pp2_dist_pplast", "pp2", "torch_dist", 3, None),
+    ("tp2_torch_rank0", "tp2", "torch", 0, None),
+    ("tp2_dist_rank3", "tp2", "torch_dist", 3, None),
+    ("pp2_real_dist_pplast", "pp2", "torch_dist", 2, "real"),
+]
+
+
+@pytest.mark.parametrize("name,layout,fmt,rank,data", CASES, ids=[c[0] for c in CASES])
+def test_kill_dying_checkpoint_resume(tree, baselines, real_data, tmp_path, name, layout, fmt, rank, data):
+    data_args = real_data if data == "real" else None
+    base = baselines[f"{layout}_real" if data == "real" else layout]["losses"]
+    save = str(tmp_path / "ckpt")
+    args = _args(layout, fmt, data_args, save=save, load=save, save_interval=1000)
+    inject = f"rank={rank},iteration={KILL_AT},point=backward"
+    r = _run(tree, args, env={"MINDSPEED_HA_INJECT": inject})
+    assert r.returncode == faults.EXIT_DYING_CHECKPOINT_SAVED, r.stderr[-6000:]
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as f:
+        assert int(f.read()) == KILL_AT - 1  # every completed iteration kept: 0 steps lost
+    it_dir = os.path.join(save, f"iter_{KILL_AT - 1:07d}")
+    if fmt == "torch_dist":
+        assert os.path.exists(os.path.join(it_dir, "metadata.json")), os.listdir(it_dir)
+    else:
+        assert glob.glob(os.path.join(it_dir, "mp_rank_*", "model_optim_rng.pt")), os.listdir(it_dir)
+    assert not [n for n in os.listdir(save) if n.startswith(".")], os.listdir(save)  # no staging left
+    for k in range(1, KILL_AT):
+        assert r.losses[k] == base[k], (k, r.losses[k], base[k])
+
+    resumed = _run(tree, args)
+    assert resumed.returncode == 0, resumed.stderr[-6000:]
+    assert sorted(resumed.losses) == list(range(KILL_AT, ITERS + 1))
+    for k in range(KILL_AT, ITERS + 1):
+        assert resumed.losses[k] == base[k], (k, resumed.losses[k], base[k])
+
+
+def test_zz_megatron_lm_tree_unchanged(tree):
+    """Runs last in this module: not one file of the user's Megatron-LM tree was written."""
+    assert mlm.tree_digest(tree["root"]) == tree["digest"]
