@@ -179,6 +179,7 @@ CKPT_ARGS=(
     --ckpt-format "$CKPT_FORMAT"
 )
 
+# $LAUNCHER unquoted on purpose: LAUNCHER="python -m mindspeed_ha.launcher" works too.
 CMD=(
     $LAUNCHER "${DISTRIBUTED_ARGS[@]}" "$MEGATRON_LM/pretrain_gpt.py"
     "${GPT_ARGS[@]}"
