@@ -3,7 +3,8 @@
 Megatron-LM logs losses rounded to 7 significant digits; a bitwise comparison of a
 recovered run with an uninterrupted one needs the exact values. With
 ``MINDSPEED_HA_LOSS_LOG=PATH`` every rank appends one JSON line per ``train_step`` to
-``PATH.rank<R>``: ``{"iteration": k, "loss": {name: float.hex()}, "grad_norm": hex}``.
+``PATH.rank<R>``: ``{"iteration": k, "time": unix seconds at the end of the step,
+"loss": {name: float.hex()}, "grad_norm": hex}``.
 The recorder only reads ``train_step``'s return value; it works with every HA flag off
 (the switch is the environment variable, not an HA flag).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 from .registry import Patch, enable
 
@@ -33,7 +35,7 @@ def _record_losses(wrapped, instance, args, kwargs):
     from megatron.training.global_vars import get_args
 
     loss_dict, grad_norm = result[0], result[5]
-    row = {"iteration": int(get_args().curr_iteration) + 1,
+    row = {"iteration": int(get_args().curr_iteration) + 1, "time": time.time(),
            "loss": {k: _hex(v) for k, v in (loss_dict or {}).items()},
            "grad_norm": _hex(grad_norm)}
     with open(f"{path}.rank{os.environ.get('RANK', '0')}", "a") as f:
