@@ -123,6 +123,11 @@ def _ha_args(script_args):
     add_ha_arguments(parser)
     parser.add_argument("--save", default=None)
     parser.add_argument("--use-distributed-optimizer", action="store_true")
+    parser.add_argument("--ckpt-format", default="torch_dist")  # Megatron-LM core_v0.12.1 default
+    parser.add_argument("--no-ckpt-fully-parallel-save", dest="ckpt_fully_parallel_save",
+                        action="store_false")
+    parser.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
+    parser.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size"):
         parser.add_argument(flag, type=int, default=1)
     ns, _ = parser.parse_known_args(script_args)
