@@ -23,6 +23,12 @@ only picks ranks whose optimizer status is UPDATED(k) and that are frozen (they 
 not start the update of ``k+1``); the RNG state is the snapshot taken when iteration
 ``k``'s optimizer update ended (:class:`IterationSnapshot`).
 
+Failure (any exception in a phase, e.g. a full disk, or a saver's death): the controller
+ends the job with EXIT(77) and every rank that took part removes the staging dir
+(:func:`discard`, from the runtime's exit handler); the tracker is never touched and a
+half-committed ``iter_XXXXXXX`` is moved back first (:func:`commit`).
+``MINDSPEED_HA_KEEP_FAILED_STAGING=1`` keeps the staging dir for inspection.
+
 Megatron-LM's names and file contents come from :mod:`mindspeed_ha.integrations.megatron_lm`.
 """
 
@@ -40,6 +46,9 @@ from mindspeed_ha.integrations import megatron_lm as mlm
 log = logging.getLogger("mindspeed_ha.dying")
 
 _STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
+
+#: set to "1" to keep the staging directory of a failed dying checkpoint (debugging)
+ENV_KEEP_FAILED_STAGING = "MINDSPEED_HA_KEEP_FAILED_STAGING"
 
 
 @dataclass
@@ -251,7 +260,13 @@ def assemble(ctx: DyingContext, iteration: int) -> str:
 
 
 def commit(save_dir: str, iteration: int) -> str:
-    """Phase 3 on one rank: validate, rename into ``save_dir``, update the tracker."""
+    """Phase 3 on one rank: validate, rename into ``save_dir``, update the tracker.
+
+    Raises:
+        CheckpointError, OSError: nothing was published: a staged directory already renamed
+            to ``iter_XXXXXXX`` is moved back into the staging dir (for :func:`discard`)
+            unless the tracker already names it; the tracker is untouched.
+    """
     root = staging_root(save_dir, iteration)
     staged = mlm.get_checkpoint_name(root, iteration, return_base_dir=True)
     final = mlm.get_checkpoint_name(save_dir, iteration, return_base_dir=True)
@@ -263,11 +278,35 @@ def commit(save_dir: str, iteration: int) -> str:
             mlm.write_tracker(save_dir, iteration)
         shutil.rmtree(root, ignore_errors=True)
         return f"{final} (already saved by a periodic checkpoint)"
-    final = mlm.commit_checkpoint(staged, save_dir, iteration)
+    try:
+        mlm.commit_checkpoint(staged, save_dir, iteration)
+    except BaseException:
+        renamed = os.path.isdir(final) and not os.path.exists(staged)
+        if renamed and mlm.read_tracker_iteration(save_dir) != iteration:
+            os.rename(final, staged)  # not published: a loader never sees a half-committed dir
+        raise
     shutil.rmtree(root, ignore_errors=True)
     return final
 
 
-def discard(save_dir: str, iteration: int) -> None:
-    """Remove the staging dir of an aborted dying checkpoint (never visible to loaders)."""
-    shutil.rmtree(staging_root(save_dir, iteration), ignore_errors=True)
+def discard(save_dir: str, iteration: int) -> str:
+    """Remove the staging dir of a failed dying checkpoint; never touches the tracker.
+
+    Kept instead when ``MINDSPEED_HA_KEEP_FAILED_STAGING=1`` (to inspect what was written).
+    Idempotent and safe to run on several ranks at once. Returns what was done.
+    """
+    root = staging_root(save_dir, iteration)
+    if os.environ.get(ENV_KEEP_FAILED_STAGING) == "1":
+        return f"kept {root} ({ENV_KEEP_FAILED_STAGING}=1)"
+    # Move it away (atomic) before deleting: a commit still running elsewhere (the
+    # controller timed it out) has then either renamed its complete, validated
+    # iter_XXXXXXX out already or fails on that rename; it never publishes a directory
+    # that is being emptied. A saver still writing recreates ``root``, and removes it on
+    # its own EXIT after its last write.
+    trash = f"{root}.discard.{os.getpid()}"
+    try:
+        os.rename(root, trash)
+    except FileNotFoundError:
+        return f"{root}: already removed"
+    shutil.rmtree(trash, ignore_errors=True)
+    return f"removed {root}"

@@ -24,6 +24,7 @@ import threading
 from typing import Optional
 
 from mindspeed_ha import dying
+from mindspeed_ha.faults import EXIT_DYING_CHECKPOINT_SAVED
 from mindspeed_ha.integrations import megatron_lm
 
 log = logging.getLogger("mindspeed_ha.runtime")
@@ -121,6 +122,7 @@ class HARuntime:
         self.completed: Optional[int] = None  # last iteration completed by train_step
         self.snapshot: Optional[dying.IterationSnapshot] = None
         self.ctx: Optional[dying.DyingContext] = None
+        self.staged: Optional[int] = None  # iteration of the dying checkpoint this rank writes
         self._update_depth = 0
 
     # ---- start-up -------------------------------------------------------------------
@@ -202,7 +204,7 @@ class HARuntime:
         import torch.distributed as dist
 
         self.processor = Processor(config, self.rank, self.layout, getattr(self.args, "save", None),
-                                   world_size=dist.get_world_size())
+                                   world_size=dist.get_world_size(), exit_handler=self._on_exit)
         for kind, fn in (("dump", self._on_dump), ("assemble", self._on_assemble), ("commit", self._on_commit)):
             self.processor.on_action(kind, fn)
         self.processor.start()
@@ -281,6 +283,7 @@ class HARuntime:
 
     def _on_dump(self, params: dict):
         plan, roles = self._roles(params)
+        self.staged = plan.iteration  # before the first write: a failure below is cleaned up too
         self.injector.fire("dying", plan.iteration)
         detail = dying.dump(self.ctx, plan.iteration, self.snapshot,
                             write_shard=bool(roles["shards"]), write_model=bool(roles["models"]))
@@ -295,6 +298,32 @@ class HARuntime:
     def _on_commit(self, params: dict):
         plan, _ = self._roles(params)
         return True, f"rank {self.rank}: {dying.commit(self.args.save, plan.iteration)}"
+
+    def _on_exit(self, code: int, reason: str) -> None:
+        """The controller's EXIT (processor action thread): clean up, then end the process.
+
+        A failed dying checkpoint (any exit code but 75) leaves its staging dir behind
+        unless someone removes it. Who, and when: the controller sends EXIT to every
+        survivor as soon as one saver fails, while other savers may still be writing,
+        so a single remover (say the committer) could run before the last write and leave
+        files behind. But the processor runs one action at a time, so on each rank this
+        EXIT runs only after that rank's own DUMP/ASSEMBLE/COMMIT has returned. Hence
+        every rank that took part (got DUMP; assemblers and the committer are savers
+        too) removes the whole staging dir here, after its own last write: the last
+        removal follows every write, and the partial files of a saver that died go with
+        it. Removal is idempotent and moves the dir away before deleting it
+        (:func:`dying.discard`), so concurrent removals, and a commit the controller
+        timed out, are harmless.
+        """
+        from mindspeed_ha.control.processor import default_exit_handler
+
+        if self.staged is not None and code != EXIT_DYING_CHECKPOINT_SAVED:
+            try:
+                log.warning("rank %d: dying checkpoint failed: %s", self.rank,
+                            dying.discard(self.args.save, self.staged))
+            except Exception:  # noqa: BLE001 - the exit must happen whatever cleanup did
+                log.exception("rank %d: removing the dying checkpoint's staging dir failed", self.rank)
+        default_exit_handler(code, reason)
 
     def close(self, exit_code: int = 0) -> None:
         if self.processor is not None:

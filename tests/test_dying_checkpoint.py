@@ -163,3 +163,69 @@ def test_plain_torchrun_rank0_killed(tmp_path, baselines):
     for p in alive:
         p.kill()
     assert not alive, "the controller outlived the job"
+
+
+def _staged_checkpoint(save, iteration):
+    """A complete staged dying checkpoint (one rank, TP1 PP1) under ``save``."""
+    import argparse
+
+    import torch
+
+    from mindspeed_ha import dying
+
+    d = os.path.join(dying.staging_root(save, iteration), f"iter_{iteration:07d}", "mp_rank_00")
+    os.makedirs(d)
+    args = argparse.Namespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                              use_distributed_optimizer=False, no_save_optim=False)
+    torch.save({"args": args, "iteration": iteration}, os.path.join(d, "model_optim_rng.pt"))
+    os.makedirs(os.path.join(dying.staging_root(save, iteration), "shards"))
+
+
+def test_commit_failure_publishes_nothing_and_discard_cleans_up(tmp_path, monkeypatch):
+    """Disk full while writing the tracker, after the rename: the checkpoint goes back to
+    the staging dir (a loader never sees it), the tracker is untouched, and the exit
+    handler of a rank that took part removes the staging dir."""
+    import errno
+
+    from mindspeed_ha import dying
+    from mindspeed_ha.integrations import megatron_lm
+    from mindspeed_ha.runtime import HARuntime
+
+    save = str(tmp_path)
+    megatron_lm.write_tracker(save, 2)
+    _staged_checkpoint(save, 4)
+
+    def disk_full(*a, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(megatron_lm, "write_tracker", disk_full)
+    with pytest.raises(OSError, match="space"):
+        dying.commit(save, 4)
+    assert _tracker(save) == 2
+    assert sorted(os.listdir(save)) == [".mindspeed_ha_dying_iter_0000004", "latest_checkpointed_iteration.txt"]
+
+    exits = []
+    monkeypatch.setattr("mindspeed_ha.control.processor.default_exit_handler", lambda c, r: exits.append(c))
+    rt = HARuntime(config=None, args=__import__("argparse").Namespace(save=save))
+    rt._on_exit(faults.EXIT_FAULT_UNRECOVERABLE, "commit failed")  # never took part: nothing to do
+    assert os.path.isdir(dying.staging_root(save, 4))
+    rt.staged = 4
+    monkeypatch.setenv(dying.ENV_KEEP_FAILED_STAGING, "1")
+    rt._on_exit(faults.EXIT_FAULT_UNRECOVERABLE, "commit failed")
+    assert os.path.isdir(dying.staging_root(save, 4)), "kept on request"
+    monkeypatch.delenv(dying.ENV_KEEP_FAILED_STAGING)
+    rt._on_exit(faults.EXIT_FAULT_UNRECOVERABLE, "commit failed")
+    assert os.listdir(save) == ["latest_checkpointed_iteration.txt"] and _tracker(save) == 2
+    assert exits == [faults.EXIT_FAULT_UNRECOVERABLE] * 3
+
+
+def test_failed_save_leaves_no_staging_dir(tmp_path):
+    """Rank 1 dies; saver rank 0 fails writing its part (an exception, as a full disk
+    raises) while the stage-1 saver writes its files: the job ends with 77, no staging
+    dir, no iter_ dir, no tracker."""
+    save = str(tmp_path / "ckpt")
+    inject = f"rank=1,iteration={KILL_AT},point=backward;rank=0,iteration={KILL_AT - 1},point=dying,fault=raise"
+    faulty = _run(_args("pp2", "--save", save), env={"MINDSPEED_HA_INJECT": inject})
+    assert faulty.returncode == faults.EXIT_FAULT_UNRECOVERABLE, faulty.stderr[-6000:]
+    assert "dumping failed on rank 0" in faulty.stderr
+    assert os.listdir(save) == [], f"left behind: {os.listdir(save)}"
