@@ -119,7 +119,9 @@ def _ha_args(script_args):
     arguments (other flags ignored)."""
     from mindspeed_ha.config import add_ha_arguments
 
-    parser = argparse.ArgumentParser(add_help=False)
+    # allow_abbrev=False as in Megatron-LM's own parser: otherwise "--num-layers 4" would be
+    # read as --num-layers-per-virtual-pipeline-stage 4.
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     add_ha_arguments(parser)
     parser.add_argument("--save", default=None)
     parser.add_argument("--use-distributed-optimizer", action="store_true")

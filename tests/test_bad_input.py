@@ -82,3 +82,12 @@ def test_unwritable_save_dir_fails_before_training(tmp_path):
     assert r.returncode != 0
     assert "--save" in r.stdout + r.stderr
     assert "iteration        1/" not in r.stdout
+
+
+def test_launcher_reads_flags_without_abbreviations():
+    """As Megatron-LM's parser (allow_abbrev=False): --num-layers is not a prefix match for
+    --num-layers-per-virtual-pipeline-stage (which, with torch_dist, fails the start-up)."""
+    from mindspeed_ha.launcher import _ha_args
+
+    ns = _ha_args(["--num-layers", "4", "--enable-high-availability"])
+    assert ns.num_layers_per_virtual_pipeline_stage is None
