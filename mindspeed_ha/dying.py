@@ -186,7 +186,13 @@ class DyingContext:
     shard_id: int
 
 
-def _model_state(ctx: DyingContext, iteration: int, snapshot: IterationSnapshot) -> Dict[str, Any]:
+def checkpoint_format(args) -> str:
+    """The run's ``--ckpt-format`` (``torch`` when the framework has no such flag)."""
+    return getattr(args, "ckpt_format", None) or "torch"
+
+
+def _model_state(ctx: DyingContext, iteration: int, snapshot: IterationSnapshot,
+                 ckpt_format: str = "torch") -> Dict[str, Any]:
     args = copy.copy(ctx.args)
     args.iteration = iteration
     gbs = getattr(args, "global_batch_size", None)
@@ -196,7 +202,7 @@ def _model_state(ctx: DyingContext, iteration: int, snapshot: IterationSnapshot)
     # cannot see: left out (Megatron-LM's loader reads 0).
     state = mlm.generate_state_dict(
         args, mlm.unwrap_model(ctx.model), ctx.optimizer, ctx.opt_param_scheduler, [snapshot.rng_state],
-        iteration=iteration,
+        iteration=iteration, rerun_state=mlm.rerun_state(ckpt_format), ckpt_format=ckpt_format,
     )
     sched = state.get("opt_param_scheduler")
     if isinstance(sched, dict) and gbs and "num_steps" in sched:
@@ -217,6 +223,8 @@ def dump(ctx: DyingContext, iteration: int, snapshot: Optional[IterationSnapshot
     if snapshot is None or snapshot.iteration != iteration:
         have = None if snapshot is None else snapshot.iteration
         raise RuntimeError(f"no consistent state for iteration {iteration} (snapshot at {have})")
+    if checkpoint_format(ctx.args) == "torch_dist":
+        return _dump_torch_dist(ctx, iteration, snapshot, write_shard, write_model)
     written = []
     if write_shard and _unwrap_distributed_optimizer(ctx.optimizer) is not None:
         path = shard_path(save, iteration, ctx.tp_rank, ctx.pp_rank, ctx.shard_id)
@@ -234,8 +242,45 @@ def dump(ctx: DyingContext, iteration: int, snapshot: Optional[IterationSnapshot
     return ", ".join(written) or "nothing"
 
 
+def parts_root(save_dir: str, iteration: int) -> str:
+    """Where the savers of a ``torch_dist`` dying checkpoint write their parts."""
+    return os.path.join(staging_root(save_dir, iteration), "parts")
+
+
+def _dump_torch_dist(ctx: DyingContext, iteration: int, snapshot: IterationSnapshot,
+                     write_shard: bool, write_model: bool) -> str:
+    """Phase 1 for ``--ckpt-format torch_dist``: this saver's part(s), see :mod:`.recovery.torch_dist`.
+
+    A shard saver writes the optimizer's sharded state of its (TP, PP, shard); a model
+    saver everything else of its (TP, PP) position (model, RNG, rerun state), and the
+    model saver of (TP 0, PP 0) the common state (``common.pt``), as global rank 0 does
+    in a regular save.
+    """
+    from mindspeed_ha.recovery import torch_dist as td
+
+    if not (write_shard or write_model):
+        return "nothing"
+    sharded, common = td.split_common(_model_state(ctx, iteration, snapshot, "torch_dist"))
+    root = parts_root(ctx.args.save, iteration)
+    written = []
+    if write_shard:
+        name = f"optim_tp{ctx.tp_rank:02d}_pp{ctx.pp_rank:03d}_s{ctx.shard_id:04d}"
+        td.write_part({"optimizer": sharded.get("optimizer", {})}, os.path.join(root, name))
+        written.append(name)
+    if write_model:
+        name = f"model_tp{ctx.tp_rank:02d}_pp{ctx.pp_rank:03d}"
+        td.write_part({k: v for k, v in sharded.items() if k != "optimizer"}, os.path.join(root, name))
+        if ctx.tp_rank == 0 and ctx.pp_rank == 0:
+            td.write_common(common, os.path.join(root, name))
+        written.append(name)
+    return "torch_dist parts " + ", ".join(written)
+
+
 def assemble(ctx: DyingContext, iteration: int) -> str:
-    """Phase 2 on one rank per (TP, PP): shard files -> ``distrib_optim.pt``."""
+    """Phase 2 on one rank per (TP, PP): shard files -> ``distrib_optim.pt`` (``torch``;
+    ``torch_dist`` parts are merged by :func:`commit`)."""
+    if checkpoint_format(ctx.args) == "torch_dist":
+        return "torch_dist: parts are merged at commit"
     import torch
     opt = _unwrap_distributed_optimizer(ctx.optimizer)
     if opt is None:
@@ -279,6 +324,12 @@ def commit(save_dir: str, iteration: int) -> str:
         shutil.rmtree(root, ignore_errors=True)
         return f"{final} (already saved by a periodic checkpoint)"
     try:
+        parts = parts_root(save_dir, iteration)
+        if os.path.isdir(parts):  # torch_dist: one DCP checkpoint from the savers' parts
+            from mindspeed_ha.recovery import torch_dist as td
+
+            td.merge_parts([os.path.join(parts, n) for n in sorted(os.listdir(parts))], staged)
+            os.rmdir(parts)
         mlm.commit_checkpoint(staged, save_dir, iteration)
     except BaseException:
         renamed = os.path.isdir(final) and not os.path.exists(staged)

@@ -1,4 +1,4 @@
-"""Megatron-LM core_v0.12.1, ``--ckpt-format torch`` (legacy): the facts mindspeed-ha relies on.
+"""Megatron-LM core_v0.12.1 checkpoints (``--ckpt-format torch`` and ``torch_dist``): the facts mindspeed-ha relies on.
 
 The runtime, the dying checkpoint and the built-in trainer learn Megatron-LM's formats
 here and nowhere else. Each fact and where Megatron-LM core_v0.12.1 defines it:
@@ -189,32 +189,66 @@ def set_rng_state(rng_state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(rng_state["rng_tracker_states"])
 
 
+def sharded_rng_state(rng_state: list):
+    """The ``rng_state`` list as ``--ckpt-format torch_dist`` stores it: one ``ShardedObject``
+    per (PP, TP) position, DP rank 0 the main replica (``get_rng_state`` with
+    ``ckpt_format == "torch_dist"``). Reads the parallel layout; no collectives."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return ShardedObject("rng_state", rng_state,
+                         (mpu.get_pipeline_model_parallel_world_size(), mpu.get_tensor_model_parallel_world_size()),
+                         (mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank()),
+                         replica_id=mpu.get_data_parallel_rank(with_context_parallel=True))
+
+
+def rerun_state(ckpt_format: str):
+    """The rerun state machine's entry of a checkpoint (``rerun_state_machine.state_dict``
+    with no data iterator, as ``save_checkpoint`` writes it outside a rerun request)."""
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    return get_rerun_state_machine().state_dict(data_iterator=None, ckpt_format=ckpt_format)
+
+
 def generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state, iteration=None,
-                        rerun_state=None, num_floating_point_operations_so_far=None) -> dict:
-    """One rank's ``model_optim_rng.pt`` content.
+                        rerun_state=None, num_floating_point_operations_so_far=None,
+                        ckpt_format: str = "torch") -> dict:
+    """One rank's checkpoint content: ``model_optim_rng.pt`` (``torch``), or the sharded
+    state dict ``dist_checkpointing.save`` takes (``torch_dist``).
 
     Args:
         args: the run's argument namespace (``no_save_optim`` and ``no_save_rng`` are honoured).
         model: list of unwrapped model chunks (see :func:`unwrap_model`).
         rng_state: the ``rng_state`` list (one :func:`collect_rng_state` dict per DP rank
-            with ``--data-parallel-random-init``, else one).
+            with ``--data-parallel-random-init``, else one); wrapped by
+            :func:`sharded_rng_state` for ``torch_dist``.
         iteration: stored when given.
         rerun_state: the rerun state machine's state (None when not tracked).
         num_floating_point_operations_so_far: stored when given (a loader reads 0 when absent).
+        ckpt_format: ``torch`` or ``torch_dist``. For ``torch_dist`` the model is
+            ``sharded_state_dict()`` of each chunk and the distributed optimizer is
+            ``fully_sharded_model_space`` (what ``save_checkpoint`` does with Megatron-LM's
+            default ``--ckpt-fully-parallel-save``); neither uses a collective.
     """
+    dist = ckpt_format == "torch_dist"
     sd = {"args": args, "checkpoint_version": CHECKPOINT_VERSION}
     if iteration is not None:
         sd["iteration"] = iteration
     for i, chunk in enumerate(model):
-        sd["model" if len(model) == 1 else f"model{i}"] = chunk.state_dict_for_save_checkpoint()
+        key = "model" if len(model) == 1 else f"model{i}"
+        sd[key] = chunk.sharded_state_dict() if dist else chunk.state_dict_for_save_checkpoint()
     if not args.no_save_optim:
         if optimizer is not None and not getattr(optimizer, "is_stub_optimizer", False):
-            sd["optimizer"] = optimizer.state_dict()
+            if dist:
+                kwargs = {"sharding_type": "fully_sharded_model_space"} if args.use_distributed_optimizer else {}
+                sd["optimizer"] = optimizer.sharded_state_dict(sd, **kwargs)
+            else:
+                sd["optimizer"] = optimizer.state_dict()
         if opt_param_scheduler is not None:
             sd["opt_param_scheduler"] = opt_param_scheduler.state_dict()
     sd["rerun_state_machine"] = rerun_state
     if not args.no_save_rng:
-        sd["rng_state"] = rng_state
+        sd["rng_state"] = sharded_rng_state(rng_state) if dist else rng_state
     if num_floating_point_operations_so_far is not None:
         sd["num_floating_point_operations_so_far"] = num_floating_point_operations_so_far
     return sd
@@ -266,6 +300,10 @@ def validate_checkpoint_dir(ckpt_dir: str, iteration: Optional[int] = None) -> L
         CheckpointError: no model file, a missing expected file, an unloadable file, or
             a wrong ``iteration`` inside.
     """
+    if os.path.exists(os.path.join(ckpt_dir, "metadata.json")):  # --ckpt-format torch_dist
+        from mindspeed_ha.recovery import torch_dist
+
+        return torch_dist.validate_checkpoint_dir(ckpt_dir, iteration)
     found = sorted(glob.glob(os.path.join(ckpt_dir, "mp_rank_*", MODEL_FILE)))
     if not found:
         raise CheckpointError(f"{ckpt_dir}: no mp_rank_*/{MODEL_FILE}")
@@ -335,5 +373,6 @@ __all__ = [
     "current_args", "unwrap_model",
     "get_checkpoint_name", "get_distributed_optimizer_checkpoint_name", "get_checkpoint_tracker_filename",
     "read_tracker_iteration", "collect_rng_state", "set_rng_state", "generate_state_dict",
+    "sharded_rng_state", "rerun_state",
     "write_tracker", "expected_files", "validate_checkpoint_dir", "commit_checkpoint",
 ]

@@ -34,6 +34,8 @@ import pickle
 import shutil
 from typing import Any, Dict, Iterable, List
 
+from mindspeed_ha.integrations.megatron_lm import CheckpointError
+
 COMMON_FILE = "common.pt"
 CONFIG_FILE = "metadata.json"
 METADATA_FILE = ".metadata"
@@ -41,7 +43,7 @@ METADATA_FILE = ".metadata"
 BACKEND = ("torch_dist", 1)
 
 
-class TorchDistCheckpointError(RuntimeError):
+class TorchDistCheckpointError(CheckpointError):
     """A part could not be written or the parts do not form a complete checkpoint."""
 
 
@@ -226,3 +228,32 @@ def _write_durably(path: str, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def validate_checkpoint_dir(ckpt_dir: str, iteration=None) -> List[str]:
+    """Check a ``torch_dist`` ``iter_XXXXXXX`` directory; returns its files.
+
+    Raises:
+        TorchDistCheckpointError: wrong backend in ``metadata.json``, unreadable or
+            incomplete ``.metadata`` (:func:`validate_metadata`), a data file missing, an
+            unloadable ``common.pt`` or a wrong ``iteration`` in it.
+    """
+    import torch
+
+    try:
+        with open(os.path.join(ckpt_dir, CONFIG_FILE)) as f:
+            backend = json.load(f).get("sharded_backend")
+        md = _read_metadata(ckpt_dir)
+        common = torch.load(os.path.join(ckpt_dir, COMMON_FILE), map_location="cpu", weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file makes the checkpoint invalid
+        raise TorchDistCheckpointError(f"{ckpt_dir}: not a readable torch_dist checkpoint: {exc}") from exc
+    if backend != BACKEND[0]:
+        raise TorchDistCheckpointError(f"{ckpt_dir}: sharded backend {backend!r}, expected {BACKEND[0]!r}")
+    validate_metadata(md)
+    files = sorted({info.relative_path for info in md.storage_data.values()})
+    missing = [f for f in files if not os.path.isfile(os.path.join(ckpt_dir, f))]
+    if missing:
+        raise TorchDistCheckpointError(f"{ckpt_dir}: data files missing: {missing[:5]}")
+    if iteration is not None and common.get("iteration") != iteration:
+        raise TorchDistCheckpointError(f"{ckpt_dir}: iteration {common.get('iteration')} != {iteration}")
+    return [CONFIG_FILE, METADATA_FILE, COMMON_FILE, *files]
