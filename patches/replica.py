@@ -7,11 +7,13 @@ are patched here only while the feature is on (``--enable-high-availability`` wi
 distributed optimizer and ``--ha-replica-count`` > 1):
 
 * gradient sync: stock reduce-scatters inside the instance, then all-reduces across
-  instances, which sums in another order than a run without replicas. We all-reduce
-  each bucket over the full DP group instead (the reference's "compute instead of
-  transfer"); every instance then runs the same optimizer update on its shard. On gloo
-  a reduce-scatter equals an all-reduce's slice bit for bit (measured), so the gradients
-  are bitwise those of a run without replicas.
+  instances, which sums in another order than a run without replicas. We run upstream's own
+  ``start_grad_sync``/``finish_grad_sync`` with the bucket group seen as one instance
+  without distributed optimizer over the full DP group (:func:`_as_full_dp_all_reduce`):
+  one all-reduce per bucket (the reference's "compute instead of transfer"), async from
+  the backward hook when overlapping; every instance then runs the same optimizer update
+  on its shard. On gloo a reduce-scatter equals an all-reduce's slice bit for bit
+  (measured), so the gradients are bitwise those of a run without replicas.
 * grad norm: stock reduces the distributed optimizer's statistics over the whole world,
   which counts every shard N times (norm too large by sqrt(N)). Each rank holds the
   fully reduced gradient buffer, so it feeds the norm exactly the gradient slices that
@@ -21,8 +23,8 @@ distributed optimizer and ``--ha-replica-count`` > 1):
   Where a bucket is not divisible by ``d`` (padding is only to the instance size) the
   statistics are reduced over one instance instead (each shard once; equal to within
   rounding). The zero count (``--log-num-zeros-in-grad``) still counts each shard N times.
-* the CPU backend has no CUDA stream for the instance's communication stream: handled
-  by the CPU backend patch set.
+* the CPU backend has no CUDA stream for the instance's communication stream (DDP still
+  creates one; grad sync no longer uses it): handled by the CPU backend patch set.
 """
 
 from __future__ import annotations
@@ -66,27 +68,74 @@ def _after_initialize_model_parallel(wrapped, instance, args, kwargs):
     return result
 
 
-def _grad_sync_full_dp(wrapped, instance, args, kwargs):
+class _OneFullDPAllReduce:
+    """The bucket group's ``ddp_config`` as upstream's grad sync should read it: no
+    distributed optimizer, one optimizer instance; every other field is the live config's."""
+
+    use_distributed_optimizer = False
+    num_distributed_optimizer_instances = 1
+
+    def __init__(self, ddp_config):
+        self._ddp_config = ddp_config
+
+    def __getattr__(self, name):
+        return getattr(self._ddp_config, name)
+
+
+def _as_full_dp_all_reduce(wrapped, instance, args, kwargs):
+    """Run upstream ``start_grad_sync``/``finish_grad_sync`` as one all-reduce over the full DP group.
+
+    megatron-core 0.12.1 ``distributed/param_and_grad_buffer.py``, class
+    ``_ParamAndGradBucketGroup``, reads two ``ddp_config`` fields to choose the collective:
+
+    * ``start_grad_sync`` (l.279-391): ``num_distributed_optimizer_instances`` > 1 makes
+      ``async_op`` False (l.317-320) and puts the calls on ``communication_stream``
+      (l.321-334); ``use_distributed_optimizer`` picks the instance group (l.336-339),
+      a reduce-scatter per bucket (l.344-354; the all-reduce branch is l.355-358) and the
+      all-reduce across instances (l.361-381).
+    * ``finish_grad_sync`` (l.393-417): with instances > 1 it waits on the stream and
+      returns (l.409-411) instead of waiting on ``grad_reduce_handle`` (l.412-417).
+
+    For the duration of the call the bucket group's ``ddp_config`` is a view with
+    ``use_distributed_optimizer=False`` and ``num_distributed_optimizer_instances=1`` and
+    its ``data_parallel_group`` is the full DP group (with CP): upstream's own code then
+    does everything else unchanged (NaN/large-grad checks, gradient scaling, reduce op,
+    ``async_op = overlap_grad_reduce``, ``_coalescing_manager``, the ``grad_reduce_handle``
+    it stores and ``finish_grad_sync``'s wait on it), and the collective is one
+    all-reduce per bucket over the full DP group. Nothing else reads the two fields on
+    this path. Bucket groups whose instance group is not the partial DP group (expert
+    buckets) run stock.
+
+    Equivalence: with one instance the same bucket is reduce-scattered over the full DP
+    group with the same op and pre-scaling (``gradient_scaling_factor`` is 1/d or 1 with
+    AVG either way); an all-reduce's slice equals that reduce-scatter bit for bit on gloo
+    (measured), so every rank's shard of the gradient is that of a run without replicas
+    (and the rest of the buffer holds the other ranks' shards, which the instance's
+    optimizer update needs). With ``--overlap-grad-reduce`` the sync is dispatched
+    asynchronously from the backward hook as with one instance; the instance
+    ``communication_stream`` is left unused by grad sync.
+    """
     cfg = instance.ddp_config
     if not (cfg.use_distributed_optimizer and cfg.num_distributed_optimizer_instances > 1):
-        return wrapped(*args, **kwargs)
-    import torch.distributed as dist
+        return wrapped(*args, **kwargs)  # stock, or already inside the view (nested call)
     from megatron.core import parallel_state as mpu
 
-    assert instance.grad_reduce_handle is None, "Should not have multiple communication calls outstanding"
-    if cfg.check_for_nan_in_grad or getattr(cfg, "check_for_large_grads", False):
-        instance.check_grads(
-            check_for_nan_or_inf=cfg.check_for_nan_in_grad,
-            check_for_large=getattr(cfg, "check_for_large_grads", False),
-        )
-    op = dist.ReduceOp.AVG if cfg.average_in_collective else dist.ReduceOp.SUM
-    group = mpu.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=False)
-    for bucket in instance.buckets:
-        if bucket.gradient_scaling_factor != 1.0:
-            bucket.grad_data *= bucket.gradient_scaling_factor
-        dist.all_reduce(bucket.grad_data, op=op, group=group)
-    instance.grad_reduce_handle = None
-    return None
+    if instance.intra_distributed_optimizer_instance_group is not mpu.get_data_parallel_group(
+            with_context_parallel=True, partial_data_parallel=True):
+        return wrapped(*args, **kwargs)
+    had_group = "data_parallel_group" in vars(instance)
+    saved_group = getattr(instance, "data_parallel_group", None)
+    instance.ddp_config = _OneFullDPAllReduce(cfg)
+    instance.data_parallel_group = mpu.get_data_parallel_group(
+        with_context_parallel=True, partial_data_parallel=False)
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        instance.ddp_config = cfg
+        if had_group:
+            instance.data_parallel_group = saved_group
+        else:
+            del instance.data_parallel_group
 
 
 def _replicated(opt) -> bool:
@@ -182,9 +231,17 @@ PATCHES = [
         name="replica.grad_sync",
         module="megatron.core.distributed.param_and_grad_buffer",
         attribute="_ParamAndGradBucketGroup.start_grad_sync",
-        wrapper=_grad_sync_full_dp,
+        wrapper=_as_full_dp_all_reduce,
         feature="replica",
-        doc="all-reduce gradients over the full DP group (bitwise equal to no replicas)",
+        doc="upstream grad sync as one all-reduce over the full DP group (bitwise equal to no replicas)",
+    ),
+    Patch(
+        name="replica.grad_sync_finish",
+        module="megatron.core.distributed.param_and_grad_buffer",
+        attribute="_ParamAndGradBucketGroup.finish_grad_sync",
+        wrapper=_as_full_dp_all_reduce,
+        feature="replica",
+        doc="finish_grad_sync waits on the all-reduce's handle (--overlap-grad-reduce)",
     ),
     Patch(
         name="replica.param_groups",
