@@ -23,6 +23,8 @@
 #   TINY=1           the same architecture at CPU size: 4 layers, hidden 64, ffn 172, 4 heads,
 #                    seq 32, micro-batch 2, global batch 8, local transformer implementation,
 #                    fusions off, gloo, fp32 (BF16=1 keeps bf16)
+#   NO_REPLICA=0     keep optimizer replicas (default 1: --distributed-optimizer-no-replica)
+#   LOG_DIR          where the log is written (default ./logs)
 #   DRY_RUN=1        print the command (shell-quoted) instead of running it
 # Extra arguments are appended to pretrain_gpt.py's: ./pretrain_llama2_7b_ptd.sh --seed 7
 
@@ -30,7 +32,7 @@ set -euo pipefail
 
 TINY=${TINY:-0}
 MEGATRON_LM=${MEGATRON_LM:-$PWD}
-MASTER_ADDR=${MASTER_ADDR:-localhost}
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-6000}
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
@@ -154,11 +156,15 @@ HA_ARGS=(
     --enable-high-availability
     --enable-hbmfault-repair
     --enable-worker-reboot
-    # No optimizer replicas: repairs restart from the latest periodic checkpoint. To keep
-    # replicas (every optimizer shard on N ranks, memory 4 + 16*N/d bytes per parameter),
-    # delete the next line; --ha-replica-count N picks N (default 2, must divide d).
-    --distributed-optimizer-no-replica
 )
+# No optimizer replicas: repairs restart from the latest periodic checkpoint, and a lost
+# rank's optimizer shard exists nowhere else (the dying checkpoint then reports "no
+# complete data", exit 76). To keep replicas (every optimizer shard on N ranks, memory
+# 4 + 16*N/d bytes per parameter) set NO_REPLICA=0; --ha-replica-count N picks N
+# (default 2, must divide d).
+if [ "${NO_REPLICA:-1}" = 1 ]; then
+    HA_ARGS+=(--distributed-optimizer-no-replica)
+fi
 
 if [ -n "${TOKENIZER_MODEL:-}" ]; then
     TOKENIZER_ARGS=(--tokenizer-type Llama2Tokenizer --tokenizer-model "$TOKENIZER_MODEL")
@@ -201,6 +207,7 @@ if [ ! -f "$MEGATRON_LM/pretrain_gpt.py" ]; then
     echo "pretrain_llama2_7b_ptd.sh: no pretrain_gpt.py in MEGATRON_LM=$MEGATRON_LM" >&2
     exit 2
 fi
-mkdir -p logs
+LOG_DIR=${LOG_DIR:-./logs}
+mkdir -p "$LOG_DIR"
 # Exit code 75: a dying checkpoint was saved; rerun this script to resume from it.
-"${CMD[@]}" 2>&1 | tee "logs/train_llama2_7b$([ "$TINY" = 1 ] && echo _tiny).log"
+"${CMD[@]}" 2>&1 | tee "$LOG_DIR/train_llama2_7b$([ "$TINY" = 1 ] && echo _tiny).log"

@@ -136,6 +136,52 @@ def test_kill_dying_checkpoint_resume(tree, baselines, real_data, tmp_path, name
         assert resumed.losses[k] == base[k], (k, resumed.losses[k], base[k])
 
 
+def _free_port():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_llama2_tiny_example_survives_a_kill(tree, tmp_path):
+    """scripts/pretrain_llama2_7b_ptd.sh (TINY=1: the llama2 architecture at CPU size, with
+    replicas) survives a SIGKILL of a PP-last rank; the resumed losses equal the
+    uninterrupted run's bit for bit."""
+    import subprocess
+    import sys
+
+    script = os.path.join(REPO, "scripts", "pretrain_llama2_7b_ptd.sh")
+
+    def run(ckpt, inject=None):
+        loss_log = str(tmp_path / f"loss_{os.path.basename(ckpt)}")
+        env = dict(os.environ, **mlm.stock_env(), TINY="1", NO_REPLICA="0", MEGATRON_LM=tree["root"],
+                   CKPT_DIR=ckpt, LOG_DIR=str(tmp_path / "logs"), MASTER_PORT=str(_free_port()),
+                   LAUNCHER=f"{sys.executable} -m mindspeed_ha.launcher --standalone",
+                   MINDSPEED_HA_LOSS_LOG=loss_log)
+        if inject:
+            env["MINDSPEED_HA_INJECT"] = inject
+        proc = subprocess.run(["bash", script, "--ha-controller-port", "0"], env=env, cwd=str(tmp_path),
+                              capture_output=True, text=True, timeout=600, start_new_session=True)
+        from mindspeed_ha.testing.harness import read_rank_loss_logs
+
+        losses = read_rank_loss_logs(loss_log)[1]
+        for stale in glob.glob(glob.escape(loss_log) + ".rank*"):
+            os.remove(stale)
+        return proc, losses
+
+    base, base_losses = run(str(tmp_path / "base"))
+    assert base.returncode == 0, base.stdout[-4000:]
+    assert sorted(base_losses) == list(range(1, 11))
+    ckpt = str(tmp_path / "ckpt")
+    faulty, faulty_losses = run(ckpt, inject=f"rank=3,iteration={KILL_AT},point=backward")
+    assert faulty.returncode == faults.EXIT_DYING_CHECKPOINT_SAVED, faulty.stdout[-4000:]
+    resumed, resumed_losses = run(ckpt)
+    assert resumed.returncode == 0, resumed.stdout[-4000:]
+    assert {k: faulty_losses[k] for k in range(1, KILL_AT)} == {k: base_losses[k] for k in range(1, KILL_AT)}
+    assert resumed_losses == {k: base_losses[k] for k in range(KILL_AT, 11)}
+
+
 def test_zz_megatron_lm_tree_unchanged(tree):
     """Runs last in this module: not one file of the user's Megatron-LM tree was written."""
     assert mlm.tree_digest(tree["root"]) == tree["digest"]
