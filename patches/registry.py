@@ -209,10 +209,22 @@ def _resolve_parent(module, attribute: str):
     return parent, parts[-1]
 
 
+#: comma-separated patch names never to apply (diagnosis, and tests proving a patch is needed)
+ENV_DISABLE = "MINDSPEED_HA_DISABLE_PATCHES"
+
+
+def _disabled_by_env() -> Set[str]:
+    import os
+
+    return {n.strip() for n in os.environ.get(ENV_DISABLE, "").split(",") if n.strip()}
+
+
 def _apply(module, patch: Patch) -> None:
     if patch.name in _applied:
         return
     reason = _supported(patch)
+    if patch.name in _disabled_by_env():
+        reason = f"disabled by {ENV_DISABLE}"
     if reason is None:
         try:
             parent, attr = _resolve_parent(module, patch.attribute)

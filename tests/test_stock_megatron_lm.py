@@ -7,7 +7,7 @@ the whole module (nothing of ours ever writes into it).
 Standard of proof for each fault: the launcher exits 75, the dying checkpoint holds the
 last completed iteration (0 steps lost) in the run's ``--ckpt-format``, Megatron-LM's own
 ``--load`` resumes from it, and every per-iteration loss (exact, from the
-``testing.loss_log`` patch) equals the uninterrupted run's bit for bit, dropout on.
+``testing.loss_log`` patch) and grad norm equals the uninterrupted run's bit for bit, dropout on.
 """
 
 import json
@@ -74,7 +74,8 @@ def baselines(tree, real_data, tmp_path_factory):
         r = _run(tree, _args(layout, data=data, ha=False), env={"MINDSPEED_HA_PATCH_REPORT": report})
         assert r.returncode == 0, r.stderr[-4000:]
         assert sorted(r.losses) == list(range(1, ITERS + 1))
-        out[name] = {"losses": r.losses, "report": _report(report)}
+        assert sorted(r.grad_norms) == list(range(1, ITERS + 1))
+        out[name] = {"losses": r.losses, "grad_norms": r.grad_norms, "report": _report(report)}
     return out
 
 
@@ -94,6 +95,7 @@ def test_flags_off_equals_ha_on_without_fault(tree, baselines, tmp_path):
     assert all(row["runtime"] and "ha.train_step.megatron" in row["active"] for row in on.values()), on
     assert all("replica" in row["features"] for row in on.values()), on
     assert r.losses == baselines["pp2"]["losses"]
+    assert r.grad_norms == baselines["pp2"]["grad_norms"]
 
 
 # (name, layout, format, killed rank, data). Megatron's rank order is tp-dp-pp:
@@ -112,7 +114,8 @@ CASES = [
 @pytest.mark.parametrize("name,layout,fmt,rank,data", CASES, ids=[c[0] for c in CASES])
 def test_kill_dying_checkpoint_resume(tree, baselines, real_data, tmp_path, name, layout, fmt, rank, data):
     data_args = real_data if data == "real" else None
-    base = baselines[f"{layout}_real" if data == "real" else layout]["losses"]
+    baseline = baselines[f"{layout}_real" if data == "real" else layout]
+    base, base_gn = baseline["losses"], baseline["grad_norms"]
     save = str(tmp_path / "ckpt")
     args = _args(layout, fmt, data_args, save=save, load=save, save_interval=1000)
     inject = f"rank={rank},iteration={KILL_AT},point=backward"
@@ -127,13 +130,36 @@ def test_kill_dying_checkpoint_resume(tree, baselines, real_data, tmp_path, name
         assert glob.glob(os.path.join(it_dir, "mp_rank_*", "model_optim_rng.pt")), os.listdir(it_dir)
     assert not [n for n in os.listdir(save) if n.startswith(".")], os.listdir(save)  # no staging left
     for k in range(1, KILL_AT):
-        assert r.losses[k] == base[k], (k, r.losses[k], base[k])
+        assert (r.losses[k], r.grad_norms[k]) == (base[k], base_gn[k]), k
 
     resumed = _run(tree, args)
     assert resumed.returncode == 0, resumed.stderr[-6000:]
     assert sorted(resumed.losses) == list(range(KILL_AT, ITERS + 1))
     for k in range(KILL_AT, ITERS + 1):
-        assert resumed.losses[k] == base[k], (k, resumed.losses[k], base[k])
+        assert (resumed.losses[k], resumed.grad_norms[k]) == (base[k], base_gn[k]), k
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_regular_save_resumes_bitwise_and_the_subtle_patches_are_needed(tree, baselines, tmp_path, fmt):
+    """Megatron-LM's own periodic save and --load, HA off: the resumed losses equal the
+    uninterrupted run's. Resumed with one patch disabled, they do not:
+    ``cpu.dataloader_rng`` (iterator creation consumes the dropout generator) and, for
+    torch_dist, ``fix.dist_opt_param_groups_by_key`` (weight decay on the wrong params)."""
+    base = {k: (baselines["pp2"]["losses"][k], baselines["pp2"]["grad_norms"][k]) for k in range(1, ITERS + 1)}
+    save = str(tmp_path / "ckpt")
+    first = _run(tree, _args("pp2", fmt, ha=False, save=save, save_interval=1000, exit_interval=4))
+    assert first.returncode == 0, first.stderr[-4000:]
+    needed = ["cpu.dataloader_rng"] + (["fix.dist_opt_param_groups_by_key"] if fmt == "torch_dist" else [])
+    for disabled in [None] + needed:
+        out = str(tmp_path / f"resumed_{disabled}")
+        env = {"MINDSPEED_HA_DISABLE_PATCHES": disabled} if disabled else None
+        r = _run(tree, _args("pp2", fmt, ha=False, load=save, save=out, save_interval=1000), env=env)
+        assert r.returncode == 0, r.stderr[-4000:]
+        resumed = {k: (r.losses[k], r.grad_norms[k]) for k in range(5, ITERS + 1)}
+        if disabled is None:
+            assert resumed == {k: base[k] for k in range(5, ITERS + 1)}
+        else:
+            assert resumed != {k: base[k] for k in range(5, ITERS + 1)}, disabled
 
 
 def _free_port():
@@ -165,7 +191,8 @@ def test_llama2_tiny_example_survives_a_kill(tree, tmp_path):
                               capture_output=True, text=True, timeout=600, start_new_session=True)
         from mindspeed_ha.testing.harness import read_rank_loss_logs
 
-        losses = read_rank_loss_logs(loss_log)[1]
+        records = read_rank_loss_logs(loss_log)[0]
+        losses = {r["iteration"]: (r["loss"]["lm loss"], r["grad_norm"]) for r in records if r["loss"]}
         for stale in glob.glob(glob.escape(loss_log) + ".rank*"):
             os.remove(stale)
         return proc, losses

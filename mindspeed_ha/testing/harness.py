@@ -33,6 +33,7 @@ class RunResult:
         returncode: launcher exit status (-9 style negatives for signals; None: timed out).
         stdout, stderr: decoded output of the whole process group.
         losses: iteration -> ``float.hex()`` of lm loss, from the loss log.
+        grad_norms: iteration -> ``float.hex()`` of the grad norm (``script`` runs only).
         loss_log_path: the JSON-lines loss log the run wrote.
         timed_out: the run exceeded ``timeout_s`` and its process group was killed.
     """
@@ -44,6 +45,7 @@ class RunResult:
     loss_log_path: str
     timed_out: bool = False
     loss_records: List[dict] = dataclasses.field(default_factory=list)
+    grad_norms: Dict[int, str] = dataclasses.field(default_factory=dict)
 
     def records(self) -> List[dict]:
         """The loss log's JSON lines (read when the run ended; the file may be gone)."""
@@ -169,12 +171,14 @@ def launch(nproc: int, train_args: Sequence[str], *, env: Optional[Mapping[str, 
                 _kill_group(proc.pid)
                 proc.wait()
         _kill_group(proc.pid)  # stragglers that outlived the launcher
+        grad_norms: Dict[int, str] = {}
         if script is None:
             records, losses = read_loss_log(loss_log), losses_from_log(loss_log)
         else:
             records, losses = read_rank_loss_logs(loss_log)
+            grad_norms = {int(r["iteration"]): r["grad_norm"] for r in records if "lm loss" in r["loss"]}
         return RunResult(None if timed_out else proc.returncode, out, err, losses, loss_log,
-                         timed_out, records)
+                         timed_out, records, grad_norms)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
