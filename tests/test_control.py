@@ -21,7 +21,7 @@ import pytest
 import zmq
 
 from mindspeed_ha.config import ConfigError, HAConfig
-from mindspeed_ha.control import wire
+from mindspeed_ha.control import auth, wire
 from mindspeed_ha.control.controller import Controller
 from mindspeed_ha.control.policy import ActionKind, DumpPlan
 from mindspeed_ha.control.processor import Processor, ProcessorExited
@@ -190,6 +190,7 @@ def test_missed_heartbeats_detected_after_timeout(closing):
     raw = ctx.socket(zmq.DEALER)
     closing.callback(wire.close_all, ctx, raw)
     wire.configure_socket(raw, CFG.max_message_bytes)
+    auth.configure_client(raw, auth.derive_keys(KEY))
     raw.connect(f"tcp://127.0.0.1:{ctl.port}")
     codec = wire.Codec(KEY, wire.new_sender("rank", 1))
     lay = Layout(dp_rank=1, dp_size=2, replica_count=2, instance_id=1)
@@ -299,12 +300,19 @@ def test_port_in_use_is_config_error(closing):
 
 
 def test_wrong_key_cannot_register(closing):
+    """A rank with another job's key fails the CURVE handshake: not one of its frames
+    reaches the controller's application (nothing decoded, nothing rejected there)."""
     ctl = Controller(CFG, 1, "127.0.0.1", 0).start()
     closing.callback(ctl.stop)
     bad = CFG.with_auth_key(b"x" * 32)
     with pytest.raises(ControlPlaneError, match="registration failed"):
         Processor(bad, 0, Layout(), None, port=ctl.port).start(timeout=0.5)
-    assert ctl.codec.rejected["bad_mac"] >= 1
+    deadline = time.monotonic() + 30  # the refused handshake's event reaches the controller's thread
+    while not ctl.transport_rejected.totals and time.monotonic() < deadline:
+        time.sleep(0.01)
+    ctl.stop()
+    assert sum(ctl.transport_rejected.totals.values()) >= 1
+    assert ctl.codec.accepted == 0 and not ctl.codec.rejected
 
 
 def test_unreachable_controller_fails_within_the_deadline_and_names_it(closing):

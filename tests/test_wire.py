@@ -114,6 +114,30 @@ def test_garbage_never_raises_from_try_decode():
     assert sum(rx.rejected.values()) == 5
 
 
+def test_rejections_are_counted_and_logged_at_a_bounded_rate(caplog):
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="mindspeed_ha.control.wire")
+    _, rx = codecs()
+    for i in range(10_000):  # 10 s of garbage from one peer at 1 kHz
+        assert rx.try_decode(b"x", peer="evil", now=i / 1000) is None
+    assert rx.rejected["short"] == 10_000
+    assert len(caplog.records) <= 2  # the first one, then at most one per interval with the count
+
+
+def test_seq_memory_is_bounded():
+    """A receiver remembers a bounded number of senders (CURVE keeps frames from being
+    captured, so a forgotten sender's old frames cannot be replayed from outside)."""
+    rx = wire.Codec(KEY, "controller-bbbb", max_senders=3)
+    senders = [wire.Codec(KEY, f"rank-{i}-x") for i in range(5)]
+    first = [tx.encode(wire.Heartbeat(0, 1, "updated")) for tx in senders]
+    for frame in first:
+        rx.decode(frame)
+    with pytest.raises(wire.WireError):  # remembered: a replay
+        rx.decode(first[-1])
+    assert rx.decode(first[0]).seq == 1  # the least recently heard sender was forgotten
+
+
 def test_short_key_refused():
     with pytest.raises(ValueError, match="MINDSPEED_HA_AUTH_KEY"):
         wire.Codec(b"short", "x")

@@ -1,11 +1,22 @@
 """The controller: one I/O thread per job that applies :func:`policy.decide`.
 
-The thread owns a ZeroMQ ROUTER socket (processors connect DEALER sockets), a
-socket monitor (a closed TCP connection = the rank's process is gone, detected in
-well under a millisecond on the same host) and a wake pipe for
-:meth:`Controller.report_rank_exit`. On every message, every agent report and every
-tick (``tick_s``) it updates :class:`ClusterState` and calls
-``decide(time.monotonic(), state, config)``; it holds no policy of its own.
+The thread owns a ZeroMQ ROUTER socket (a CURVE server; processors connect DEALER
+sockets as CURVE clients, see :mod:`auth`), the context's ZAP handler, a socket
+monitor (a closed TCP connection = the rank's process is gone, detected in well
+under a millisecond on the same host) and a wake pipe for
+:meth:`Controller.report_rank_exit`. It holds no policy of its own.
+
+Liveness cannot be starved by inbound traffic. The loop runs in bounded turns
+(:meth:`Controller._turn`): agent reports, ZAP requests, at most
+``MAX_EVENTS_PER_TURN`` connection events, at most ``MAX_FRAMES_PER_TURN`` frames,
+then always the decision step ``decide(clock(), state, config)``, so decisions run
+at least every ``tick_s`` when idle and after every bounded batch under any load.
+Within a batch the frames of registered ranks are handled first; each frame is
+checked against its peer's rate budget (:class:`admission.PeerLimiter`) before it is
+authenticated, and stamped with the clock read when it is handled (not when the turn
+began). The ROUTER socket reads its connections fairly, so a flooding connection
+cannot hold a rank's heartbeats back by more than a frame per connection per round.
+Rejections are counted and logged at a bounded rate (:class:`admission.RejectLog`).
 
 Standalone (no lingering: exits when the job is DONE or nobody registers)::
 
@@ -30,12 +41,28 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from mindspeed_ha.config import ENV_AUTH_KEY, ENV_TTP_PORT, ConfigError, HAConfig
-from mindspeed_ha.control import wire
+from mindspeed_ha.control import admission, auth, wire
 from mindspeed_ha.control.policy import ActionKind, Decision, DumpPlan, decide
 from mindspeed_ha.control.state import ClusterState, OptimizerStatus, PendingAction, Phase, RankInfo
 from mindspeed_ha.faults import FaultKind
 
 log = logging.getLogger(__name__)
+
+#: frames read from the ROUTER socket per loop turn (the decision step follows each turn)
+MAX_FRAMES_PER_TURN = 256
+#: socket-monitor events handled per loop turn
+MAX_EVENTS_PER_TURN = 1024
+#: ZAP requests answered per loop turn
+MAX_ZAP_PER_TURN = 64
+#: monitor events libzmq may queue before its I/O thread waits for this one to read them
+#: (the default of 1000 lets a burst of failed connections stall every connection)
+MONITOR_HWM = 100_000
+#: what the socket monitor reports: closed connections and failed handshakes
+MONITOR_EVENTS = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                  | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_HANDSHAKE_FAILED = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake_failed",
+                     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake_protocol_error",
+                     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "handshake_auth_denied"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +123,14 @@ class Controller:
         self._port = config.controller_port if port is None else int(port)
         self.tick_s = tick_s
         self.clock = clock
-        self.codec = wire.Codec(config.auth_key, wire.new_sender("controller"), config.max_message_bytes)
+        self.codec = wire.Codec(config.auth_key, wire.new_sender("controller"), config.max_message_bytes,
+                                max_senders=max(wire.MAX_SENDERS, 4 * world_size))
+        self._keys = auth.derive_keys(config.auth_key)
+        strangers = max(admission.STRANGERS_RATE, 2.0 * world_size)  # every rank registers at once
+        self._limiter = admission.PeerLimiter(strangers, strangers, max(admission.MAX_STRANGERS, 4 * world_size))
+        #: connections refused by libzmq before any frame (failed handshakes, ZAP denials), by reason
+        self.transport_rejected = admission.RejectLog(log, "connection")
+        self._zap: Optional[auth.ZapHandler] = None
         self.state = ClusterState(world_size=world_size, phase_since=clock())
         self.events: List[Event] = []
         self._lock = threading.Lock()  # guards state/events against readers in other threads
@@ -128,32 +162,49 @@ class Controller:
         closed here before the error propagates.
         """
         ctx = zmq.Context()
-        router = monitor = None
+        router = monitor = zap = None
         wake: Tuple[int, ...] = ()
         try:
+            zap = auth.ZapHandler(ctx, self._keys)  # before the bind: no connection is ever unchecked
             router = ctx.socket(zmq.ROUTER)
             wire.configure_socket(router, self.config.max_message_bytes)
+            auth.configure_server(router, self._keys)
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)
             router.setsockopt(zmq.ROUTER_HANDOVER, 1)
             self._bind(router)
-            monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            monitor = self._monitor_socket(ctx, router)
             wake = os.pipe()
             for fd in wake:
                 os.set_blocking(fd, False)
-            self._ctx, self._router, self._monitor = ctx, router, monitor
+            self._ctx, self._router, self._monitor, self._zap = ctx, router, monitor, zap
             self._wake_r, self._wake_w = wake
             self._thread = threading.Thread(target=self._run, name="mindspeed-ha-controller", daemon=True)
             self._thread.start()
         except BaseException:
             self._thread = None
-            self._ctx = self._router = self._monitor = None
+            self._ctx = self._router = self._monitor = self._zap = None
             self._wake_r = self._wake_w = -1
             for fd in wake:
                 os.close(fd)
-            wire.close_all(ctx, monitor, router)
+            wire.close_all(ctx, monitor, router, zap.socket if zap is not None else None)
             raise
         log.info("controller listening on %s:%d for %d ranks", self.bind_addr, self._port, self.world_size)
         return self
+
+    @staticmethod
+    def _monitor_socket(ctx: Any, router: Any) -> Any:
+        """The monitor's PAIR socket, with room for ``MONITOR_HWM`` queued events."""
+        addr = f"inproc://mindspeed-ha-monitor-{id(router):x}"
+        router.monitor(addr, MONITOR_EVENTS)
+        monitor = ctx.socket(zmq.PAIR)
+        try:
+            monitor.setsockopt(zmq.LINGER, 0)
+            monitor.setsockopt(zmq.RCVHWM, MONITOR_HWM)
+            monitor.connect(addr)
+        except BaseException:
+            monitor.close(linger=0)
+            raise
+        return monitor
 
     def _bind(self, router: Any) -> None:
         try:
@@ -258,24 +309,19 @@ class Controller:
         timeout_ms = max(1, int(self.tick_s * 1000))
         try:
             poller = zmq.Poller()
-            poller.register(self._router, zmq.POLLIN)
-            poller.register(self._monitor, zmq.POLLIN)
-            poller.register(wake_r, zmq.POLLIN)
+            for sock in (self._router, self._monitor, self._zap.socket, wake_r):
+                poller.register(sock, zmq.POLLIN)
             while not self._stopping.is_set():
-                ready = dict(poller.poll(timeout_ms))
+                ready = dict(poller.poll(timeout_ms))  # returns at once while a turn left input behind
                 if wake_r in ready:
                     try:
                         while os.read(wake_r, 4096):
                             pass
                     except BlockingIOError:
                         pass
-                now = self.clock()
                 try:
                     with self._lock:
-                        self._drain_cmds(now)
-                        self._drain_router(now)
-                        self._drain_monitor(now)
-                        self._step(self.clock())
+                        self._turn()
                         done = self.state.phase is Phase.DONE
                 except Exception:  # never let one bad event kill the controller
                     log.exception("controller: error while handling events")
@@ -288,12 +334,39 @@ class Controller:
                 fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
             for fd in fds:
                 os.close(fd)
-            ctx, router, monitor = self._ctx, self._router, self._monitor
-            self._ctx = self._router = self._monitor = None
-            wire.close_all(ctx, monitor, router)
-            log.info("controller thread exits (phase %s)", self.state.phase.value)
+            ctx, router, monitor, zap = self._ctx, self._router, self._monitor, self._zap
+            self._ctx = self._router = self._monitor = self._zap = None
+            wire.close_all(ctx, monitor, router, zap.socket if zap is not None else None)
+            log.info("controller thread exits (phase %s); control plane: %s", self.state.phase.value,
+                     self.traffic(zap))
 
-    def _drain_cmds(self, now: float) -> None:
+    def traffic(self, zap: Optional[auth.ZapHandler] = None) -> str:
+        """Counters of the control plane so far, one line (for logs and reports). Thread-safe."""
+        with self._lock:
+            zap = zap or self._zap
+            return (f"frames accepted {self.codec.accepted}, frames rejected {dict(self.codec.rejected)}, "
+                    f"connections refused {dict(self.transport_rejected.totals)}, "
+                    f"ZAP {dict(zap.counts) if zap is not None else {}}")
+
+    def _turn(self) -> None:
+        """One bounded loop turn, then the decision step (caller holds ``_lock``).
+
+        Agent reports, at most ``MAX_ZAP_PER_TURN`` ZAP requests,
+        ``MAX_EVENTS_PER_TURN`` monitor events and ``MAX_FRAMES_PER_TURN`` frames; what
+        is left waits for the next turn. Then ``decide`` runs whatever the inbound
+        rate. Each item is stamped with the clock read when it is handled.
+        """
+        self._drain_cmds()
+        if self._zap is not None:
+            self._zap.serve(MAX_ZAP_PER_TURN)
+        self._drain_monitor(MAX_EVENTS_PER_TURN)
+        self._drain_router(MAX_FRAMES_PER_TURN)
+        now = self.clock()
+        self.codec.reject_log.flush(now)
+        self.transport_rejected.flush(now)
+        self._step(now)
+
+    def _drain_cmds(self) -> None:
         while True:
             try:
                 cmd, arg = self._cmds.get_nowait()
@@ -304,31 +377,58 @@ class Controller:
                 if self.state.mark_dead(rank, f"process exited with code {code} (agent report)", code, at):
                     log.warning("rank %d: process exited with code %d (agent report)", rank, code)
 
-    def _drain_monitor(self, now: float) -> None:
-        while True:
+    def _drain_monitor(self, limit: int) -> None:
+        if self._monitor is None:
+            return
+        for _ in range(limit):
             try:
                 evt = recv_monitor_message(self._monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if evt["event"] == zmq.EVENT_DISCONNECTED:
+            event, now = evt["event"], self.clock()
+            if event == zmq.EVENT_DISCONNECTED:
                 rank = self._rank_of_fd.pop(int(evt["value"]), None)
                 if rank is not None:
                     info = self.state.ranks.get(rank)
                     if info is not None and info.alive and info.exit_code is None:
                         self.state.mark_dead(rank, "control connection closed", None, now)
                         log.warning("rank %d: control connection closed", rank)
+            elif event in _HANDSHAKE_FAILED:
+                self.transport_rejected.note("unauthenticated peers", _HANDSHAKE_FAILED[event], now)
 
-    def _drain_router(self, now: float) -> None:
-        while True:
+    def _bind_fd(self, fd: Optional[int], rank: int) -> None:
+        """Remember that connection ``fd`` carries ``rank`` (its close is the rank's death).
+
+        File descriptors are reused: a connection that failed (e.g. a flood of refused
+        ones) may have had the same number, and its "disconnected" event may still be
+        queued. Every event of an earlier connection was queued before this one was
+        accepted, so the queue is read up to its bound before a new binding is made.
+        """
+        if fd is None or self._rank_of_fd.get(fd) == rank:
+            return
+        self._drain_monitor(MONITOR_HWM + 2 * MAX_EVENTS_PER_TURN)
+        self._rank_of_fd[fd] = rank
+
+    def _drain_router(self, limit: int) -> None:
+        batch: List[Tuple[bytes, Any]] = []
+        for _ in range(limit):
             try:
                 parts = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return
+                break
             if len(parts) != 2:
                 self.codec.rejected["bad_framing"] += 1
+                self.codec.reject_log.note(repr(parts[0].bytes), "bad_framing", self.clock())
                 continue
-            ident, frame = parts[0].bytes, parts[1]
-            msg = self.codec.try_decode(frame.buffer, peer=repr(ident))
+            batch.append((parts[0].bytes, parts[1]))
+        ranks = self._rank_of_ident
+        for ident, frame in admission.ranks_first(batch, lambda item: item[0] in ranks):
+            now = self.clock()
+            if not self._limiter.allow(ident, ident in ranks, now):
+                self.codec.rejected["rate_limited"] += 1
+                self.codec.reject_log.note(repr(ident), "rate_limited", now)
+                continue
+            msg = self.codec.try_decode(frame.buffer, peer=repr(ident), now=now)
             if msg is None:
                 continue
             try:
@@ -366,8 +466,7 @@ class Controller:
                     pass
             return
         info = st.ranks[rank]
-        if fd is not None:
-            self._rank_of_fd[fd] = rank
+        self._bind_fd(fd, rank)
         info.last_heartbeat = now
         t = msg.type
         if t is wire.MsgType.HEARTBEAT:
@@ -424,8 +523,7 @@ class Controller:
             info.last_heartbeat = now
             self._ident[body.rank] = ident
             self._rank_of_ident[ident] = body.rank
-            if fd is not None:
-                self._rank_of_fd[fd] = body.rank
+            self._bind_fd(fd, body.rank)
             if self.first_register_at is None:
                 self.first_register_at = now
             if not st.run_id:

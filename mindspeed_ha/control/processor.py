@@ -2,7 +2,8 @@
 
 Threads (both daemons, started by :meth:`Processor.start`):
 
-* I/O thread ("heartbeat thread"): owns the DEALER socket; registers (re-sent with
+* I/O thread ("heartbeat thread"): owns the DEALER socket (a CURVE client, keys derived
+  from the job's auth key, see :mod:`auth`); registers (re-sent with
   backoff until REGISTERED), sends a HEARTBEAT every ``heartbeat_interval_s``, drains
   the outbox, answers STOP at once, hands ACTIONs to the action thread. ZeroMQ
   reconnects by itself (100 ms, backing off to 2 s).
@@ -44,7 +45,7 @@ from typing import Any, Callable, Deque, Dict, Optional, Tuple, Union
 import zmq
 
 from mindspeed_ha.config import ENV_AUTH_KEY, ENV_CONNECT_TIMEOUT, ConfigError, HAConfig
-from mindspeed_ha.control import wire
+from mindspeed_ha.control import auth, wire
 from mindspeed_ha.control.policy import ActionKind
 from mindspeed_ha.control.state import Layout, OptimizerStatus, RankState
 from mindspeed_ha.faults import (
@@ -115,6 +116,7 @@ class Processor:
         self.run_id = run_id
         self.exit_handler: ExitHandler = exit_handler or default_exit_handler
         self.codec = wire.Codec(config.auth_key, wire.new_sender("rank", rank), config.max_message_bytes)
+        self._keys = auth.derive_keys(config.auth_key)  # ConfigError without CURVE
         self.freeze_deadline_s = (config.stop_timeout_s + 3 * config.action_timeout_s
                                   + config.heartbeat_timeout_s)
         self._state = RankState(rank)
@@ -164,6 +166,7 @@ class Processor:
         try:
             sock = ctx.socket(zmq.DEALER)
             wire.configure_socket(sock, self.config.max_message_bytes)
+            auth.configure_client(sock, self._keys)
             sock.setsockopt(zmq.ROUTING_ID, f"r{self.rank}-{secrets.token_hex(4)}".encode())
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)

@@ -2,7 +2,9 @@
 
 Transport is ZeroMQ (pyzmq): the controller binds a ROUTER socket, every processor
 connects a DEALER socket (ZeroMQ frames messages, reconnects with backoff and
-queues while disconnected). One ZeroMQ frame carries one message::
+queues while disconnected). Connections are authenticated and encrypted with CURVE
+(:mod:`auth`): a peer without the job's key never gets a frame to the application.
+One ZeroMQ frame carries one message::
 
     frame = tag (32 bytes, HMAC-SHA256(auth_key, envelope)) + envelope
     envelope = msgpack({"v": SCHEMA_VERSION, "type": str, "seq": int, "sender": str, "body": map})
@@ -14,9 +16,13 @@ does not match the dataclass, or a ``seq`` not greater than the last one accepte
 from the same ``sender``. Senders are named ``<role>-<rank>-<random token>``, so a
 restarted process is a new sender and old frames of a previous incarnation cannot
 be replayed against the same receiver. (A fresh receiver cannot tell an old frame
-of a sender it has never seen; the per-job key bounds that to the same job.)
+of a sender it has never seen; the per-job key bounds that to the same job, and CURVE
+encryption keeps frames from being captured.) The receiver remembers the last ``seq``
+of at most ``MAX_SENDERS`` senders, the least recently heard forgotten first.
 
-Sockets get ``zmq.MAXMSGSIZE`` so oversize frames are dropped by ZeroMQ itself.
+Rejections are logged at a bounded rate (:class:`~mindspeed_ha.control.admission.RejectLog`),
+never one line per frame. Sockets get ``zmq.MAXMSGSIZE`` so oversize frames are
+dropped by ZeroMQ itself (the connection is closed before the frame is read).
 """
 
 from __future__ import annotations
@@ -30,11 +36,13 @@ import itertools
 import logging
 import secrets
 import threading
+import time
 import typing
 from typing import Any, Dict, Optional, Type
 
 import msgpack
 
+from mindspeed_ha.control.admission import RejectLog
 from mindspeed_ha.control.state import Layout
 
 log = logging.getLogger(__name__)
@@ -42,6 +50,10 @@ log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
 TAG_BYTES = 32
 DEFAULT_MAX_BYTES = 1 << 20
+#: what CURVE adds to a frame on the wire (MESSAGE command, nonce, MAC: 33 bytes), rounded up
+TRANSPORT_OVERHEAD = 256
+#: senders whose last ``seq`` a Codec remembers
+MAX_SENDERS = 4096
 
 
 class WireError(ValueError):
@@ -273,24 +285,29 @@ class Codec:
     """Encodes outgoing and verifies incoming frames for one endpoint.
 
     Thread-safe: encode may be called from any thread; decode is normally called by
-    the single I/O thread. ``rejected`` counts rejections by reason.
+    the single I/O thread. ``rejected`` counts rejections by reason; ``reject_log``
+    logs them at a bounded rate.
 
     Args:
         key: the job's HMAC key (>= 16 bytes).
         sender: this endpoint's sender name (see :func:`new_sender`).
         max_bytes: the largest frame accepted or produced.
+        max_senders: senders whose last ``seq`` is remembered.
     """
 
-    def __init__(self, key: bytes, sender: str, max_bytes: int = DEFAULT_MAX_BYTES):
+    def __init__(self, key: bytes, sender: str, max_bytes: int = DEFAULT_MAX_BYTES,
+                 max_senders: int = MAX_SENDERS):
         if not isinstance(key, bytes) or len(key) < 16:
             raise ValueError("auth key must be at least 16 bytes (MINDSPEED_HA_AUTH_KEY)")
         self._key = key
         self.sender = sender
         self.max_bytes = int(max_bytes)
+        self.max_senders = int(max_senders)
         self._seq = itertools.count(1)
         self._lock = threading.Lock()
-        self._last_seq: Dict[str, int] = {}
+        self._last_seq: "collections.OrderedDict[str, int]" = collections.OrderedDict()
         self.rejected: collections.Counter = collections.Counter()
+        self.reject_log = RejectLog(log, "control frame")
         self.accepted = 0
 
     def _tag(self, envelope: bytes) -> bytes:
@@ -324,13 +341,16 @@ class Codec:
         self.accepted += 1
         return msg
 
-    def try_decode(self, frame: bytes, peer: str = "?") -> Optional[Message]:
-        """Like :meth:`decode` but logs and returns None on rejection (for I/O threads)."""
+    def try_decode(self, frame: bytes, peer: str = "?", now: Optional[float] = None) -> Optional[Message]:
+        """Like :meth:`decode` but returns None on rejection (for I/O threads).
+
+        The rejection goes to ``reject_log`` (at ``now``, default ``time.monotonic()``),
+        which logs at a bounded rate whatever the rate of rejections.
+        """
         try:
             return self.decode(frame)
         except WireError as exc:
-            log.warning("control message from %s rejected: %s (rejections so far: %s)",
-                        peer, exc, dict(self.rejected))
+            self.reject_log.note(peer, exc.reason, time.monotonic() if now is None else now, str(exc))
             return None
 
     def _decode(self, frame: bytes) -> Message:
@@ -363,14 +383,18 @@ class Codec:
             if seq <= last:
                 raise WireError("replay", f"{sender} seq {seq} <= {last}")
             self._last_seq[sender] = seq
+            self._last_seq.move_to_end(sender)
+            while len(self._last_seq) > self.max_senders:
+                self._last_seq.popitem(last=False)
         return Message(mtype, seq, sender, body)
 
 
 def configure_socket(sock: Any, max_bytes: int) -> None:
-    """Common ZeroMQ options: size cap, no linger on close, IPv6 allowed."""
+    """Common ZeroMQ options: size cap (``max_bytes`` of message plus the CURVE overhead),
+    no linger on close, IPv6 allowed."""
     import zmq
 
-    sock.setsockopt(zmq.MAXMSGSIZE, int(max_bytes))
+    sock.setsockopt(zmq.MAXMSGSIZE, int(max_bytes) + TRANSPORT_OVERHEAD)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IPV6, 1)
 
