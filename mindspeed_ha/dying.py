@@ -58,10 +58,13 @@ class IterationSnapshot:
     Attributes:
         iteration: the iteration whose update just completed.
         rng_state: this rank's RNG state in Megatron-LM's checkpoint format.
+        rerun_state: the rerun state machine's checkpoint entry, taken again when
+            ``train_step`` of ``iteration`` returned (where a regular save takes it).
     """
 
     iteration: int
     rng_state: Any
+    rerun_state: Any = None
 
 
 def staging_root(save_dir: str, iteration: int) -> str:
@@ -202,7 +205,8 @@ def _model_state(ctx: DyingContext, iteration: int, snapshot: IterationSnapshot,
     # cannot see: left out (Megatron-LM's loader reads 0).
     state = mlm.generate_state_dict(
         args, mlm.unwrap_model(ctx.model), ctx.optimizer, ctx.opt_param_scheduler, [snapshot.rng_state],
-        iteration=iteration, rerun_state=mlm.rerun_state(ckpt_format), ckpt_format=ckpt_format,
+        iteration=iteration, rerun_state=mlm.rerun_state(ckpt_format, snapshot.rerun_state),
+        ckpt_format=ckpt_format,
     )
     sched = state.get("opt_param_scheduler")
     if isinstance(sched, dict) and gbs and "num_steps" in sched:

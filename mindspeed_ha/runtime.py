@@ -258,11 +258,13 @@ class HARuntime:
             self._take_snapshot(k)
             if self.processor is not None:
                 self.processor.end_update(k)
+        self.snapshot.rerun_state = megatron_lm.capture_rerun_state()  # as a regular save sees it
         self.completed = k
         self.injector.fire("between", k)
 
     def _take_snapshot(self, iteration: int) -> None:
-        self.snapshot = dying.IterationSnapshot(iteration, megatron_lm.collect_rng_state())
+        self.snapshot = dying.IterationSnapshot(iteration, megatron_lm.collect_rng_state(),
+                                                megatron_lm.capture_rerun_state())
 
     def handle_fault(self, exc: BaseException):
         """Report ``exc`` to the controller and carry out its action.

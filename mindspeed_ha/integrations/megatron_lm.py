@@ -202,12 +202,37 @@ def sharded_rng_state(rng_state: list):
                          replica_id=mpu.get_data_parallel_rank(with_context_parallel=True))
 
 
-def rerun_state(ckpt_format: str):
-    """The rerun state machine's entry of a checkpoint (``rerun_state_machine.state_dict``
-    with no data iterator, as ``save_checkpoint`` writes it outside a rerun request)."""
+def capture_rerun_state() -> dict:
+    """A copy of the rerun state machine's checkpoint entry now (``torch`` layout), for
+    :func:`rerun_state` later: ``save_checkpoint`` takes it between iterations, so the
+    runtime captures it when an iteration ends."""
+    import copy
+
     from megatron.core.rerun_state_machine import get_rerun_state_machine
 
-    return get_rerun_state_machine().state_dict(data_iterator=None, ckpt_format=ckpt_format)
+    return copy.deepcopy(get_rerun_state_machine().state_dict(data_iterator=None, ckpt_format="torch"))
+
+
+def rerun_state(ckpt_format: str, captured: Optional[dict] = None):
+    """The rerun state machine's entry of a checkpoint (``rerun_state_machine.state_dict``
+    with no data iterator, as ``save_checkpoint`` writes it outside a rerun request).
+
+    Args:
+        captured: a :func:`capture_rerun_state` result to use instead of the live state.
+            For ``torch_dist`` its ``sharded`` part becomes a ``ShardedObject`` per (PP, TP)
+            position, DP rank 0 the main replica (``RerunStateMachine.state_dict``).
+    """
+    if captured is None:
+        captured = capture_rerun_state()
+    if ckpt_format != "torch_dist":
+        return captured
+    from megatron.core import parallel_state as mpu
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    pos = (mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank())
+    size = (mpu.get_pipeline_model_parallel_world_size(), mpu.get_tensor_model_parallel_world_size())
+    return dict(captured, sharded=ShardedObject("rerun_state_machine_state", captured["sharded"], size, pos,
+                                                replica_id=mpu.get_data_parallel_rank(with_context_parallel=True)))
 
 
 def generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state, iteration=None,
@@ -373,6 +398,6 @@ __all__ = [
     "current_args", "unwrap_model",
     "get_checkpoint_name", "get_distributed_optimizer_checkpoint_name", "get_checkpoint_tracker_filename",
     "read_tracker_iteration", "collect_rng_state", "set_rng_state", "generate_state_dict",
-    "sharded_rng_state", "rerun_state",
+    "sharded_rng_state", "capture_rerun_state", "rerun_state",
     "write_tracker", "expected_files", "validate_checkpoint_dir", "commit_checkpoint",
 ]

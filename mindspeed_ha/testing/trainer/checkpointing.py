@@ -31,6 +31,7 @@ from mindspeed_ha.integrations.megatron_lm import (
     collect_rng_state,
     commit_checkpoint,
     generate_state_dict,
+    rerun_state,
     get_checkpoint_name,
     get_checkpoint_tracker_filename,
     get_distributed_optimizer_checkpoint_name,
@@ -129,6 +130,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
         optimizer.save_parameter_state(get_distributed_optimizer_checkpoint_name(name))
     if mpu.get_expert_data_parallel_rank() == 0:
         sd = generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state, iteration=iteration,
+                                 rerun_state=rerun_state("torch"),
                                  num_floating_point_operations_so_far=num_floating_point_operations_so_far)
         os.makedirs(os.path.dirname(name), exist_ok=True)
         torch.save(sd, name)
