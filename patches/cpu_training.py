@@ -4,7 +4,9 @@ Feature ``cpu_backend`` (see :mod:`.cpu_backend`: on only in processes with neit
 nor an NPU, so every wrapper here passes through on accelerators). Touch points found in
 Megatron-LM core_v0.12.1 (``../shared/docs/CPU_BACKEND_FACTS.md``, "Stock Megatron-LM"):
 
-* ``initialize_megatron`` asserts CUDA unless ``allow_no_cuda``: pass ``allow_no_cuda``.
+* ``initialize_megatron`` asserts CUDA unless ``allow_no_cuda``: pass ``allow_no_cuda``;
+  ``--distributed-backend nccl`` (Megatron's default) is refused before torch.distributed
+  starts, with a message naming the flag (gloo is the CPU backend's collective library).
 * ``_initialize_distributed`` / ``_set_random_seed`` skip ``initialize_model_parallel``
   and the model-parallel RNG seeding when ``torch.cuda.device_count() == 0``: inside
   those two functions only, the process reports one device; ``torch.cuda.set_device`` is
@@ -51,6 +53,17 @@ _one_device = threading.local()
 
 def _initialize_megatron(wrapped, instance, args, kwargs):
     kwargs = dict(kwargs, allow_no_cuda=True)
+    return wrapped(*args, **kwargs)
+
+
+def _gloo_on_cpu(wrapped, instance, args, kwargs):
+    from megatron.training.global_vars import get_args
+
+    if getattr(get_args(), "distributed_backend", None) == "nccl":
+        from mindspeed_ha.config import ConfigError
+
+        raise ConfigError("--distributed-backend nccl on a machine with neither CUDA nor an NPU: "
+                          "use --distributed-backend gloo (the CPU backend runs Megatron on gloo)")
     return wrapped(*args, **kwargs)
 
 
@@ -176,6 +189,8 @@ _MT = "megatron.training"
 PATCHES = [
     Patch("cpu.mlm_initialize", f"{_MT}.initialize", "initialize_megatron", _initialize_megatron,
           FEATURE, versions=None, doc="initialize_megatron(allow_no_cuda=True)"),
+    Patch("cpu.mlm_backend_check", f"{_MT}.initialize", "_initialize_distributed", _gloo_on_cpu, FEATURE,
+          versions=None, doc="--distributed-backend nccl without CUDA: a clear error naming the flag"),
     Patch("cpu.mlm_init_distributed", f"{_MT}.initialize", "_initialize_distributed",
           _with_one_device, FEATURE, versions=None,
           doc="one device reported while torch.distributed + model-parallel groups start"),

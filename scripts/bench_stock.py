@@ -58,7 +58,7 @@ def main():
         ha = ["--enable-high-availability", "--ha-controller-port", "0"]
         # Warm-up run, not counted: builds Megatron's dataset helpers into the cache and
         # warms the page cache, so both modes start from the same state.
-        _one(root, mlm.stock_gpt_args(tp=ns.tp, pp=ns.pp, train_iters=2), env)
+        _one(root, mlm.stock_gpt_args(tp=ns.tp, pp=ns.pp, train_iters=4), env)
         first = {"off": [], "on": []}
         step = {"off": [], "on": []}
         losses = {}
