@@ -42,6 +42,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from mindspeed_ha.config import ENV_AUTH_KEY, ENV_TTP_PORT, ConfigError, HAConfig
 from mindspeed_ha.control import admission, auth, wire
+from mindspeed_ha.control.integrity import IntegrityReport
 from mindspeed_ha.control.policy import ActionKind, Decision, DumpPlan, decide
 from mindspeed_ha.control.state import ClusterState, OptimizerStatus, PendingAction, Phase, RankInfo
 from mindspeed_ha.faults import FaultKind
@@ -80,7 +81,8 @@ class Outcome:
     """How the job ended, as the controller saw it.
 
     ``timings`` (seconds): ``detect`` fault evidence -> STOP sent; ``decide`` STOP ->
-    DUMP (stop round + selection) or -> EXIT; ``save`` DUMP -> EXIT (dump + assemble +
+    DUMP (stop round + selection, integrity round included) or -> EXIT; ``verify`` (only
+    when ranks verified) VERIFY -> DUMP or EXIT; ``save`` DUMP -> EXIT (dump + assemble +
     commit); ``total`` evidence -> EXIT sent.
     """
 
@@ -296,6 +298,10 @@ class Controller:
             timings["detect"] = t_stop - fault.at
         if t_stop is not None and (t_dump or t_exit) is not None:
             timings["decide"] = (t_dump if t_dump is not None else t_exit) - t_stop
+        t_verify = first.get(ActionKind.VERIFY)
+        t_end = t_dump if t_dump is not None else t_exit
+        if t_verify is not None and t_end is not None:
+            timings["verify"] = t_end - t_verify
         if t_dump is not None and t_exit is not None:
             timings["save"] = t_exit - t_dump
         if fault is not None and t_exit is not None:
@@ -490,6 +496,14 @@ class Controller:
             if p is not None and p.action_id == body.action_id and rank in p.targets:
                 p.results[rank] = (body.ok, body.detail)
                 log.info("rank %d: %s %s %s", rank, p.kind, "ok" if body.ok else "FAILED", body.detail)
+        elif t is wire.MsgType.INTEGRITY:
+            info.integrity = IntegrityReport(body.iteration, body.shard_ok, body.shard_digest, body.model_ok,
+                                             body.model_digest, body.detail)
+            log.log(logging.INFO if body.shard_ok and body.model_ok else logging.ERROR,
+                    "rank %d: integrity at iteration %d: shard %s %s, model %s %s%s", rank, body.iteration,
+                    "ok" if body.shard_ok else "CORRUPT", body.shard_digest[:12],
+                    "ok" if body.model_ok else "CORRUPT", body.model_digest[:12],
+                    f" ({body.detail})" if body.detail else "")
         elif t is wire.MsgType.GOODBYE:
             info.exit_code = body.exit_code
             st.mark_dead(rank, f"said goodbye (exit code {body.exit_code})", body.exit_code, now)
@@ -517,6 +531,7 @@ class Controller:
                 except ValueError:
                     info.status = OptimizerStatus.UNKNOWN
                 info.iteration = body.iteration
+                info.verifies = body.verifies
                 st.ranks[body.rank] = info
                 if old is not None:
                     log.warning("rank %d re-registered as a new process (pid %d)", body.rank, body.pid)
@@ -559,6 +574,7 @@ class Controller:
                             FaultKind(d.params.get("kind", "unknown")), d.reason)
             for r in d.targets:
                 st.ranks[r].stopped = False
+                st.ranks[r].integrity = None  # a report describes the state frozen by this STOP only
                 self._send(r, wire.Stop(d.reason))
         elif d.action is not ActionKind.NOOP:
             aid = next(self._action_ids)

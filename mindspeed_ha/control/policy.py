@@ -11,7 +11,13 @@ Phases and what moves them (see ``state.Phase``)::
                 every rank said GOODBYE(0)                              -> NOOP, DONE
     STOPPING    every live rank answered STOPPED, or stop_timeout_s passed (silent ranks
                 are unavailable) -> no save dir: EXIT(77); no complete data: EXIT(76);
-                else DUMP(plan) to shard/model savers                  -> DUMPING
+                else VERIFY to every usable rank that can verify       -> VERIFYING
+                (none can: DUMP(plan) to shard/model savers            -> DUMPING)
+    VERIFYING   every target answered (integrity report of its frozen state), died, or
+                action_timeout_s passed (then it is unusable) -> selection again, keeping
+                only clean holders (``integrity.screen``): no trustworthy copy of some
+                shard or model: EXIT(76); else DUMP(plan with the trusted digests, which
+                every saver re-checks in what it wrote)                 -> DUMPING
     DUMPING     all savers ok -> ASSEMBLE to assemblers                 -> ASSEMBLING
     ASSEMBLING  all assemblers ok -> COMMIT to the committer            -> COMMITTING
     COMMITTING  committer ok -> EXIT(75, checkpoint of iteration k)     -> EXITING
@@ -37,6 +43,7 @@ from mindspeed_ha.faults import (
     EXIT_NO_COMPLETE_DATA,
     FaultKind,
 )
+from mindspeed_ha.control import integrity
 from mindspeed_ha.control.state import ClusterState, OptimizerStatus, Phase, RankInfo
 
 ShardKey = Tuple[int, int, int]  # (tp_rank, pp_rank, shard_id)
@@ -50,6 +57,7 @@ class ActionKind(str, enum.Enum):
     ASSEMBLE = "assemble"
     COMMIT = "commit"
     EXIT = "exit"
+    VERIFY = "verify"
     # declared for the recovery paths; not chosen by decide() yet
     REPAIR = "repair"
     RETRY = "retry"
@@ -88,6 +96,8 @@ class DumpPlan:
         committer: the rank that validates, renames the temp dir and writes the tracker.
         shards_per_instance: shards per (tp, pp) (1: non-distributed optimizer).
         reason: why this plan.
+        shard_digests / model_digests: the trusted digest of each shard / (tp, pp) model
+            (empty when no saver could verify): a saver checks what it wrote against it.
     """
 
     iteration: int
@@ -97,6 +107,8 @@ class DumpPlan:
     committer: int
     shards_per_instance: int = 1
     reason: str = ""
+    shard_digests: Dict[ShardKey, str] = dataclasses.field(default_factory=dict)
+    model_digests: Dict[ModelKey, str] = dataclasses.field(default_factory=dict)
 
     def savers(self) -> Tuple[int, ...]:
         return tuple(sorted(set(self.shard_savers.values()) | set(self.model_savers.values())))
@@ -112,6 +124,8 @@ class DumpPlan:
             "committer": self.committer,
             "shards_per_instance": self.shards_per_instance,
             "reason": self.reason,
+            "shard_digests": [[t, p, s, d] for (t, p, s), d in sorted(self.shard_digests.items())],
+            "model_digests": [[t, p, d] for (t, p), d in sorted(self.model_digests.items())],
         }
 
     @classmethod
@@ -125,6 +139,8 @@ class DumpPlan:
             committer=int(params["committer"]),
             shards_per_instance=int(params.get("shards_per_instance", 1)),
             reason=str(params.get("reason", "")),
+            shard_digests={(t, p, s): str(d) for t, p, s, d in params.get("shard_digests", ())},
+            model_digests={(t, p): str(d) for t, p, d in params.get("model_digests", ())},
         )
 
     def roles(self, rank: int) -> Dict[str, Any]:
@@ -199,14 +215,17 @@ def _settle_wait(state: ClusterState, unavailable: Mapping[int, str], choice, el
 
 
 def select_dying_checkpoint(
-    ranks: Mapping[int, RankInfo], unavailable: Optional[Mapping[int, str]] = None
+    ranks: Mapping[int, RankInfo], unavailable: Optional[Mapping[int, str]] = None, verified: bool = False
 ) -> Union[DumpPlan, NoCompleteData]:
     """Choose the iteration and the savers of a dying checkpoint.
 
     A shard (tp_rank, pp_rank, shard_id) is held by ``replica_count`` ranks (one per
     optimizer instance). Picks the highest k such that every shard of every (tp, pp)
     has a usable holder (alive, answered STOP, no UCE, not in ``unavailable``) whose
-    authoritative status is UPDATED at exactly k. UPDATING holders are dirty.
+    authoritative status is UPDATED at exactly k. UPDATING holders are dirty. With
+    ``verified``, a holder that can verify must also be clean at k (see
+    :mod:`.integrity`: finite, and its shard and model digests are the trusted ones);
+    the plan then carries the trusted digests.
 
     Savers: the instance covering the most shards at k is preferred (ties: lowest
     instance id), so each rank saves at most one shard when possible; otherwise the
@@ -217,6 +236,7 @@ def select_dying_checkpoint(
     Args:
         ranks: rank -> RankInfo of every registered rank.
         unavailable: rank -> reason for ranks to exclude (e.g. heartbeat silence).
+        verified: apply the integrity rule (after the VERIFY round).
 
     Returns:
         DumpPlan, or NoCompleteData whose reason names a missing shard and its holders.
@@ -237,10 +257,21 @@ def select_dying_checkpoint(
         holders[key].append(info)
     usable = {k: [h for h in hs if _usable(h, unavailable)] for k, hs in holders.items()}
     candidates = sorted({h.iteration for hs in usable.values() for h in hs}, reverse=True)
+    first_failure: Optional[str] = None
     for k in candidates:
         at_k = {key: [h for h in hs if h.iteration == k] for key, hs in usable.items()}
-        if all(at_k.values()):
+        if not all(at_k.values()):
+            continue
+        if not verified:
             return _plan(k, at_k, n_shards)
+        verdict = integrity.screen(k, at_k)
+        clean = {key: [h for h in hs if verdict.eligible(h)] for key, hs in at_k.items()}
+        if all(clean.values()):
+            return _plan(k, clean, n_shards, verdict)
+        if first_failure is None:
+            first_failure = _untrustworthy(k, at_k, clean, verdict, holders, unavailable)
+    if first_failure is not None:
+        return NoCompleteData(first_failure)
     # explain: for the best candidate, name the first missing shard and its holders
     if not candidates:
         key = keys[0]
@@ -256,7 +287,22 @@ def select_dying_checkpoint(
     )
 
 
-def _plan(k: int, at_k: Dict[ShardKey, List[RankInfo]], n_shards: int) -> DumpPlan:
+def _untrustworthy(k: int, at_k: Mapping[ShardKey, List[RankInfo]], clean: Mapping[ShardKey, List[RankInfo]],
+                   verdict: "integrity.Verdict", holders: Mapping[ShardKey, List[RankInfo]],
+                   unavailable: Mapping[int, str]) -> str:
+    """Why iteration ``k`` has no trustworthy copy of some shard: the first such shard, its holders."""
+    key = next(key for key in sorted(clean) if not clean[key])
+    groups = [verdict.untrusted.get(("shard", key)), verdict.untrusted.get(("model", key[:2]))]
+    states = []
+    screened = {h.rank for h in at_k[key]} & set(verdict.suspect)
+    for h in sorted(holders[key], key=lambda h: h.rank):
+        states.append(verdict.suspect[h.rank] if h.rank in screened else _holder_state(h, unavailable))
+    return (f"no complete data: shard (tp={key[0]}, pp={key[1]}, shard={key[2]}) has no trustworthy copy at "
+            f"iteration {k}{''.join(f'; {g}' for g in groups if g)} (holders: {'; '.join(states)})")
+
+
+def _plan(k: int, at_k: Dict[ShardKey, List[RankInfo]], n_shards: int,
+          verdict: Optional["integrity.Verdict"] = None) -> DumpPlan:
     coverage: Dict[int, int] = {}
     for hs in at_k.values():
         for inst in {h.layout.instance_id for h in hs}:
@@ -272,6 +318,11 @@ def _plan(k: int, at_k: Dict[ShardKey, List[RankInfo]], n_shards: int) -> DumpPl
     assemblers = {mk: shard_savers[(mk[0], mk[1], 1 % n_shards)] for mk in model_keys}
     committer = model_savers[model_keys[0]]
     used = sorted(set(shard_savers.values()))
+    trusted = verdict.trusted if verdict is not None else {}
+    checked = ""
+    if verdict is not None:
+        checked = (f"; integrity: {len(verdict.clean)} clean ranks"
+                   + (f", excluded {dict(sorted(verdict.suspect.items()))}" if verdict.suspect else ""))
     return DumpPlan(
         iteration=k,
         shard_savers=shard_savers,
@@ -280,7 +331,9 @@ def _plan(k: int, at_k: Dict[ShardKey, List[RankInfo]], n_shards: int) -> DumpPl
         committer=committer,
         shards_per_instance=n_shards,
         reason=f"iteration {k}: every shard has a healthy holder UPDATED at {k}; "
-        f"{len(shard_savers)} shards saved by ranks {used} (instances preferred: {order})",
+        f"{len(shard_savers)} shards saved by ranks {used} (instances preferred: {order}){checked}",
+        shard_digests={key: trusted[("shard", key)] for key in shard_savers if ("shard", key) in trusted},
+        model_digests={mk: trusted[("model", mk)] for mk in model_keys if ("model", mk) in trusted},
     )
 
 
@@ -336,6 +389,35 @@ def _exit(state: ClusterState, gone: Mapping[int, str], code: int, reason: str) 
     return Decision(ActionKind.EXIT, reason, {"code": code, "reason": reason}, targets, Phase.EXITING)
 
 
+def _after_verify(now: float, state: ClusterState, config: HAConfig, gone: Mapping[int, str]) -> Decision:
+    """VERIFYING: wait for the integrity reports, then choose among clean holders only.
+
+    A target that fails, dies or stays silent past ``action_timeout_s`` is not fatal:
+    its copy is just not used.
+    """
+    pending = state.pending
+    if pending is None:
+        return _exit(state, gone, EXIT_FAULT_UNRECOVERABLE, "verifying without a pending action")
+    waiting = [t for t in pending.targets if t not in pending.results and t not in gone]
+    if waiting and now - pending.sent_at <= config.action_timeout_s:
+        return Decision(ActionKind.NOOP, f"verifying: waiting for ranks {waiting}")
+    unavailable = {int(r): str(why) for r, why in pending.params.get("unavailable", ())}
+    unavailable.update(gone)
+    for t in pending.targets:
+        if t not in pending.results:
+            unavailable.setdefault(t, f"no integrity report within {config.action_timeout_s} s")
+        elif not pending.results[t][0]:
+            unavailable.setdefault(t, f"verification failed: {pending.results[t][1]}")
+    choice = select_dying_checkpoint(state.ranks, unavailable, verified=True)
+    if isinstance(choice, NoCompleteData):
+        return _exit(state, gone, EXIT_NO_COMPLETE_DATA, choice.reason + "; nothing written")
+    if choice.iteration == 0:
+        return _exit(state, gone, EXIT_NO_COMPLETE_DATA,
+                     "no iteration has completed yet: nothing to save; nothing written")
+    save_dir = state.save_dir or config.save_dir
+    return Decision(ActionKind.DUMP, choice.reason, choice.to_params(save_dir), choice.savers(), Phase.DUMPING)
+
+
 def decide(now: float, state: ClusterState, config: HAConfig) -> Decision:
     """The controller's next step. Pure: reads ``state`` and ``config`` only.
 
@@ -388,8 +470,18 @@ def decide(now: float, state: ClusterState, config: HAConfig) -> Decision:
         if choice.iteration == 0:
             return _exit(state, gone, EXIT_NO_COMPLETE_DATA,
                          "no iteration has completed yet: nothing to save; nothing written")
+        verifiers = tuple(r for r, info in sorted(state.ranks.items())
+                          if info.verifies and _usable(info, unavailable))
+        if verifiers:
+            return Decision(ActionKind.VERIFY, f"iteration {choice.iteration} is complete; verifying the "
+                            f"integrity of every usable copy (ranks {list(verifiers)})",
+                            {"unavailable": [[r, why] for r, why in sorted(unavailable.items())]},
+                            verifiers, Phase.VERIFYING)
         return Decision(ActionKind.DUMP, choice.reason, choice.to_params(save_dir), choice.savers(),
                         Phase.DUMPING)
+
+    if phase is Phase.VERIFYING:
+        return _after_verify(now, state, config, gone)
 
     if phase in (Phase.DUMPING, Phase.ASSEMBLING, Phase.COMMITTING):
         pending = state.pending

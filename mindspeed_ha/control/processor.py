@@ -46,6 +46,7 @@ import zmq
 
 from mindspeed_ha.config import ENV_AUTH_KEY, ENV_CONNECT_TIMEOUT, ConfigError, HAConfig
 from mindspeed_ha.control import auth, wire
+from mindspeed_ha.control.integrity import IntegrityReport
 from mindspeed_ha.control.policy import ActionKind
 from mindspeed_ha.control.state import Layout, OptimizerStatus, RankState
 from mindspeed_ha.faults import (
@@ -301,8 +302,20 @@ class Processor:
                 self._cond.wait(left)
             return self._main_action
 
+    def report_integrity(self, report: IntegrityReport) -> None:
+        """Send the integrity of this rank's frozen state (from the VERIFY handler, so it
+        reaches the controller before that action's result)."""
+        with self._cond:
+            self._queue_locked(wire.Integrity(self.rank, int(report.iteration), bool(report.shard_ok),
+                                              str(report.shard_digest), bool(report.model_ok),
+                                              str(report.model_digest), str(report.detail)[:1000]))
+
     def on_action(self, kind: Union[str, ActionKind], handler: Handler) -> None:
-        """Register ``handler(params) -> (ok, detail)`` for ACTIONs of ``kind`` (action thread)."""
+        """Register ``handler(params) -> (ok, detail)`` for ACTIONs of ``kind`` (action thread).
+
+        A handler for VERIFY registered before :meth:`start` makes the rank announce that it
+        verifies its state (REGISTER), and the controller then waits for its report.
+        """
         with self._actions_cv:
             self._handlers[ActionKind(kind).value] = handler
 
@@ -330,8 +343,10 @@ class Processor:
 
     def _register_body(self) -> wire.Register:
         status, it = self.status()
+        with self._actions_cv:
+            verifies = ActionKind.VERIFY.value in self._handlers
         return wire.Register(self.rank, self.world_size, os.getpid(), socket.gethostname(), self.layout,
-                             self.save_dir, self.run_id, status.value, it)
+                             self.save_dir, self.run_id, status.value, it, verifies)
 
     def _flush_outbox(self) -> None:
         with self._cond:

@@ -16,8 +16,9 @@ checkpoint of that state is saved as.
 
 Job phase (``Phase``), driven by :func:`mindspeed_ha.control.policy.decide`::
 
-    RUNNING -> STOPPING -> DUMPING -> ASSEMBLING -> COMMITTING -> EXITING -> DONE
-    STOPPING / DUMPING / ASSEMBLING -> EXITING  (no save dir, no complete data, failure)
+    RUNNING -> STOPPING -> VERIFYING -> DUMPING -> ASSEMBLING -> COMMITTING -> EXITING -> DONE
+    STOPPING -> DUMPING  (no usable rank can verify its state: test doubles)
+    STOPPING / VERIFYING / DUMPING / ASSEMBLING -> EXITING  (no save dir, no complete data, failure)
     RUNNING -> EXITING (unrecoverable before a stop round), RUNNING -> DONE (all said goodbye)
 """
 
@@ -106,6 +107,7 @@ class Phase(str, enum.Enum):
 
     RUNNING = "running"
     STOPPING = "stopping"
+    VERIFYING = "verifying"
     DUMPING = "dumping"
     ASSEMBLING = "assembling"
     COMMITTING = "committing"
@@ -115,7 +117,8 @@ class Phase(str, enum.Enum):
 
 PHASE_MOVES: Dict[Phase, FrozenSet[Phase]] = {
     Phase.RUNNING: frozenset({Phase.STOPPING, Phase.EXITING, Phase.DONE}),
-    Phase.STOPPING: frozenset({Phase.DUMPING, Phase.EXITING}),
+    Phase.STOPPING: frozenset({Phase.VERIFYING, Phase.DUMPING, Phase.EXITING}),
+    Phase.VERIFYING: frozenset({Phase.DUMPING, Phase.EXITING}),
     Phase.DUMPING: frozenset({Phase.ASSEMBLING, Phase.EXITING}),
     Phase.ASSEMBLING: frozenset({Phase.COMMITTING, Phase.EXITING}),
     Phase.COMMITTING: frozenset({Phase.EXITING}),
@@ -180,6 +183,8 @@ class RankInfo:
     save_dir: Optional[str] = None
     failed_at: Optional[float] = None
     sender: str = ""
+    verifies: bool = False  # answers VERIFY with an integrity report (REGISTER)
+    integrity: Any = None  # integrity.IntegrityReport of the frozen state, once reported
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,7 +47,8 @@ from mindspeed_ha.control.state import Layout
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+#: 2: REGISTER says whether the rank verifies its state; INTEGRITY answers VERIFY
+SCHEMA_VERSION = 2
 TAG_BYTES = 32
 DEFAULT_MAX_BYTES = 1 << 20
 #: what CURVE adds to a frame on the wire (MESSAGE command, nonce, MAC: 33 bytes), rounded up
@@ -74,6 +75,7 @@ class MsgType(str, enum.Enum):
     STOPPED = "stopped"
     ACTION = "action"
     ACTION_RESULT = "action_result"
+    INTEGRITY = "integrity"
     GOODBYE = "goodbye"
 
 
@@ -91,6 +93,7 @@ class Register:
     run_id: str
     status: str = "unknown"
     iteration: int = -1
+    verifies: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +170,20 @@ class ActionResult:
 
 
 @dataclasses.dataclass(frozen=True)
+class Integrity:
+    """processor -> controller, before the ACTION_RESULT of VERIFY: the integrity of the
+    rank's frozen state at ``iteration`` (fields of :class:`~.integrity.IntegrityReport`)."""
+
+    rank: int
+    iteration: int
+    shard_ok: bool
+    shard_digest: str
+    model_ok: bool
+    model_digest: str
+    detail: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class Goodbye:
     """processor -> controller: the rank is exiting with ``exit_code``."""
 
@@ -184,6 +201,7 @@ BODY_TYPES: Dict[MsgType, Type[Any]] = {
     MsgType.STOPPED: Stopped,
     MsgType.ACTION: Action,
     MsgType.ACTION_RESULT: ActionResult,
+    MsgType.INTEGRITY: Integrity,
     MsgType.GOODBYE: Goodbye,
 }
 _TYPE_OF = {cls: t for t, cls in BODY_TYPES.items()}
@@ -425,6 +443,6 @@ __all__ = [
     "SCHEMA_VERSION", "MsgType", "Message", "Codec", "WireError", "new_sender", "configure_socket", "close_all",
     "endpoint",
     "Register", "Registered", "Heartbeat", "Status", "Fault", "Stop", "Stopped", "Action", "ActionResult",
-    "Goodbye", "BODY_TYPES", "Layout",
+    "Integrity", "Goodbye", "BODY_TYPES", "Layout",
 ]
 
