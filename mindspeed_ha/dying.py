@@ -35,12 +35,14 @@ Megatron-LM's names and file contents come from :mod:`mindspeed_ha.integrations.
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 import os
 import shutil
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+from mindspeed_ha.control.integrity import IntegrityReport
 from mindspeed_ha.integrations import megatron_lm as mlm
 
 log = logging.getLogger("mindspeed_ha.dying")
@@ -101,25 +103,26 @@ def _unwrap_distributed_optimizer(optimizer):
     return dist[0]
 
 
-def local_optimizer_shard(optimizer) -> Dict[str, Any]:
-    """This rank's distributed-optimizer shard as CPU fp32 tensors, per buffer and bucket.
+def _num_shards(opt) -> int:
+    import torch
 
-    Returns:
-        ``{"num_shards": c, "buffers": {gbuf_idx: {"numel_unpadded": int, "dtypes":
-        {dtype_key: [ {"gbuf_world_numel": int, "numel_unpadded": int, "param": T,
-        "exp_avg": T, "exp_avg_sq": T} per bucket ]}}}}`` where each ``T`` has shape
-        ``(gbuf_world_numel // c,)`` and ``c`` is the optimizer instance size.
+    group = opt.data_parallel_group
+    return group.size() if hasattr(group, "size") else torch.distributed.get_world_size(group)
+
+
+def _shard_buckets(opt, num_shards: int) -> Iterator[Tuple[int, int, Any, int, Dict[str, Any]]]:
+    """This rank's shard, one bucket at a time: ``(gbuf_idx, buffer numel_unpadded, dtype_key,
+    bucket_idx, {"param", "exp_avg", "exp_avg_sq": CPU fp32 T, "gbuf_world_numel",
+    "numel_unpadded"})`` (see :func:`local_optimizer_shard`).
+
+    Raises:
+        IntegrityError: a main param or state does not have the size of its shard range.
     """
     import torch
 
-    opt = _unwrap_distributed_optimizer(optimizer)
-    num_shards = opt.data_parallel_group.size() if hasattr(opt.data_parallel_group, "size") else \
-        torch.distributed.get_world_size(opt.data_parallel_group)
-    buffers: Dict[int, Any] = {}
     for gbuf_idx, gbuf_range_maps in enumerate(opt.gbuf_ranges):
-        dtypes = {}
+        buf_numel = opt.buffers[gbuf_idx].numel_unpadded
         for dtype_key, range_maps in gbuf_range_maps.items():
-            buckets = []
             for bucket_idx, range_map in enumerate(range_maps):
                 bucket = opt.buffers[gbuf_idx].buckets[bucket_idx]
                 world_numel = bucket.grad_data.numel()
@@ -129,13 +132,168 @@ def local_optimizer_shard(optimizer) -> Dict[str, Any]:
                     tensors = opt._get_main_param_and_optimizer_states(model_param)
                     lo, hi = param_range["gbuf_local"].start, param_range["gbuf_local"].end
                     for k in _STATE_KEYS:
-                        shard[k][lo:hi].copy_(tensors[k].detach().to("cpu", torch.float32))
+                        t = tensors[k]
+                        if t.numel() != hi - lo or not t.is_floating_point():
+                            raise IntegrityError(
+                                f"{k} of buffer {gbuf_idx} bucket {bucket_idx} [{lo}:{hi}]: {t.dtype} "
+                                f"{tuple(t.shape)}, expected {hi - lo} floating-point values")
+                        shard[k][lo:hi].copy_(t.detach().reshape(-1).to("cpu", torch.float32))
                 shard["gbuf_world_numel"] = world_numel
                 shard["numel_unpadded"] = bucket.numel_unpadded
-                buckets.append(shard)
-            dtypes[dtype_key] = buckets
-        buffers[gbuf_idx] = {"numel_unpadded": opt.buffers[gbuf_idx].numel_unpadded, "dtypes": dtypes}
+                yield gbuf_idx, buf_numel, dtype_key, bucket_idx, shard
+
+
+def local_optimizer_shard(optimizer) -> Dict[str, Any]:
+    """This rank's distributed-optimizer shard as CPU fp32 tensors, per buffer and bucket.
+
+    Returns:
+        ``{"num_shards": c, "buffers": {gbuf_idx: {"numel_unpadded": int, "dtypes":
+        {dtype_key: [ {"gbuf_world_numel": int, "numel_unpadded": int, "param": T,
+        "exp_avg": T, "exp_avg_sq": T} per bucket ]}}}}`` where each ``T`` has shape
+        ``(gbuf_world_numel // c,)`` and ``c`` is the optimizer instance size.
+    """
+    opt = _unwrap_distributed_optimizer(optimizer)
+    num_shards = _num_shards(opt)
+    buffers: Dict[int, Any] = {}
+    for gbuf_idx, buf_numel, dtype_key, _, shard in _shard_buckets(opt, num_shards):
+        buf = buffers.setdefault(gbuf_idx, {"numel_unpadded": buf_numel, "dtypes": {}})
+        buf["dtypes"].setdefault(dtype_key, []).append(shard)
     return {"num_shards": num_shards, "buffers": buffers}
+
+
+# ---- integrity: the digests the policy compares (control.integrity) -------------------
+class IntegrityError(RuntimeError):
+    """A part of the state is not what was verified: wrong layout, or its digest changed."""
+
+
+class _Digest:
+    """blake2b over names, dtypes, shapes and bytes, in a fixed order; counts non-finite values."""
+
+    def __init__(self):
+        self._h = hashlib.blake2b(digest_size=16)
+        self.problems: List[str] = []
+
+    def meta(self, text: str) -> None:
+        self._h.update(text.encode() + b"\0")
+
+    def tensor(self, name: str, t) -> None:
+        import torch
+
+        t = t.detach()
+        self.meta(f"{name}|{t.dtype}|{tuple(t.shape)}")
+        if t.is_floating_point() and t.numel():
+            finite = torch.isfinite(t)
+            if not bool(finite.all()):
+                bad = int(t.numel() - finite.sum())
+                self.problems.append(f"{name}: {bad} of {t.numel()} values not finite")
+        flat = t.reshape(-1).contiguous().cpu()
+        if flat.dtype is torch.bool:
+            flat = flat.to(torch.uint8)
+        self._h.update(flat.view(torch.uint8).numpy())
+
+    def value(self, name: str, v: Any) -> None:
+        if hasattr(v, "detach"):
+            self.tensor(name, v)
+        elif isinstance(v, dict):
+            for k in sorted(v, key=repr):
+                self.value(f"{name}.{k!r}", v[k])
+        elif isinstance(v, (list, tuple)):
+            self.meta(f"{name}|len={len(v)}")
+            for i, item in enumerate(v):
+                self.value(f"{name}[{i}]", item)
+        else:
+            self.meta(f"{name}={v!r}")
+
+    def result(self) -> Tuple[bool, str, str]:
+        """``(ok, hex digest, problems)``."""
+        return not self.problems, self._h.hexdigest(), "; ".join(self.problems[:5])
+
+
+def _digest_shard_buckets(num_shards: int, buckets) -> Tuple[bool, str, str]:
+    d = _Digest()
+    d.meta(f"num_shards={num_shards}")
+    for gbuf_idx, buf_numel, dtype_key, bucket_idx, b in buckets:
+        name = f"buffer {gbuf_idx} ({buf_numel}) {dtype_key} bucket {bucket_idx}"
+        d.meta(f"{name}|{b['gbuf_world_numel']}|{b['numel_unpadded']}")
+        for k in _STATE_KEYS:
+            d.tensor(f"{k} of {name}", b[k])
+    return d.result()
+
+
+def shard_file_digest(shard: Dict[str, Any]) -> Tuple[bool, str, str]:
+    """Digest of a shard as :func:`local_optimizer_shard` returns it (or as a shard file holds it)."""
+    items = ((g, buf["numel_unpadded"], dk, i, b) for g, buf in sorted(shard["buffers"].items())
+             for dk, buckets in buf["dtypes"].items() for i, b in enumerate(buckets))
+    return _digest_shard_buckets(shard["num_shards"], items)
+
+
+def _model_chunk_keys(n: int) -> List[str]:
+    return ["model"] if n == 1 else [f"model{i}" for i in range(n)]
+
+
+def _param_names(ctx: "DyingContext") -> Dict[str, List[str]]:
+    chunks = mlm.unwrap_model(ctx.model)
+    chunks = chunks if isinstance(chunks, list) else [chunks]
+    return {key: sorted(name for name, _ in chunk.named_parameters())
+            for key, chunk in zip(_model_chunk_keys(len(chunks)), chunks)}
+
+
+def _digest_params(items) -> Tuple[bool, str, str]:
+    d = _Digest()
+    for name, t in items:
+        d.tensor(name, t)
+    return d.result()
+
+
+def model_state_digest(state: Dict[str, Any], names: Dict[str, List[str]]) -> Tuple[bool, str, str]:
+    """Digest of the model parameters ``names`` (chunk key -> names) in a ``model_optim_rng.pt`` state."""
+    return _digest_params((f"{key}.{n}", state[key][n]) for key, ns in names.items() for n in ns)
+
+
+def _live_model_digest(ctx: "DyingContext") -> Tuple[bool, str, str]:
+    chunks = mlm.unwrap_model(ctx.model)
+    chunks = chunks if isinstance(chunks, list) else [chunks]
+    params = {key: dict(chunk.named_parameters()) for key, chunk in zip(_model_chunk_keys(len(chunks)), chunks)}
+    return _digest_params((f"{key}.{n}", ps[n]) for key, ps in params.items() for n in sorted(ps))
+
+
+def _live_shard_digest(ctx: "DyingContext") -> Tuple[bool, str, str]:
+    """The optimizer part: the distributed optimizer's shard, else the whole optimizer state
+    (a non-distributed optimizer, saved inside ``model_optim_rng.pt``); "" without optimizer."""
+    opt = _unwrap_distributed_optimizer(ctx.optimizer)
+    if opt is not None:
+        num_shards = _num_shards(opt)
+        return _digest_shard_buckets(num_shards, _shard_buckets(opt, num_shards))
+    if ctx.optimizer is None or getattr(ctx.args, "no_save_optim", False):
+        return True, "", ""
+    d = _Digest()
+    d.value("optimizer", ctx.optimizer.state_dict())
+    return d.result()
+
+
+def verify_state(ctx: "DyingContext", iteration: int) -> IntegrityReport:
+    """The integrity of this rank's (frozen) state at ``iteration``: see :mod:`.control.integrity`.
+
+    Reads every byte of the optimizer shard and of the model parameters once (copied to
+    the CPU one bucket / one tensor at a time); called only after a fault, never per
+    iteration. A layout error makes the part not ok instead of raising.
+    """
+    parts = {}
+    for part, fn in (("shard", _live_shard_digest), ("model", _live_model_digest)):
+        try:
+            parts[part] = fn(ctx)
+        except IntegrityError as exc:
+            parts[part] = (False, "", str(exc))
+    detail = "; ".join(f"{part}: {p[2]}" for part, p in parts.items() if p[2])
+    return IntegrityReport(iteration, parts["shard"][0], parts["shard"][1], parts["model"][0],
+                           parts["model"][1], detail)
+
+
+def _expect(what: str, got: Tuple[bool, str, str], trusted: str) -> None:
+    ok, digest, problems = got
+    if not ok or digest != trusted:
+        raise IntegrityError(f"{what}: digest {digest[:12]} != trusted {trusted[:12]}"
+                             f"{f' ({problems})' if problems else ''}; the state changed after verification")
 
 
 def assemble_dp_zero(shards: List[Dict[str, Any]]) -> Dict[Any, Any]:
@@ -217,24 +375,37 @@ def _model_state(ctx: DyingContext, iteration: int, snapshot: IterationSnapshot,
 
 
 def dump(ctx: DyingContext, iteration: int, snapshot: Optional[IterationSnapshot],
-         write_shard: bool, write_model: bool) -> str:
+         write_shard: bool, write_model: bool, shard_digest: str = "", model_digest: str = "") -> str:
     """Phase 1 on one rank. Returns a one-line description of what was written.
+
+    ``shard_digest`` / ``model_digest``: the digests the policy trusted for this rank's
+    shard / model (DumpPlan; "" = not verified). What was written is read back and must
+    have them (``torch_dist``: the state in memory is checked before it is written).
 
     Raises:
         RuntimeError: this rank has no snapshot for ``iteration`` (its state moved on).
+        IntegrityError: what was written is not what was verified (the caller's action
+            fails: EXIT 77, nothing published).
     """
     save = ctx.args.save
     if snapshot is None or snapshot.iteration != iteration:
         have = None if snapshot is None else snapshot.iteration
         raise RuntimeError(f"no consistent state for iteration {iteration} (snapshot at {have})")
     if checkpoint_format(ctx.args) == "torch_dist":
+        if write_shard and shard_digest:
+            _expect("optimizer shard in memory", _live_shard_digest(ctx), shard_digest)
+        if write_model and model_digest:
+            _expect("model parameters in memory", _live_model_digest(ctx), model_digest)
         return _dump_torch_dist(ctx, iteration, snapshot, write_shard, write_model)
     written = []
-    if write_shard and _unwrap_distributed_optimizer(ctx.optimizer) is not None:
+    distributed = _unwrap_distributed_optimizer(ctx.optimizer) is not None
+    if write_shard and distributed:
         path = shard_path(save, iteration, ctx.tp_rank, ctx.pp_rank, ctx.shard_id)
         shard = local_optimizer_shard(ctx.optimizer)
         shard["iteration"] = iteration
         _atomic_torch_save(shard, path)
+        if shard_digest:
+            _expect(f"written {os.path.basename(path)}", shard_file_digest(_load(path)), shard_digest)
         written.append(os.path.basename(path))
     if write_model:
         path = mlm.get_checkpoint_name(
@@ -242,8 +413,24 @@ def dump(ctx: DyingContext, iteration: int, snapshot: Optional[IterationSnapshot
             pipeline_parallel=ctx.pp_size > 1, tensor_rank=ctx.tp_rank, pipeline_rank=ctx.pp_rank,
         )
         _atomic_torch_save(_model_state(ctx, iteration, snapshot), path)
-        written.append(os.path.relpath(path, staging_root(save, iteration)))
+        rel = os.path.relpath(path, staging_root(save, iteration))
+        if model_digest or (shard_digest and not distributed):
+            state = _load(path)
+            if model_digest:
+                _expect(f"model parameters in written {rel}", model_state_digest(state, _param_names(ctx)),
+                        model_digest)
+            if shard_digest and not distributed and "optimizer" in state:
+                d = _Digest()
+                d.value("optimizer", state["optimizer"])
+                _expect(f"optimizer state in written {rel}", d.result(), shard_digest)
+        written.append(rel)
     return ", ".join(written) or "nothing"
+
+
+def _load(path: str) -> Dict[str, Any]:
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=False)
 
 
 def parts_root(save_dir: str, iteration: int) -> str:
@@ -285,7 +472,6 @@ def assemble(ctx: DyingContext, iteration: int) -> str:
     ``torch_dist`` parts are merged by :func:`commit`)."""
     if checkpoint_format(ctx.args) == "torch_dist":
         return "torch_dist: parts are merged at commit"
-    import torch
     opt = _unwrap_distributed_optimizer(ctx.optimizer)
     if opt is None:
         return "no distributed optimizer: nothing to assemble"
@@ -294,7 +480,7 @@ def assemble(ctx: DyingContext, iteration: int) -> str:
     shards = []
     for j in range(c):
         path = shard_path(save, iteration, ctx.tp_rank, ctx.pp_rank, j)
-        shard = torch.load(path, map_location="cpu", weights_only=False)
+        shard = _load(path)
         if shard.get("iteration") != iteration:
             raise RuntimeError(f"{path}: shard is for iteration {shard.get('iteration')}, expected {iteration}")
         shards.append(shard)

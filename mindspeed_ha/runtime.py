@@ -205,7 +205,8 @@ class HARuntime:
 
         self.processor = Processor(config, self.rank, self.layout, getattr(self.args, "save", None),
                                    world_size=dist.get_world_size(), exit_handler=self._on_exit)
-        for kind, fn in (("dump", self._on_dump), ("assemble", self._on_assemble), ("commit", self._on_commit)):
+        for kind, fn in (("verify", self._on_verify), ("dump", self._on_dump), ("assemble", self._on_assemble),
+                         ("commit", self._on_commit)):
             self.processor.on_action(kind, fn)
         self.processor.start()
         _install_exit_hooks()
@@ -239,7 +240,7 @@ class HARuntime:
         if self._update_depth == 1:
             if self.processor is not None:
                 self.processor.begin_update(self.current)
-            self.injector.fire("optimizer", self.current)
+            self.injector.fire("optimizer", self.current, self.ctx)
 
     def end_update(self) -> None:
         self._update_depth -= 1
@@ -260,7 +261,7 @@ class HARuntime:
                 self.processor.end_update(k)
         self.snapshot.rerun_state = megatron_lm.capture_rerun_state()  # as a regular save sees it
         self.completed = k
-        self.injector.fire("between", k)
+        self.injector.fire("between", k, self.ctx)
 
     def _take_snapshot(self, iteration: int) -> None:
         self.snapshot = dying.IterationSnapshot(iteration, megatron_lm.collect_rng_state(),
@@ -283,12 +284,35 @@ class HARuntime:
         plan = DumpPlan.from_params(params)
         return plan, plan.roles(self.rank)
 
+    def _on_verify(self, params: dict):
+        """VERIFY: report the integrity of the frozen state (digests, finiteness) to the controller.
+
+        Runs once per fault, in the action thread, while this rank is frozen at UPDATED(k):
+        no optimizer update can start, so the state hashed is the state a dump would write.
+        """
+        from mindspeed_ha.control.state import OptimizerStatus
+
+        status, k = self.processor.status()
+        if status is not OptimizerStatus.UPDATED or not self.processor.frozen:
+            return False, f"rank {self.rank}: not frozen at a completed update ({status.value}@{k})"
+        if self.ctx is None or self.snapshot is None or self.snapshot.iteration != k:
+            return False, f"rank {self.rank}: no consistent state for iteration {k}"
+        report = dying.verify_state(self.ctx, k)
+        self.processor.report_integrity(report)
+        verdict = "ok" if report.shard_ok and report.model_ok else f"CORRUPT ({report.detail})"
+        return True, (f"rank {self.rank}: iteration {k} {verdict}, shard {report.shard_digest[:12] or '-'}, "
+                      f"model {report.model_digest[:12]}")
+
     def _on_dump(self, params: dict):
         plan, roles = self._roles(params)
         self.staged = plan.iteration  # before the first write: a failure below is cleaned up too
-        self.injector.fire("dying", plan.iteration)
+        self.injector.fire("dying", plan.iteration, self.ctx)
+        shard_key = (self.layout.tp_rank, self.layout.pp_rank, self.layout.shard_id) if self.layout else None
+        model_key = shard_key[:2] if shard_key else None
         detail = dying.dump(self.ctx, plan.iteration, self.snapshot,
-                            write_shard=bool(roles["shards"]), write_model=bool(roles["models"]))
+                            write_shard=bool(roles["shards"]), write_model=bool(roles["models"]),
+                            shard_digest=plan.shard_digests.get(shard_key, "") if roles["shards"] else "",
+                            model_digest=plan.model_digests.get(model_key, "") if roles["models"] else "")
         return True, f"rank {self.rank}: {detail}"
 
     def _on_assemble(self, params: dict):

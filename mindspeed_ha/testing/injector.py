@@ -14,7 +14,17 @@ Points (where in iteration ``k`` the fault fires):
 Faults: ``kill`` (SIGKILL to itself: the process vanishes, nothing runs after),
 ``raise`` (raise :class:`InjectedFault`, a RuntimeError carrying a gloo-like message),
 ``stop`` (SIGSTOP to itself: a hang; every thread stops, heartbeats included, the
-process and its connections stay; it goes on only if someone sends SIGCONT).
+process and its connections stay; it goes on only if someone sends SIGCONT),
+``corrupt`` (silent data corruption of this rank's state, then training goes on; only at
+the points the runtime fires with its state: ``optimizer``, ``between``, ``dying``)::
+
+    MINDSPEED_HA_INJECT="rank=0,iteration=2,point=between,fault=corrupt,what=exp_avg,how=bitflip"
+
+``what``: ``param`` (a model parameter), ``main_param`` / ``exp_avg`` / ``exp_avg_sq`` (the
+fp32 main parameter / Adam state of the first parameter this rank's distributed-optimizer
+shard holds); ``how``: ``nan`` (one value becomes NaN, default) or ``bitflip`` (the lowest
+bit of one value flips: still finite, only a checksum sees it). The value changed is the
+first element of the tensor.
 Several specs may be joined with ``;``.
 """
 
@@ -23,12 +33,15 @@ from __future__ import annotations
 import os
 import signal
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Any, List, Optional
 
 ENV = "MINDSPEED_HA_INJECT"
 ENV_LOG = "MINDSPEED_HA_INJECT_LOG"  # optional: append a JSON line per fired fault
 POINTS = ("forward", "backward", "grad_sync", "optimizer", "between", "dying")
-FAULTS = ("kill", "raise", "stop")
+FAULTS = ("kill", "raise", "stop", "corrupt")
+CORRUPT_WHAT = ("param", "main_param", "exp_avg", "exp_avg_sq")
+CORRUPT_HOW = ("nan", "bitflip")
+CORRUPT_POINTS = ("optimizer", "between", "dying")  # fired by the runtime, with its state
 
 
 class InjectedFault(RuntimeError):
@@ -41,6 +54,8 @@ class FaultSpec:
     iteration: int
     point: str
     fault: str = "kill"
+    what: str = ""
+    how: str = ""
 
     @classmethod
     def parse(cls, text: str) -> "FaultSpec":
@@ -57,9 +72,10 @@ class FaultSpec:
             if not sep:
                 raise ValueError(f"{ENV}: expected key=value, got {item!r}")
             fields[key.strip()] = value.strip()
-        unknown = set(fields) - {"rank", "iteration", "point", "fault"}
+        unknown = set(fields) - {"rank", "iteration", "point", "fault", "what", "how"}
         if unknown:
-            raise ValueError(f"{ENV}: unknown field(s) {sorted(unknown)}; accepted: rank, iteration, point, fault")
+            raise ValueError(f"{ENV}: unknown field(s) {sorted(unknown)}; accepted: rank, iteration, point, "
+                             "fault, what, how")
         try:
             rank, iteration = int(fields["rank"]), int(fields["iteration"])
         except KeyError as exc:
@@ -73,7 +89,19 @@ class FaultSpec:
             raise ValueError(f"{ENV}: fault={fault!r} not in {FAULTS}")
         if rank < 0 or iteration < 1:
             raise ValueError(f"{ENV}: rank must be >= 0 and iteration >= 1, got {text!r}")
-        return cls(rank, iteration, point, fault)
+        what, how = fields.get("what", ""), fields.get("how", "")
+        if fault != "corrupt":
+            if what or how:
+                raise ValueError(f"{ENV}: what= and how= go with fault=corrupt only, got {text!r}")
+            return cls(rank, iteration, point, fault)
+        how = how or "nan"
+        if what not in CORRUPT_WHAT:
+            raise ValueError(f"{ENV}: fault=corrupt needs what= one of {CORRUPT_WHAT}, got {what!r}")
+        if how not in CORRUPT_HOW:
+            raise ValueError(f"{ENV}: how={how!r} not in {CORRUPT_HOW}")
+        if point not in CORRUPT_POINTS:
+            raise ValueError(f"{ENV}: fault=corrupt fires only at points {CORRUPT_POINTS}, got {point!r}")
+        return cls(rank, iteration, point, fault, what, how)
 
 
 def parse_env(value: Optional[str]) -> List[FaultSpec]:
@@ -99,11 +127,18 @@ class Injector:
                 return s
         return None
 
-    def fire(self, point: str, iteration: int) -> None:
+    def fire(self, point: str, iteration: int, target: Any = None) -> None:
+        """Fire the fault armed for ``point`` of ``iteration``, if any.
+
+        ``target``: the rank's state (an object with ``model`` and ``optimizer``, e.g. the
+        runtime's ``DyingContext``), needed by ``fault=corrupt``.
+        """
         spec = self.armed(point, iteration)
         if spec is None:
             return
         msg = f"mindspeed-ha injector: {spec.fault} rank {self.rank} at {point} of iteration {iteration}"
+        if spec.fault == "corrupt":
+            msg += f": {corrupt(target, spec.what, spec.how)}"
         print(msg, flush=True)
         log_path = os.environ.get(ENV_LOG)
         if log_path:  # when it happened, for recovery-time measurements (wall clock, seconds)
@@ -118,4 +153,45 @@ class Injector:
         if spec.fault == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
             return  # continued (SIGCONT): the hang is over
+        if spec.fault == "corrupt":
+            return  # silent: training goes on with the corrupted state
         raise InjectedFault(f"{msg} (Connection closed by peer [injected])")
+
+
+def _target_tensor(target: Any, what: str):
+    """The tensor ``what`` names in ``target``'s model / optimizer (see the module docstring)."""
+    if target is None:
+        raise RuntimeError("fault=corrupt: no model/optimizer to corrupt yet (fires after the first train_step)")
+    from mindspeed_ha.integrations import megatron_lm
+
+    chunks = megatron_lm.unwrap_model(target.model)
+    chunks = chunks if isinstance(chunks, list) else [chunks]
+    params = [p for chunk in chunks for _, p in sorted(chunk.named_parameters())]
+    if what == "param":
+        return params[0]
+    from mindspeed_ha.dying import _unwrap_distributed_optimizer
+
+    opt = _unwrap_distributed_optimizer(target.optimizer)
+    if opt is None:
+        raise RuntimeError(f"fault=corrupt,what={what} needs the distributed optimizer")
+    key = "param" if what == "main_param" else what
+    for p in params:
+        if p in opt.model_param_group_index_map:
+            return opt._get_main_param_and_optimizer_states(p)[key]
+    raise RuntimeError(f"fault=corrupt,what={what}: this rank's shard holds no parameter")
+
+
+def corrupt(target: Any, what: str, how: str) -> str:
+    """Corrupt the first element of the tensor ``what`` of ``target`` in place; describe it."""
+    import torch
+
+    t = _target_tensor(target, what)
+    flat = t.data.view(-1)
+    before = float(flat[0])
+    with torch.no_grad():
+        if how == "nan":
+            flat[0] = float("nan")
+        else:
+            ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+            flat[:1].view(ints).bitwise_xor_(1)
+    return f"{what} {tuple(t.shape)} {t.dtype}: element 0 {before!r} -> {float(flat[0])!r} ({how})"
