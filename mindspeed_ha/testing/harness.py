@@ -108,6 +108,12 @@ def tiny_gpt_args(tp: int = 1, pp: int = 1, train_iters: int = 8, **overrides) -
         "pipeline_model_parallel_size": pp, "use_distributed_optimizer": True, "log_interval": 1,
     }
     flags.update(overrides)
+    return flags_to_argv(flags)
+
+
+def flags_to_argv(flags: Mapping[str, object]) -> List[str]:
+    """``{flag_name: value}`` -> argv: underscores become dashes, ``True`` is a bare
+    switch, ``False``/``None`` drop the flag."""
     out: List[str] = []
     for name, value in flags.items():
         if value is None or value is False:

@@ -19,7 +19,7 @@ import sys
 import tarfile
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from .harness import RunResult, launch, launcher_command
+from .harness import RunResult, flags_to_argv, launch, launcher_command
 
 
 def unpack(tarball: str, dest: str) -> str:
@@ -77,14 +77,7 @@ def stock_gpt_args(tp: int = 1, pp: int = 1, train_iters: int = 8, ckpt_format: 
         flags.update(data_path=data_prefix, split="98,2,0", tokenizer_type="GPTSentencePieceTokenizer",
                      tokenizer_model=tokenizer_model)
     flags.update(overrides)
-    out: List[str] = []
-    for name, value in flags.items():
-        if value is None or value is False:
-            continue
-        out.append("--" + name.replace("_", "-"))
-        if value is not True:
-            out.append(str(value))
-    return out
+    return flags_to_argv(flags)
 
 
 def stock_env(extra: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
