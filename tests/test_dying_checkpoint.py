@@ -1,7 +1,8 @@
 """The dying checkpoint end to end: real megatron-core on 4 gloo ranks, a rank SIGKILLed.
 
 Standard of proof, for every (killed rank, kill point) of the matrix: the job exits with
-EXIT_DYING_CHECKPOINT_SAVED, the checkpoint holds every iteration completed before the
+EXIT_DYING_CHECKPOINT_SAVED, every usable copy was verified and none was found corrupt
+(healthy replicas agree bit for bit), the checkpoint holds every iteration completed before the
 fault (no step lost), and it is bit for bit the checkpoint an uninterrupted run saves at
 the same iteration (model, optimizer shards, scheduler, RNG). For one kill point per
 target the job is also resumed with ``--load`` and the resumed per-iteration losses must
@@ -76,6 +77,8 @@ def test_kill_rank_dying_checkpoint(tmp_path, baselines, name, layout, rank, poi
     assert k is not None and k >= completed, f"steps lost: checkpoint {k}, completed {completed}"
     assert k <= KILL_AT
     assert not [d for d in os.listdir(save) if d.startswith(".")], "staging left behind"
+    log = faulty.stdout + faulty.stderr
+    assert "integrity at iteration" in log and "CORRUPT" not in log, "replicas verified, none excluded"
     base_losses, base_save = baselines[layout]
     for it, loss in faulty.losses.items():
         assert loss == base_losses[it], f"iteration {it} before the fault differs"

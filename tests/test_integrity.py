@@ -90,6 +90,83 @@ def test_corrupt_spec():
             FaultSpec.parse(bad)
 
 
+def test_integrity_wire_round_trip():
+    from mindspeed_ha.control import wire
+    from mindspeed_ha.control.state import Layout
+
+    tx, rx = wire.Codec(b"k" * 32, "rank-0-a"), wire.Codec(b"k" * 32, "controller-b")
+    for body in (wire.Integrity(3, 7, False, "ab" * 16, True, "cd" * 16, "exp_avg: 1 of 4 values not finite"),
+                 wire.Register(0, 4, 1, "h", Layout(), "/s", "run", "updated", 2, True)):
+        assert rx.decode(tx.encode(body)).body == body
+
+
+def test_control_plane_verify_round_excludes_the_corrupt_rank():
+    """Controller + 4 processors over real ZeroMQ (TP1 PP1 DP4, N=2: shard s on ranks s and
+    s+2). Each rank answers VERIFY with a report; rank 0's shard is NaN; rank 3 vanishes.
+    Shard 0 must be saved by rank 2, with the trusted digests in the DUMP."""
+    import contextlib
+    import threading
+
+    from mindspeed_ha.config import HAConfig
+    from mindspeed_ha.control.controller import Controller
+    from mindspeed_ha.control.integrity import IntegrityReport
+    from mindspeed_ha.control.policy import ActionKind, DumpPlan
+    from mindspeed_ha.control.processor import Processor
+    from mindspeed_ha.control.state import Layout
+
+    cfg = HAConfig(enabled=True, distributed_optimizer=True, replica_count=2, auth_key=b"t" * 32,
+                   controller_addr="127.0.0.1", heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0,
+                   stop_timeout_s=5.0, action_timeout_s=10.0, connect_timeout_s=5.0, save_dir=None)
+    calls, exits, lock = {"verify": [], "dump": []}, {}, threading.Lock()
+    with contextlib.ExitStack() as stack:
+        ctl = Controller(cfg, 4, "127.0.0.1", 0, tick_s=0.01).start()
+        stack.callback(ctl.stop)
+        procs = []
+        for r in range(4):
+            lay = Layout(dp_rank=r, dp_size=4, replica_count=2, instance_id=r // 2, shard_id=r % 2)
+            p = Processor(cfg, r, lay, "/save", port=ctl.port, exit_handler=lambda c, why, r=r: exits.setdefault(r, c))
+
+            def verify(params, r=r, p=p):
+                status, k = p.status()
+                p.report_integrity(IntegrityReport(k, r != 0, f"shard{r % 2}", True, "model"))
+                with lock:
+                    calls["verify"].append(r)
+                return True, "verified"
+
+            def record(kind, r=r):
+                def handle(params):
+                    with lock:
+                        calls.setdefault(kind, []).append((r, params))
+                    return True, kind
+                return handle
+
+            p.on_action("verify", verify)
+            for kind in ("dump", "assemble", "commit"):
+                p.on_action(kind, record(kind))
+            stack.callback(p.close, None)
+            procs.append(p.start())
+        assert all(ctl.state.ranks[r].verifies for r in range(4))
+        for p in procs:
+            p.begin_update(1)
+            p.end_update(1)
+        procs[3].close(None)  # vanishes: connection closed
+        out = ctl.wait_done(15)
+        assert out is not None and out.exit_code == 75, out
+        assert [e.action for e in out.events][:3] == [ActionKind.STOP_ALL, ActionKind.VERIFY, ActionKind.DUMP]
+        assert sorted(calls["verify"]) == [0, 1, 2] and "verify" in out.timings
+        plan = out.plan
+        assert plan.shard_savers == {(0, 0, 0): 2, (0, 0, 1): 1} and 0 not in plan.savers()
+        assert plan.shard_digests == {(0, 0, 0): "shard0", (0, 0, 1): "shard1"} and plan.model_digests == {
+            (0, 0): "model"}
+        assert all(DumpPlan.from_params(params) == plan for _, params in calls["dump"])
+        for r in (0, 1, 2):
+            for _ in range(500):
+                if r in exits:
+                    break
+                threading.Event().wait(0.01)
+            assert exits.get(r) == 75
+
+
 # --------------------------------------------------------------------------- end to end
 def _args(layout, *extra):
     return tiny_gpt_args(train_iters=ITERS, **LAYOUTS[layout]) + [
