@@ -20,9 +20,20 @@ from mindspeed_ha import faults
 from mindspeed_ha.testing import megatron_lm as mlm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TARBALL = os.environ.get("MINDSPEED_HA_MEGATRON_LM_TARBALL") or os.path.join(
-    REPO, "..", "shared", "third_party", "Megatron-LM-core_v0.12.1.tar.gz")
-CORPUS = os.path.join(REPO, "..", "shared", "data", "tinyshakespeare.txt")
+
+
+def _shared(*parts):
+    """A file of the project's shared/ folder, beside the checkout (or its parent)."""
+    for base in (os.path.join(REPO, ".."), os.path.join(REPO, "..", "..")):
+        path = os.path.join(base, "shared", *parts)
+        if os.path.exists(path):
+            return os.path.abspath(path)
+    return os.path.join(REPO, "..", "shared", *parts)
+
+
+TARBALL = os.environ.get("MINDSPEED_HA_MEGATRON_LM_TARBALL") or _shared(
+    "third_party", "Megatron-LM-core_v0.12.1.tar.gz")
+CORPUS = _shared("data", "tinyshakespeare.txt")
 ITERS = 8
 KILL_AT = 6
 LAYOUTS = {"pp2": (1, 2), "tp2": (2, 1)}  # (TP, PP) on 4 ranks: DP 2, 2 optimizer replicas
