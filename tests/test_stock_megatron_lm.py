@@ -54,12 +54,12 @@ def real_data(tree, tmp_path_factory):
     return mlm.build_indexed_dataset(tree["root"], CORPUS, str(tmp_path_factory.mktemp("indexed")))
 
 
-def _args(layout, fmt="torch", data=None, ha=True, **overrides):
+def _args(layout, fmt="torch", data=None, ha=True, iters=ITERS, **overrides):
     tp, pp = LAYOUTS[layout]
     extra = dict(data or {})
     if ha:
         overrides.update(enable_high_availability=True, ha_controller_port=0)
-    return mlm.stock_gpt_args(tp=tp, pp=pp, train_iters=ITERS, ckpt_format=fmt, **extra, **overrides)
+    return mlm.stock_gpt_args(tp=tp, pp=pp, train_iters=iters, ckpt_format=fmt, **extra, **overrides)
 
 
 def _run(tree, args, env=None):
@@ -171,6 +171,32 @@ def test_regular_save_resumes_bitwise_and_the_subtle_patches_are_needed(tree, ba
             assert resumed == {k: base[k] for k in range(5, ITERS + 1)}
         else:
             assert resumed != {k: base[k] for k in range(5, ITERS + 1)}, disabled
+
+
+#: CPU-backend patches of megatron/training and what breaks without each (the dataset-helper
+#: and fused-kernel patches are proven by the tree-hash test: without them Megatron builds
+#: inside the tree; cpu.dataloader_rng by the resume test above).
+NEEDED_AT_START = ["cpu.mlm_initialize", "cpu.mlm_init_distributed", "cpu.torch_device_count",
+                   "cpu.mlm_set_random_seed", "cpu.torch_set_device", "cpu.mlm_pretrain",
+                   "cpu.mlm_compile_dependencies"]
+
+
+@pytest.mark.parametrize("patch", ["none"] + NEEDED_AT_START)
+def test_each_cpu_training_patch_is_needed(tree, patch):
+    """Without the patch, stock pretrain_gpt.py cannot train two iterations on CPU (control:
+    with every patch it does, with the same arguments)."""
+    r = _run(tree, _args("pp2", ha=False, iters=2, lr_warmup_iters=0),
+             env={"MINDSPEED_HA_DISABLE_PATCHES": patch})
+    if patch == "none":
+        assert r.returncode == 0 and 2 in r.losses, r.stderr[-4000:]
+    else:
+        assert r.returncode != 0 and 2 not in r.losses, (patch, r.losses)
+
+
+def test_nccl_on_cpu_is_refused_naming_the_flag(tree):
+    r = _run(tree, _args("pp2", ha=False, iters=2, lr_warmup_iters=0, distributed_backend="nccl"))
+    assert r.returncode != 0
+    assert "--distributed-backend nccl" in r.stderr + r.stdout
 
 
 def _free_port():
