@@ -1,0 +1,77 @@
+#!/usr/bin/env python
+"""Dying checkpoint write rate against the disk's sequential rate, in one run.
+
+Stock Megatron-LM ``pretrain_gpt.py`` (4 gloo ranks, TP1 PP2 DP2, 2 optimizer replicas,
+hidden ``--hidden-size``: ~240 MB of checkpoint at 512) is killed in backward of
+iteration 2; the controller's report gives the save phase (DUMP sent -> EXIT sent: shard
+and model files, assembly or merge, validation, rename, tracker). Right after, ``dd
+if=/dev/zero bs=4M conv=fsync`` writes the same number of bytes to the same directory.
+Prints, per ``--ckpt-format``: checkpoint bytes, save seconds, MB/s, dd MB/s, and the ratio.
+
+    python scripts/bench_dying_write.py [--megatron-lm DIR | --tarball FILE] [--hidden-size 512]
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_TARBALL = os.path.join(HERE, "..", "..", "shared", "third_party", "Megatron-LM-core_v0.12.1.tar.gz")
+
+
+def _dir_bytes(path):
+    return sum(os.path.getsize(os.path.join(b, f)) for b, _, files in os.walk(path) for f in files)
+
+
+def _dd_rate(directory, nbytes):
+    target = os.path.join(directory, "dd.bin")
+    count = max(1, nbytes // (4 << 20))
+    start = time.perf_counter()
+    subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=4M", f"count={count}", "conv=fsync"],
+                   check=True, capture_output=True)
+    seconds = time.perf_counter() - start
+    os.remove(target)
+    return count * (4 << 20) / seconds
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--megatron-lm")
+    ap.add_argument("--tarball", default=DEFAULT_TARBALL)
+    ap.add_argument("--hidden-size", type=int, default=512)
+    ap.add_argument("--formats", default="torch,torch_dist")
+    ns = ap.parse_args()
+    from mindspeed_ha.testing import megatron_lm as mlm
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench_dying_write_", dir=os.getcwd()) as tmp:
+        root = ns.megatron_lm or mlm.unpack(ns.tarball, os.path.join(tmp, "src"))
+        for fmt in ns.formats.split(","):
+            save = os.path.join(tmp, f"ckpt_{fmt}")
+            report = os.path.join(tmp, f"report_{fmt}.json")
+            args = mlm.stock_gpt_args(pp=2, train_iters=4, ckpt_format=fmt, hidden_size=ns.hidden_size,
+                                      num_attention_heads=8, save=save, save_interval=1000,
+                                      enable_high_availability=True, ha_controller_port=0)
+            env = {"MINDSPEED_HA_CACHE": os.path.join(tmp, "cache"), "MINDSPEED_HA_REPORT": report,
+                   "MINDSPEED_HA_INJECT": "rank=3,iteration=2,point=backward"}
+            r = mlm.launch_stock(root, args, env=env, timeout_s=1800)
+            if r.returncode != 75:
+                print(r.stderr[-3000:], file=sys.stderr)
+                raise SystemExit(f"{fmt}: expected exit 75, got {r.returncode}")
+            with open(report) as f:
+                save_s = json.load(f)["phase_seconds"]["save"]
+            nbytes = _dir_bytes(os.path.join(save, "iter_0000001"))
+            dd = _dd_rate(save, nbytes)
+            rows.append((fmt, nbytes, save_s, nbytes / save_s, dd))
+    print(f"\nstock pretrain_gpt.py, TP1 PP2 DP2, 2 replicas, hidden {ns.hidden_size}; rank 3 killed")
+    print(f"{'format':11} {'MB':>8} {'save s':>8} {'MB/s':>8} {'dd MB/s':>8} {'ratio':>6}")
+    for fmt, nbytes, save_s, rate, dd in rows:
+        print(f"{fmt:11} {nbytes / 1e6:8.1f} {save_s:8.3f} {rate / 1e6:8.1f} {dd / 1e6:8.1f} {rate / dd:6.2f}")
+
+
+if __name__ == "__main__":
+    main()
