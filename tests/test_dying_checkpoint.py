@@ -96,7 +96,7 @@ def test_kill_rank_dying_checkpoint(tmp_path, baselines, name, layout, rank, poi
             f"iteration {it}: resumed {float.fromhex(loss)} != {float.fromhex(base_losses[it])}"
 
 
-def test_kill_at_grad_sync_detected_within_seconds(tmp_path, baselines):
+def test_kill_at_grad_sync_detected_then_saved(tmp_path, baselines):
     """Also the recovery timeline's order: death -> evidence at the controller -> EXIT, from
     the injector's wall-clock kill time and the launcher's controller report."""
     import json
