@@ -230,6 +230,7 @@ class HARuntime:
         if self.completed is None:
             self.completed = int(getattr(self.args, "iteration", 0) or 0)
             self._take_snapshot(self.completed)
+            self.snapshot.rerun_state = megatron_lm.capture_rerun_state()
             if self.processor is not None:
                 self.processor.end_update(self.completed)
         self.current = self.completed + 1
@@ -264,8 +265,9 @@ class HARuntime:
         self.injector.fire("between", k, self.ctx)
 
     def _take_snapshot(self, iteration: int) -> None:
-        self.snapshot = dying.IterationSnapshot(iteration, megatron_lm.collect_rng_state(),
-                                                megatron_lm.capture_rerun_state())
+        # The rerun state is added by iteration_done (where a regular save would read it);
+        # a dying checkpoint taken before that reads the live state instead.
+        self.snapshot = dying.IterationSnapshot(iteration, megatron_lm.collect_rng_state())
 
     def handle_fault(self, exc: BaseException):
         """Report ``exc`` to the controller and carry out its action.
