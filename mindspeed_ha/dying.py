@@ -44,6 +44,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from mindspeed_ha.control.integrity import IntegrityReport
 from mindspeed_ha.integrations import megatron_lm as mlm
+from mindspeed_ha.recovery import leftovers
 
 log = logging.getLogger("mindspeed_ha.dying")
 
@@ -497,6 +498,12 @@ def assemble(ctx: DyingContext, iteration: int) -> str:
 def commit(save_dir: str, iteration: int) -> str:
     """Phase 3 on one rank: validate, rename into ``save_dir``, update the tracker.
 
+    An ``iter_XXXXXXX`` of ``iteration`` that the tracker names (a regular save that
+    completed) is kept instead. One the tracker does not name was left by a regular save
+    the fault interrupted: it is never published; it is moved aside and deleted once this
+    checkpoint is published (:mod:`.recovery.leftovers`; a later-iteration one too, unless
+    it validates).
+
     Raises:
         CheckpointError, OSError: nothing was published: a staged directory already renamed
             to ``iter_XXXXXXX`` is moved back into the staging dir (for :func:`discard`)
@@ -505,13 +512,14 @@ def commit(save_dir: str, iteration: int) -> str:
     root = staging_root(save_dir, iteration)
     staged = mlm.get_checkpoint_name(root, iteration, return_base_dir=True)
     final = mlm.get_checkpoint_name(save_dir, iteration, return_base_dir=True)
+    # A regular save interrupted by the fault left an unpublished (maybe half-written)
+    # iter_XXXXXXX: never published, moved aside, deleted once this one is published.
+    aside = leftovers.set_aside(save_dir, iteration)
     if os.path.isdir(final):
-        # A periodic save of the same iteration already published it: keep that one.
+        # A periodic save of the same iteration already published it (the tracker names it): keep it.
         mlm.validate_checkpoint_dir(final, iteration)
-        tracked = mlm.read_tracker_iteration(save_dir)
-        if tracked is None or tracked < iteration:
-            mlm.write_tracker(save_dir, iteration)
         shutil.rmtree(root, ignore_errors=True)
+        leftovers.remove(aside)
         return f"{final} (already saved by a periodic checkpoint)"
     try:
         parts = parts_root(save_dir, iteration)
@@ -527,6 +535,7 @@ def commit(save_dir: str, iteration: int) -> str:
             os.rename(final, staged)  # not published: a loader never sees a half-committed dir
         raise
     shutil.rmtree(root, ignore_errors=True)
+    leftovers.remove(aside)
     return final
 
 
@@ -537,6 +546,7 @@ def discard(save_dir: str, iteration: int) -> str:
     Idempotent and safe to run on several ranks at once. Returns what was done.
     """
     root = staging_root(save_dir, iteration)
+    leftovers.sweep(save_dir)  # what a failed commit moved aside: never a checkpoint to keep
     if os.environ.get(ENV_KEEP_FAILED_STAGING) == "1":
         return f"kept {root} ({ENV_KEEP_FAILED_STAGING}=1)"
     # Move it away (atomic) before deleting: a commit still running elsewhere (the
