@@ -26,6 +26,8 @@ action_timeout_s                   ``MINDSPEED_HA_ACTION_TIMEOUT`` >           `
                                    ``--ha-action-timeout``
 connect_timeout_s                  ``MINDSPEED_HA_CONNECT_TIMEOUT`` >          ``60.0``
                                    ``--ha-connect-timeout``
+preemption_deadline_s              ``MINDSPEED_HA_PREEMPTION_DEADLINE`` >      ``20.0``
+                                   ``--ha-preemption-deadline``
 max_message_bytes                  ``MINDSPEED_HA_MAX_MESSAGE_BYTES``          ``1 MiB``
 auth_key                           ``MINDSPEED_HA_AUTH_KEY`` (hex)             ``None``
 =================================  ==========================================  ===============
@@ -59,6 +61,7 @@ ENV_HEARTBEAT_TIMEOUT = "MINDSPEED_HA_HEARTBEAT_TIMEOUT"
 ENV_STOP_TIMEOUT = "MINDSPEED_HA_STOP_TIMEOUT"
 ENV_ACTION_TIMEOUT = "MINDSPEED_HA_ACTION_TIMEOUT"
 ENV_CONNECT_TIMEOUT = "MINDSPEED_HA_CONNECT_TIMEOUT"
+ENV_PREEMPTION_DEADLINE = "MINDSPEED_HA_PREEMPTION_DEADLINE"
 ENV_MAX_MESSAGE_BYTES = "MINDSPEED_HA_MAX_MESSAGE_BYTES"
 ENV_AUTH_KEY = "MINDSPEED_HA_AUTH_KEY"
 ENV_NO_CUDA_CACHING = "PYTORCH_NO_CUDA_MEMORY_CACHING"
@@ -72,6 +75,11 @@ DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
 DEFAULT_STOP_TIMEOUT_S = 30.0
 DEFAULT_ACTION_TIMEOUT_S = 600.0
 DEFAULT_CONNECT_TIMEOUT_S = 60.0
+#: graceful stop (SIGTERM/SIGINT): seconds from the signal to the committed checkpoint. Well
+#: under the 30 s a scheduler usually grants between SIGTERM and SIGKILL (Kubernetes'
+#: terminationGracePeriodSeconds default; Slurm's KillWait default is 30 s too).
+DEFAULT_PREEMPTION_DEADLINE_S = 20.0
+MAX_PREEMPTION_DEADLINE_S = 3600.0
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
 MIN_AUTH_KEY_BYTES = 16
 
@@ -141,6 +149,12 @@ class HAConfig:
         connect_timeout_s: how long a processor tries to register, seconds (the
             deadline of the registration wait; generous for slow nodes).
         max_message_bytes: cap on one control message.
+        preemption_deadline_s: graceful stop (SIGTERM/SIGINT to the launcher or to a
+            worker): seconds from the signal until the checkpoint must be committed. The
+            first half is for every rank to finish its current iteration (past it the
+            iteration is abandoned and the last one every rank completed is saved); past
+            the whole deadline the save is abandoned (EXIT 77: nothing published, tracker
+            untouched) and the launcher ends what is left. Range (0, 3600].
         auth_key: HMAC key shared by the job (None until the launcher provides it).
         save_dir: Megatron's ``--save`` (None: a dying checkpoint cannot be written).
     """
@@ -160,6 +174,7 @@ class HAConfig:
     action_timeout_s: float = DEFAULT_ACTION_TIMEOUT_S
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    preemption_deadline_s: float = DEFAULT_PREEMPTION_DEADLINE_S
     auth_key: Optional[bytes] = dataclasses.field(default=None, repr=False)
     save_dir: Optional[str] = None
 
@@ -193,6 +208,10 @@ class HAConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ConfigError(f"{env}={value!r}: must be a finite number of seconds > 0")
+        d = self.preemption_deadline_s
+        if not isinstance(d, (int, float)) or not math.isfinite(d) or not 0 < d <= MAX_PREEMPTION_DEADLINE_S:
+            raise ConfigError(f"--ha-preemption-deadline / {ENV_PREEMPTION_DEADLINE}={d!r}: accepted range "
+                              f"(0, {MAX_PREEMPTION_DEADLINE_S:.0f}] seconds (default {DEFAULT_PREEMPTION_DEADLINE_S})")
         if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
             raise ConfigError(
                 f"{ENV_HEARTBEAT_TIMEOUT}={self.heartbeat_timeout_s} must be >= 2 x "
@@ -257,6 +276,7 @@ class HAConfig:
                 env, ENV_CONNECT_TIMEOUT, "--ha-connect-timeout",
                 _arg(args, "ha_connect_timeout"), DEFAULT_CONNECT_TIMEOUT_S),
             max_message_bytes=_int_env(env, ENV_MAX_MESSAGE_BYTES, DEFAULT_MAX_MESSAGE_BYTES),
+            preemption_deadline_s=_preemption_deadline(args, env),
             auth_key=auth_key_from(env),
             save_dir=_arg(args, "save", None) or None,
         )
@@ -288,6 +308,27 @@ class HAConfig:
         if ":" in host:
             host = f"[{host}]"
         return f"tcp://{host}:{self.controller_port}"
+
+
+def _preemption_deadline(args: Any, env: Mapping[str, str]) -> float:
+    """``MINDSPEED_HA_PREEMPTION_DEADLINE`` > ``--ha-preemption-deadline`` > 20 s; range (0, 3600].
+
+    Raises:
+        ConfigError: not a number, or outside the range (the message names the source).
+    """
+    source, raw = ((ENV_PREEMPTION_DEADLINE, env[ENV_PREEMPTION_DEADLINE])
+                   if env.get(ENV_PREEMPTION_DEADLINE) not in (None, "")
+                   else ("--ha-preemption-deadline", _arg(args, "ha_preemption_deadline")))
+    if raw is None:
+        return DEFAULT_PREEMPTION_DEADLINE_S
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not math.isfinite(value) or not 0 < value <= MAX_PREEMPTION_DEADLINE_S:
+        raise ConfigError(f"{source}={raw!r}: accepted range (0, {MAX_PREEMPTION_DEADLINE_S:.0f}] seconds "
+                          f"(default {DEFAULT_PREEMPTION_DEADLINE_S})")
+    return value
 
 
 def _int_env(env: Mapping[str, str], name: str, default: int) -> int:
@@ -399,6 +440,10 @@ def add_ha_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--ha-connect-timeout", type=float, default=None,
                    help=f"Deadline for a rank to register with the controller, s (env {ENV_CONNECT_TIMEOUT}; "
                         f"default {DEFAULT_CONNECT_TIMEOUT_S}; raise it for slow nodes).")
+    g.add_argument("--ha-preemption-deadline", type=float, default=None,
+                   help=f"Graceful stop on SIGTERM/SIGINT: seconds from the signal to the committed checkpoint "
+                        f"(env {ENV_PREEMPTION_DEADLINE}; default {DEFAULT_PREEMPTION_DEADLINE_S}; range "
+                        f"(0, {MAX_PREEMPTION_DEADLINE_S:.0f}]); past it the save is abandoned (exit 77).")
     return parser
 
 

@@ -21,6 +21,15 @@ What it adds when the training arguments carry ``--enable-high-availability``:
 * A worker the controller gave up on for missed heartbeats (hung, e.g. SIGSTOPped) is
   SIGKILLed as soon as the controller acts on the fault: a stopped process cannot act
   on the SIGTERM torchrun sends at the end, which would cost torchrun's 30 s wait.
+* SIGTERM / SIGINT (a scheduler's preemption, Ctrl-C) start a graceful stop instead of
+  torchrun's kill: the controller has every rank finish the iteration in progress and
+  pause after the same one, the checkpoint of that iteration is written (a dying
+  checkpoint with no dead rank) and the job exits 75, within ``--ha-preemption-deadline``
+  (default 20 s). Past the deadline the controller abandons the save (77: nothing
+  published, the tracker untouched) and workers still running ``PREEMPT_KILL_MARGIN_S``
+  later are SIGKILLed; the launcher then exits 77. On a node without the controller the
+  signal is passed on to the local workers, which ask the controller themselves. A second
+  signal falls back to torchrun's own shutdown.
 * ``MINDSPEED_HA_REPORT=FILE`` writes the controller's event log and outcome as JSON.
 
 Without the HA flag it behaves exactly like torchrun.
@@ -46,17 +55,77 @@ log = logging.getLogger("mindspeed_ha.launcher")
 
 ENV_GRACE = "MINDSPEED_HA_DYING_GRACE_S"
 ENV_REPORT = "MINDSPEED_HA_REPORT"
+#: seconds after the preemption deadline before the launcher SIGKILLs the workers left
+#: (the controller's EXIT(77) at the deadline normally ends them first)
+PREEMPT_KILL_MARGIN_S = 5.0
 
 
 class _Survivors:
     """State of the agent-side patch: which failures were reported, since when."""
 
-    def __init__(self, controller, grace_s: float):
+    def __init__(self, controller, grace_s: float, preemption_deadline_s: float = 20.0):
         self.controller = controller
         self.grace_s = grace_s
         self.first_failure: Optional[float] = None
         self.reported: Dict[int, int] = {}
         self.killed: Set[int] = set()
+        self.preemption_deadline_s = preemption_deadline_s
+        self.pcontext = None  # torchrun's SubprocessContext, once workers run
+        self.stop_at: Optional[float] = None  # graceful stop: when the signal came
+        self.stop_signal: Optional[int] = None
+        self.stop_killed = False  # the preemption backstop SIGKILLed workers
+
+
+def _say(text: str) -> None:
+    """One line to stderr without logging's locks (safe in a signal handler)."""
+    try:
+        os.write(2, f"mindspeed-ha-run: {text}\n".encode())
+    except OSError:
+        pass
+
+
+def _on_termination_signal(wrapped, instance, args, kwargs):
+    """torchrun's handler for SIGTERM/SIGINT/SIGHUP/SIGQUIT, which raises ``SignalException``
+    (its shutdown: SIGTERM to every worker, SIGKILL 30 s later). The first SIGTERM or
+    SIGINT once workers run starts a graceful stop instead and returns; anything else,
+    or a second signal, goes to torchrun."""
+    import signal
+
+    signum = args[0]
+    state = _survivors
+    if (state is None or state.pcontext is None or state.stop_at is not None
+            or signum not in (signal.SIGTERM, signal.SIGINT)):
+        return wrapped(*args, **kwargs)
+    state.stop_at, state.stop_signal = time.monotonic(), signum
+    name = signal.Signals(signum).name
+    if state.controller is not None:
+        state.controller.request_stop(f"{name} to the launcher (pid {os.getpid()})")
+        _say(f"{name}: graceful stop: every rank finishes its iteration, then the checkpoint of the last one "
+             f"is written (deadline {state.preemption_deadline_s:g} s; a second signal stops at once)")
+    else:  # the controller runs on another node: the local workers ask it themselves
+        for handler in state.pcontext.subprocess_handlers.values():
+            try:
+                os.kill(handler.proc.pid, signum)
+            except ProcessLookupError:
+                pass
+        _say(f"{name}: passed on to the local workers for a graceful stop (deadline "
+             f"{state.preemption_deadline_s:g} s; a second signal stops at once)")
+    return None
+
+
+def _preemption_backstop(instance, state: "_Survivors") -> None:
+    """SIGKILL the workers still running ``PREEMPT_KILL_MARGIN_S`` after the preemption deadline."""
+    if state.stop_at is None or state.stop_killed:
+        return
+    if time.monotonic() - state.stop_at <= state.preemption_deadline_s + PREEMPT_KILL_MARGIN_S:
+        return
+    for local_rank, handler in instance.subprocess_handlers.items():
+        if handler.proc.poll() is None:
+            state.stop_killed = True
+            rank = int(instance.envs[local_rank].get("RANK", local_rank))
+            log.error("worker rank %d (pid %d) still running %.0f s after the preemption deadline: SIGKILL", rank,
+                      handler.proc.pid, PREEMPT_KILL_MARGIN_S)
+            handler.close(death_sig=signal.SIGKILL)
 
 
 _survivors: Optional[_Survivors] = None
@@ -90,6 +159,8 @@ def _poll_lets_survivors_finish(wrapped, instance, args, kwargs):
     state = _survivors
     if state is None:
         return wrapped(*args, **kwargs)
+    state.pcontext = instance
+    _preemption_backstop(instance, state)
     if state.controller is not None:
         _end_unresponsive_workers(instance, state)
     running, failed = [], {}
@@ -242,9 +313,12 @@ def main(argv=None) -> int:
     except ConfigError as exc:  # before any worker starts: nothing is lost
         print(f"mindspeed-ha-run: error: {exc}", file=sys.stderr, flush=True)
         return 2
-    _survivors = _Survivors(controller, float(os.environ.get(ENV_GRACE, "600")))
+    _survivors = _Survivors(controller, float(os.environ.get(ENV_GRACE, "600")), config.preemption_deadline_s)
     wrapt.wrap_function_wrapper(
         "torch.distributed.elastic.multiprocessing.api", "SubprocessContext._poll", _poll_lets_survivors_finish
+    )
+    wrapt.wrap_function_wrapper(
+        "torch.distributed.elastic.multiprocessing.api", "_terminate_process_handler", _on_termination_signal
     )
     code = 0
     try:
@@ -252,6 +326,10 @@ def main(argv=None) -> int:
     except ChildFailedError as exc:
         codes = {f.exitcode for f in exc.failures.values()}
         code = _exit_code(codes)
+        if _survivors.stop_killed and code != 75:  # graceful stop past its deadline: nothing was committed
+            from mindspeed_ha.faults import EXIT_FAULT_UNRECOVERABLE
+
+            code = EXIT_FAULT_UNRECOVERABLE
         print(f"mindspeed-ha-run: {_outcome_text(controller, code)}", file=sys.stderr, flush=True)
     finally:
         if controller is not None:
@@ -287,6 +365,12 @@ def _outcome_text(controller, code: int) -> str:
     if controller is None:
         return f"workers failed (exit {code}); the controller runs on another node"
     o = controller.outcome()
+    req = o.stop_request
+    if req is not None and o.fault_rank is None:
+        if code == faults.EXIT_DYING_CHECKPOINT_SAVED:
+            return (f"graceful stop ({req.reason}); {o.reason}. Rerun the same command with --load to continue "
+                    f"from iteration {o.iteration}.")
+        return f"graceful stop ({req.reason}) ended with exit {code}: {o.reason or o.phase.value}"
     if code == faults.EXIT_DYING_CHECKPOINT_SAVED:
         return (f"rank {o.fault_rank} failed ({o.fault_kind.value if o.fault_kind else 'fault'}); {o.reason}. "
                 f"Rerun the same command with --load to continue from iteration {o.iteration}.")
@@ -307,6 +391,8 @@ def _write_report(controller) -> None:
     report = {
         "phase": o.phase.value, "exit_code": o.exit_code, "reason": o.reason, "iteration": o.iteration,
         "fault_rank": o.fault_rank, "fault_kind": o.fault_kind.value if o.fault_kind else None,
+        "stop_request": None if o.stop_request is None else {
+            "rank": o.stop_request.rank, "reason": o.stop_request.reason, "t_wall": o.stop_request.at + to_wall},
         "phase_seconds": o.timings,
         "fault_wall": None if fault_at is None else fault_at + to_wall,
         "exit_wall": None if "exit" not in first else first["exit"] + to_wall,

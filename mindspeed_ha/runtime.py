@@ -32,6 +32,9 @@ log = logging.getLogger("mindspeed_ha.runtime")
 ENV_CONTROLLER_HOSTED = "MINDSPEED_HA_CONTROLLER_HOSTED"
 ENV_AUTH_KEY = "MINDSPEED_HA_AUTH_KEY"
 
+#: bytes per rank and exchange over the fallback group (a JSON record: status, layout, digests)
+EXCHANGE_BYTES = 4096
+
 _runtime: Optional["HARuntime"] = None
 _lock = threading.Lock()
 
@@ -82,30 +85,39 @@ def _install_exit_hooks() -> None:
 
 
 def _install_sigterm_deferral() -> None:
-    """Let a survivor finish the dying checkpoint when its launcher sends SIGTERM.
+    """SIGTERM / SIGINT to a worker start a graceful stop of the whole job.
 
-    Plain torchrun SIGTERMs every worker as soon as one fails (then SIGKILLs after its
-    grace, 30 s by default). If the controller has frozen this rank (a fault is being
-    handled) the signal is deferred: the processor ends the process with the
-    controller's exit code once the checkpoint is written. Otherwise, after waiting up
-    to ``stop_timeout_s`` for the controller's STOP, the default action runs.
+    How schedulers preempt (Kubernetes, Slurm: SIGTERM, then SIGKILL after a grace
+    period, usually 30 s) and what Ctrl-C sends. The handler asks the controller for a
+    graceful stop (:meth:`Processor.request_stop`) and returns: training goes on until
+    every rank finished the iteration in progress and paused; the checkpoint of the last
+    completed iteration is written and the controller's EXIT(75) ends the process. A
+    rank already frozen by a fault round (plain torchrun SIGTERMs every worker when one
+    fails) just keeps going: the dying checkpoint under way ends it.
+
+    So a SIGTERM to a single worker never stalls the others: the job stops gracefully as
+    a whole, within ``--ha-preemption-deadline``. When there is no controller to ask
+    (not registered yet, or gone), or none acts within ``heartbeat_timeout_s``, the
+    signal's default action runs (exit 143 for SIGTERM, KeyboardInterrupt for SIGINT).
     """
     import signal
 
     if threading.current_thread() is not threading.main_thread():
         return
 
-    def on_sigterm(signum, frame):
+    def on_signal(signum, frame):
         rt = get_runtime()
         proc = rt.processor if rt is not None else None
-        if proc is not None and proc.stop_event.wait(rt.config.stop_timeout_s):
-            log.warning("rank %d: SIGTERM deferred: a dying checkpoint is in progress", rt.rank)
+        name = signal.Signals(signum).name
+        if proc is not None and proc.request_stop(f"{name} to rank {rt.rank} (pid {os.getpid()})", 128 + signum):
             return
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
-    signal.signal(signal.SIGTERM, on_sigterm)
-
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
 
 class HARuntime:
     def __init__(self, config, args):
@@ -208,6 +220,7 @@ class HARuntime:
         for kind, fn in (("verify", self._on_verify), ("dump", self._on_dump), ("assemble", self._on_assemble),
                          ("commit", self._on_commit)):
             self.processor.on_action(kind, fn)
+        self._start_fallback_group()
         self.processor.start()
         _install_exit_hooks()
 
@@ -263,6 +276,8 @@ class HARuntime:
         self.snapshot.rerun_state = megatron_lm.capture_rerun_state()  # as a regular save sees it
         self.completed = k
         self.injector.fire("between", k, self.ctx)
+        if self.processor is not None:
+            self.processor.pause_point(k)  # graceful stop: every rank pauses after the same iteration
 
     def _take_snapshot(self, iteration: int) -> None:
         # The rerun state is added by iteration_done (where a regular save would read it);
@@ -352,6 +367,54 @@ class HARuntime:
             except Exception:  # noqa: BLE001 - the exit must happen whatever cleanup did
                 log.exception("rank %d: removing the dying checkpoint's staging dir failed", self.rank)
         default_exit_handler(code, reason)
+
+    # ---- without a controller ---------------------------------------------------------------
+    def _start_fallback_group(self) -> None:
+        """A gloo group of every rank, made at start-up, for deciding without the controller.
+
+        If the controller is lost, the ranks agree among themselves over it (see
+        :meth:`Processor._without_controller`): its connections were made now, so it works
+        when the controller, torchrun's store (both in the launcher process) and new
+        groups are gone. Used from the processor's own thread only, never by the training
+        thread, so it cannot interleave with training collectives. Its timeout bounds
+        each exchange: ``action_timeout_s + heartbeat_timeout_s`` (a save step, plus the
+        time ranks take to notice the loss); a dead rank fails it at once. Cost: one
+        all-rank group at start-up (world - 1 connections per rank), nothing per iteration.
+        """
+        import datetime
+
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=self.config.action_timeout_s + self.config.heartbeat_timeout_s)
+        self._fallback_group = dist.new_group(backend="gloo", timeout=timeout)
+        self.processor.on_controller_lost(self._exchange)
+
+    def _exchange(self, record: dict) -> list:
+        """All-gather one JSON record per rank over the fallback group (rank order).
+
+        Raises:
+            ValueError: the record is larger than ``EXCHANGE_BYTES``.
+            RuntimeError: (gloo) a rank is gone, or silent past the group's timeout.
+        """
+        import json
+
+        import torch
+        import torch.distributed as dist
+
+        data = json.dumps(record, sort_keys=True).encode()
+        if len(data) > EXCHANGE_BYTES - 4:
+            raise ValueError(f"exchange record of {len(data)} bytes > {EXCHANGE_BYTES - 4}")
+        buf = torch.zeros(EXCHANGE_BYTES, dtype=torch.uint8)
+        buf[:4] = torch.tensor(list(len(data).to_bytes(4, "big")), dtype=torch.uint8)
+        buf[4:4 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = [torch.zeros_like(buf) for _ in range(dist.get_world_size(self._fallback_group))]
+        dist.all_gather(out, buf, group=self._fallback_group)
+        records = []
+        for t in out:
+            raw = bytes(t.tolist())
+            n = int.from_bytes(raw[:4], "big")
+            records.append(json.loads(raw[4:4 + n].decode()))
+        return records
 
     def close(self, exit_code: int = 0) -> None:
         if self.processor is not None:

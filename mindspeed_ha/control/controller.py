@@ -44,7 +44,7 @@ from mindspeed_ha.config import ENV_AUTH_KEY, ENV_TTP_PORT, ConfigError, HAConfi
 from mindspeed_ha.control import admission, auth, wire
 from mindspeed_ha.control.integrity import IntegrityReport
 from mindspeed_ha.control.policy import ActionKind, Decision, DumpPlan, decide
-from mindspeed_ha.control.state import ClusterState, OptimizerStatus, PendingAction, Phase, RankInfo
+from mindspeed_ha.control.state import ClusterState, OptimizerStatus, PendingAction, Phase, RankInfo, StopRequest
 from mindspeed_ha.faults import FaultKind
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,9 @@ class Outcome:
     ``timings`` (seconds): ``detect`` fault evidence -> STOP sent; ``decide`` STOP ->
     DUMP (stop round + selection, integrity round included) or -> EXIT; ``verify`` (only
     when ranks verified) VERIFY -> DUMP or EXIT; ``save`` DUMP -> EXIT (dump + assemble +
-    commit); ``total`` evidence -> EXIT sent.
+    commit); ``total`` evidence -> EXIT sent. A graceful stop (``stop_request``, no
+    fault): ``drain`` request -> every rank paused (VERIFY / DUMP sent, or the stop round
+    that abandoned the iteration), ``save`` as above, ``total`` request -> EXIT sent.
     """
 
     phase: Phase
@@ -95,6 +97,7 @@ class Outcome:
     fault_kind: Optional[FaultKind]
     timings: Dict[str, float]
     events: Tuple[Event, ...]
+    stop_request: Optional[StopRequest] = None
 
 
 class Controller:
@@ -247,6 +250,27 @@ class Controller:
                     pass
 
     # ------------------------------------------------------------------ public API
+    def request_stop(self, reason: str, rank: int = -1) -> None:
+        """Ask for a graceful stop of the job (the launcher got SIGTERM/SIGINT). Thread-safe
+        and safe to call from a signal handler.
+
+        Every rank finishes the iteration in progress, the checkpoint of the last one is
+        written as a dying checkpoint with no dead rank, and the ranks exit 75 (see
+        :func:`policy.decide`, phase DRAINING). Ignored once a fault round or another
+        stop is under way. Never blocks: the loop reads the request at its next turn
+        (within ``tick_s``) if the wake-up cannot be written at once.
+        """
+        self._cmds.put(("stop", (int(rank), str(reason), self.clock())))
+        if self._wake_lock.acquire(blocking=False):  # a signal may interrupt a holder of the lock
+            try:
+                if self._wake_w >= 0:
+                    try:
+                        os.write(self._wake_w, b"x")
+                    except (BlockingIOError, OSError):
+                        pass
+            finally:
+                self._wake_lock.release()
+
     def report_rank_exit(self, rank: int, exitcode: int) -> None:
         """Agent/launcher report: worker ``rank``'s process exited with ``exitcode``. Thread-safe."""
         self._cmds.put(("exit", (int(rank), int(exitcode), self.clock())))
@@ -289,6 +313,7 @@ class Controller:
             events = tuple(self.events)
             plan = st.plan
             fault = st.fault
+            req = st.stop_request
         first = {}
         for e in events:
             first.setdefault(e.action, e.t)
@@ -306,8 +331,14 @@ class Controller:
             timings["save"] = t_exit - t_dump
         if fault is not None and t_exit is not None:
             timings["total"] = t_exit - fault.at
+        if fault is None and req is not None:
+            ends = [t for t in (t_verify, t_dump, t_stop) if t is not None]
+            if ends:
+                timings["drain"] = min(ends) - req.at
+            if t_exit is not None:
+                timings["total"] = t_exit - req.at
         return Outcome(st.phase, st.exit_code, st.exit_reason, plan.iteration if plan else None, plan,
-                       fault.rank if fault else None, fault.kind if fault else None, timings, events)
+                       fault.rank if fault else None, fault.kind if fault else None, timings, events, req)
 
     # ------------------------------------------------------------------ I/O thread
     def _run(self) -> None:
@@ -382,6 +413,15 @@ class Controller:
                 rank, code, at = arg
                 if self.state.mark_dead(rank, f"process exited with code {code} (agent report)", code, at):
                     log.warning("rank %d: process exited with code %d (agent report)", rank, code)
+            elif cmd == "stop":
+                self._stop_requested(*arg)
+
+    def _stop_requested(self, rank: int, reason: str, at: float) -> None:
+        if self.state.request_stop(at, rank, reason):
+            log.warning("graceful stop requested: %s", reason)
+        else:
+            log.info("graceful stop request ignored (%s): job phase %s%s", reason, self.state.phase.value,
+                     ", a stop was already requested" if self.state.stop_request else "")
 
     def _drain_monitor(self, limit: int) -> None:
         if self._monitor is None:
@@ -488,9 +528,21 @@ class Controller:
                 info.failed_at = now
             log.warning("rank %d: %s fault at iteration %d: %s", rank, info.fault.value, body.iteration, body.message)
         elif t is wire.MsgType.STOPPED:
+            if body.pause_at >= 0 and body.pause_at != st.drain_until:
+                # paused at its first-round limit before the target was known: it says so
+                # again when DRAIN(target) reaches it, if the target is where it is
+                log.debug("rank %d: paused after iteration %d (drain target %s)", rank, body.pause_at,
+                          st.drain_until)
+                return
             info.stopped = True
             info.status, info.iteration = OptimizerStatus(body.status), body.iteration
-            log.info("rank %d: stopped, optimizer %s@%d", rank, info.status.value, info.iteration)
+            log.info("rank %d: stopped, optimizer %s@%d%s", rank, info.status.value, info.iteration,
+                     f" (paused after iteration {body.pause_at})" if body.pause_at >= 0 else "")
+        elif t is wire.MsgType.DRAINING:
+            info.pause_at = body.pause_at
+            log.info("rank %d: will pause after iteration %d", rank, body.pause_at)
+        elif t is wire.MsgType.STOP_REQUEST:
+            self._stop_requested(rank, body.reason, now)
         elif t is wire.MsgType.ACTION_RESULT:
             p = st.pending
             if p is not None and p.action_id == body.action_id and rank in p.targets:
@@ -557,6 +609,8 @@ class Controller:
             log.warning("controller: cannot answer REGISTER of rank %d: %s", body.rank, exc)
         if ok and st.phase is Phase.STOPPING:
             self._send(body.rank, wire.Stop("job is stopping"))
+        elif ok and st.phase is Phase.DRAINING:
+            self._send(body.rank, wire.Drain("graceful stop", -1 if st.drain_until is None else st.drain_until))
 
     # ------------------------------------------------------------------ decisions
     def _step(self, now: float) -> None:
@@ -569,9 +623,20 @@ class Controller:
     def _apply(self, now: float, d: Decision) -> None:
         st = self.state
         old = st.phase
-        if d.action is ActionKind.STOP_ALL:
-            st.record_fault(d.params.get("at", now), d.params.get("rank", -1),
-                            FaultKind(d.params.get("kind", "unknown")), d.reason)
+        if d.action is ActionKind.DRAIN:
+            until = int(d.params["until"])
+            if until >= 0:
+                st.drain_until = until
+            for r in d.targets:
+                info = st.ranks[r]
+                info.stopped = False  # only a STOPPED that answers this round counts
+                if until < 0:
+                    info.pause_at = None
+                self._send(r, wire.Drain(d.reason, until))
+        elif d.action is ActionKind.STOP_ALL:
+            if not d.params.get("graceful"):
+                st.record_fault(d.params.get("at", now), d.params.get("rank", -1),
+                                FaultKind(d.params.get("kind", "unknown")), d.reason)
             for r in d.targets:
                 st.ranks[r].stopped = False
                 st.ranks[r].integrity = None  # a report describes the state frozen by this STOP only

@@ -9,6 +9,14 @@ Phases and what moves them (see ``state.Phase``)::
     RUNNING     a fault (rank dead: agent report, disconnect, GOODBYE != 0, heartbeat
                 silence > heartbeat_timeout_s; or a FAULT report)      -> STOP_ALL, STOPPING
                 every rank said GOODBYE(0)                              -> NOOP, DONE
+                a graceful stop was requested (SIGTERM/SIGINT to the launcher or a rank)
+                                                                        -> DRAIN(-1), DRAINING
+    DRAINING    (graceful stop, see :func:`_draining`) round 1: every rank says after which
+                iteration it will pause; K = :func:`agree_pause` -> DRAIN(K) to all; round 2:
+                every rank paused after K (STOPPED pause_at=K) -> as STOPPING below, with no
+                dead rank. A fault -> STOP_ALL, STOPPING. Half the preemption deadline passed
+                -> STOP_ALL (freeze now: the iteration in progress is abandoned), STOPPING.
+                Every rank said GOODBYE(0) (training ended meanwhile) -> DONE
     STOPPING    every live rank answered STOPPED, or stop_timeout_s passed (silent ranks
                 are unavailable) -> no save dir: EXIT(77); no complete data: EXIT(76);
                 else VERIFY to every usable rank that can verify       -> VERIFYING
@@ -24,6 +32,12 @@ Phases and what moves them (see ``state.Phase``)::
     (any failure, death of a target, or action_timeout_s in DUMPING..COMMITTING
      -> EXIT(77), nothing committed)
     EXITING     every EXIT target gone/goodbye, or stop_timeout_s        -> DONE
+    (graceful stop: ``preemption_deadline_s`` after the request, any phase from STOPPING
+     to ASSEMBLING -> EXIT(77): nothing committed, the previous checkpoint stays the latest)
+
+Without a controller (it was lost and no standby took over) every rank runs the same
+pure functions on the statuses all ranks exchanged: :func:`agree_pause`, then
+:func:`plan_without_controller`.
 
 Recovery instead of a dying checkpoint (UCE repair, network retry, ARF, pause) hooks
 in at :func:`_recovery_for`; the actions REPAIR, RETRY, PAUSE, RESUME are declared
@@ -38,6 +52,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 from mindspeed_ha.config import HAConfig
 from mindspeed_ha.faults import (
+    EXIT_CONTROLLER_LOST,
     EXIT_DYING_CHECKPOINT_SAVED,
     EXIT_FAULT_UNRECOVERABLE,
     EXIT_NO_COMPLETE_DATA,
@@ -58,6 +73,7 @@ class ActionKind(str, enum.Enum):
     COMMIT = "commit"
     EXIT = "exit"
     VERIFY = "verify"
+    DRAIN = "drain"  # graceful stop: a DRAIN message (not an ACTION) with params {"until": k}
     # declared for the recovery paths; not chosen by decide() yet
     REPAIR = "repair"
     RETRY = "retry"
@@ -418,6 +434,169 @@ def _after_verify(now: float, state: ClusterState, config: HAConfig, gone: Mappi
     return Decision(ActionKind.DUMP, choice.reason, choice.to_params(save_dir), choice.savers(), Phase.DUMPING)
 
 
+def _after_stop(state: ClusterState, config: HAConfig, gone: Mapping[int, str], unavailable: Mapping[int, str],
+                elapsed: float) -> Decision:
+    """Every live rank is frozen (or given up on): choose the iteration, then VERIFY or DUMP."""
+    save_dir = state.save_dir or config.save_dir
+    if not save_dir:
+        return _exit(state, gone, EXIT_FAULT_UNRECOVERABLE,
+                     "no --save directory: a dying checkpoint cannot be written")
+    choice = select_dying_checkpoint(state.ranks, unavailable)
+    wait = _settle_wait(state, unavailable, choice, elapsed, config)
+    if wait is not None:
+        return wait
+    if isinstance(choice, NoCompleteData):
+        return _exit(state, gone, EXIT_NO_COMPLETE_DATA, choice.reason + "; nothing written")
+    if choice.iteration == 0:
+        return _exit(state, gone, EXIT_NO_COMPLETE_DATA,
+                     "no iteration has completed yet: nothing to save; nothing written")
+    verifiers = tuple(r for r, info in sorted(state.ranks.items())
+                      if info.verifies and _usable(info, unavailable))
+    if verifiers:
+        return Decision(ActionKind.VERIFY, f"iteration {choice.iteration} is complete; verifying the "
+                        f"integrity of every usable copy (ranks {list(verifiers)})",
+                        {"unavailable": [[r, why] for r, why in sorted(unavailable.items())]},
+                        verifiers, Phase.VERIFYING)
+    return Decision(ActionKind.DUMP, choice.reason, choice.to_params(save_dir), choice.savers(),
+                    Phase.DUMPING)
+
+
+# --------------------------------------------------------------------------- graceful stop
+def drain_budget_s(config: HAConfig) -> float:
+    """How long a graceful stop waits for every rank to finish its iteration, seconds:
+    half the preemption deadline (the other half is for the save)."""
+    return config.preemption_deadline_s / 2
+
+
+def agree_pause(pause_at: Mapping[int, int]) -> Optional[int]:
+    """The iteration every rank pauses after in a graceful stop: the highest announced.
+
+    Each rank announces the iteration it is computing (or, between iterations, the next
+    one), -1 before its first. The highest one is the only choice that needs no rank to
+    undo anything: a rank cannot be made to stop before an iteration it already entered,
+    because its peers in that iteration's collectives would wait for it forever; every
+    rank behind can finish the iterations up to it, since their peers still have them to
+    do too (they all exchange with each other in every iteration, so ranks are at most an
+    iteration or so apart). Pure; used by the controller and, when it is lost, by every
+    rank on the statuses all ranks exchanged.
+
+    Args:
+        pause_at: rank -> announced iteration (-1: not started).
+
+    Returns:
+        The iteration K (>= 1), or None when no rank has started an iteration (nothing
+        was trained since the start: nothing to save).
+    """
+    started = [k for k in pause_at.values() if k >= 1]
+    return max(started) if started else None
+
+
+def _draining(now: float, state: ClusterState, config: HAConfig, gone: Mapping[int, str]) -> Decision:
+    """DRAINING: the graceful stop's two rounds (see the module docstring).
+
+    A rank that exits 0 meanwhile finished training (its pause would have come after the
+    last iteration): when every rank did, the job is DONE like any finished run.
+    """
+    req = state.stop_request
+    if state.ranks and len(state.ranks) >= state.world_size and all(i.exit_code == 0 for i in state.ranks.values()):
+        return Decision(ActionKind.NOOP, "every rank finished training during the graceful stop (GOODBYE 0)",
+                        next_phase=Phase.DONE)
+    fault = detect_fault(now, state, config)
+    if fault is not None:
+        rank, kind, reason, at = fault
+        targets = tuple(r for r in state.alive_ranks() if r not in gone)
+        return Decision(ActionKind.STOP_ALL, reason + "; during the graceful stop: stopping all ranks for a dying "
+                        "checkpoint", {"rank": rank, "kind": kind.value, "at": at}, targets, Phase.STOPPING)
+    elapsed = now - req.at if req is not None else now - state.phase_since
+    budget = drain_budget_s(config)
+    live = [r for r in state.alive_ranks() if r not in gone]
+    if state.drain_until is None:
+        waiting = [r for r in live if state.ranks[r].pause_at is None]
+        unregistered = state.world_size - len(state.ranks)
+        if (waiting or unregistered > 0) and elapsed < budget:
+            return Decision(ActionKind.NOOP, f"graceful stop: waiting for ranks {waiting} to say where they pause"
+                            + (f" and for {unregistered} ranks to register" if unregistered > 0 else ""))
+        if waiting or unregistered > 0:
+            return _abandon(state, gone, f"ranks {waiting} did not answer DRAIN within {budget:g} s")
+        k = agree_pause({r: state.ranks[r].pause_at for r in live})
+        if k is None:
+            return _exit(state, gone, EXIT_NO_COMPLETE_DATA, "graceful stop before any rank started its first "
+                         "iteration: nothing to save (a checkpoint it loaded is untouched); nothing written")
+        return Decision(ActionKind.DRAIN, f"graceful stop: every rank finishes iteration {k} and pauses after it",
+                        {"until": k}, tuple(live))
+    k = state.drain_until
+    waiting = [r for r in live if not state.ranks[r].stopped]
+    if waiting and elapsed < budget:
+        return Decision(ActionKind.NOOP, f"graceful stop: waiting for ranks {waiting} to pause after iteration {k}")
+    if waiting:
+        return _abandon(state, gone, f"ranks {waiting} did not finish iteration {k} within {budget:g} s")
+    return _after_stop(state, config, gone, dict(gone), elapsed)
+
+
+def _abandon(state: ClusterState, gone: Mapping[int, str], why: str) -> Decision:
+    """Graceful stop past its drain budget: freeze now; the iteration in progress is abandoned
+    and the last one every shard holds completely is saved (a classic stop round)."""
+    targets = tuple(r for r in state.alive_ranks() if r not in gone)
+    return Decision(ActionKind.STOP_ALL, f"graceful stop: {why}; abandoning the iteration in progress "
+                    "(freeze now, save the last completed one)", {"graceful": True}, targets, Phase.STOPPING)
+
+
+def _past_preemption_deadline(now: float, state: ClusterState, config: HAConfig,
+                              gone: Mapping[int, str]) -> Optional[Decision]:
+    """EXIT(77) once a graceful stop's checkpoint is not committed within the deadline.
+
+    What the deadline protects: the scheduler SIGKILLs everything after its grace period;
+    a save cut there leaves a staging directory behind and no exit status. Ending first
+    gives a clean 77 (staging removed by the savers, tracker untouched, so the latest
+    regular checkpoint stays the resume point). A fault round (no request) has no deadline
+    beyond ``action_timeout_s``.
+    """
+    req = state.stop_request
+    # Not in COMMITTING: the commit (validate, rename, tracker) is short and once started
+    # may publish the checkpoint; an EXIT(77) racing it would misreport a saved one.
+    if req is None or state.phase not in (Phase.STOPPING, Phase.VERIFYING, Phase.DUMPING, Phase.ASSEMBLING):
+        return None
+    if now - req.at <= config.preemption_deadline_s:
+        return None
+    return _exit(state, gone, EXIT_FAULT_UNRECOVERABLE,
+                 f"graceful stop ({req.reason}): no checkpoint committed within the preemption deadline "
+                 f"of {config.preemption_deadline_s:g} s (--ha-preemption-deadline); nothing committed, "
+                 "the latest checkpoint is unchanged")
+
+
+def plan_without_controller(ranks: Mapping[int, RankInfo], save_dir: Optional[str], world_size: int,
+                            verified: bool = False) -> Union[DumpPlan, Tuple[int, str]]:
+    """The dying checkpoint the ranks write themselves when the controller is lost.
+
+    Every rank runs this on the same input (every rank's status, exchanged over a
+    process group made for this at start-up), so every rank gets the same plan without
+    anyone deciding for the others. Every rank must be there: the exchange is a
+    collective, and without a controller nothing else can say which ranks are gone.
+
+    Args:
+        ranks: rank -> RankInfo (layout, status, iteration; ``stopped`` set for ranks
+            paused at the agreed iteration; ``integrity`` when it verified).
+        save_dir: ``--save`` (None: nothing can be written).
+        world_size: ranks in the job.
+        verified: apply the integrity rule (every rank that can verify sent a report).
+
+    Returns:
+        The DumpPlan, or ``(exit code, reason)``: 77 without ``--save``; 78 when a rank is
+        missing; 76 when no complete data or no iteration completed.
+    """
+    if not save_dir:
+        return EXIT_FAULT_UNRECOVERABLE, "no --save directory: a checkpoint cannot be written; nothing written"
+    missing = sorted(set(range(world_size)) - set(ranks))
+    if missing:
+        return EXIT_CONTROLLER_LOST, f"ranks {missing} did not take part; nothing written"
+    choice = select_dying_checkpoint(ranks, None, verified=verified)
+    if isinstance(choice, NoCompleteData):
+        return EXIT_NO_COMPLETE_DATA, choice.reason + "; nothing written"
+    if choice.iteration == 0:
+        return EXIT_NO_COMPLETE_DATA, "no iteration has completed yet: nothing to save; nothing written"
+    return choice
+
+
 def decide(now: float, state: ClusterState, config: HAConfig) -> Decision:
     """The controller's next step. Pure: reads ``state`` and ``config`` only.
 
@@ -440,6 +619,12 @@ def decide(now: float, state: ClusterState, config: HAConfig) -> Decision:
                 and all(i.exit_code == 0 for i in infos)):
             return Decision(ActionKind.NOOP, "every rank finished (GOODBYE 0)", next_phase=Phase.DONE)
         fault = detect_fault(now, state, config)
+        if fault is None and state.stop_request is not None:
+            req = state.stop_request
+            targets = tuple(r for r in state.alive_ranks() if r not in gone)
+            return Decision(ActionKind.DRAIN, f"graceful stop requested ({req.reason}): every rank finishes the "
+                            "iteration in progress, then the checkpoint of the last one is written",
+                            {"until": -1}, targets, Phase.DRAINING)
         if fault is None:
             return Decision(ActionKind.NOOP, "running")
         rank, kind, reason, at = fault
@@ -447,6 +632,13 @@ def decide(now: float, state: ClusterState, config: HAConfig) -> Decision:
         targets = tuple(r for r in state.alive_ranks() if r not in gone)
         return Decision(action, reason + "; stopping all ranks for a dying checkpoint",
                         {"rank": rank, "kind": kind.value, "at": at}, targets, Phase.STOPPING)
+
+    if phase is Phase.DRAINING:
+        return _draining(now, state, config, gone)
+
+    late = _past_preemption_deadline(now, state, config, gone)
+    if late is not None:
+        return late
 
     if phase is Phase.STOPPING:
         live = [r for r in state.alive_ranks() if r not in gone]
@@ -457,28 +649,7 @@ def decide(now: float, state: ClusterState, config: HAConfig) -> Decision:
         unavailable = dict(gone)
         for r in waiting:
             unavailable[r] = f"no STOPPED within {config.stop_timeout_s} s"
-        save_dir = state.save_dir or config.save_dir
-        if not save_dir:
-            return _exit(state, gone, EXIT_FAULT_UNRECOVERABLE,
-                         "no --save directory: a dying checkpoint cannot be written")
-        choice = select_dying_checkpoint(state.ranks, unavailable)
-        wait = _settle_wait(state, unavailable, choice, elapsed, config)
-        if wait is not None:
-            return wait
-        if isinstance(choice, NoCompleteData):
-            return _exit(state, gone, EXIT_NO_COMPLETE_DATA, choice.reason + "; nothing written")
-        if choice.iteration == 0:
-            return _exit(state, gone, EXIT_NO_COMPLETE_DATA,
-                         "no iteration has completed yet: nothing to save; nothing written")
-        verifiers = tuple(r for r, info in sorted(state.ranks.items())
-                          if info.verifies and _usable(info, unavailable))
-        if verifiers:
-            return Decision(ActionKind.VERIFY, f"iteration {choice.iteration} is complete; verifying the "
-                            f"integrity of every usable copy (ranks {list(verifiers)})",
-                            {"unavailable": [[r, why] for r, why in sorted(unavailable.items())]},
-                            verifiers, Phase.VERIFYING)
-        return Decision(ActionKind.DUMP, choice.reason, choice.to_params(save_dir), choice.savers(),
-                        Phase.DUMPING)
+        return _after_stop(state, config, gone, unavailable, elapsed)
 
     if phase is Phase.VERIFYING:
         return _after_verify(now, state, config, gone)
@@ -533,5 +704,5 @@ def decide(now: float, state: ClusterState, config: HAConfig) -> Decision:
 
 __all__ = [
     "ActionKind", "Decision", "DumpPlan", "NoCompleteData", "select_dying_checkpoint", "decide",
-    "gone_ranks", "detect_fault",
+    "gone_ranks", "detect_fault", "agree_pause", "plan_without_controller", "drain_budget_s",
 ]

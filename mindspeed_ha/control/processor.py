@@ -29,28 +29,48 @@ controller's view is exact. While frozen, ``begin_update`` blocks (no new mutati
 starts) until RESUME/RETRY, or the process is ended by EXIT; ``end_update`` of an
 update already running still completes and is reported. If no action arrives within
 the freeze deadline, ``begin_update`` raises :class:`ControllerLostError`.
+
+Graceful stop (DRAIN, after SIGTERM/SIGINT): the training thread calls
+:meth:`Processor.pause_point` after every completed iteration. DRAIN(-1) sets a pause
+limit at the iteration now in progress and answers DRAINING with it; DRAIN(K) moves the
+limit to K, the highest any rank announced. ``pause_point(k)`` blocks while
+``k >= limit`` (the rank is then stable at UPDATED(k) and answers STOPPED(pause_at=k)),
+so every rank ends paused after the same iteration K, none inside a collective.
+
+Controller loss: the DEALER sends ZeroMQ heartbeats (PING every ``heartbeat_interval_s``;
+no answer within ``heartbeat_timeout_s / 2`` closes the connection) and a socket
+monitor reports the close, at once when the controller's process dies. If no
+controller answers a new connection within another ``heartbeat_timeout_s / 2`` (a
+standby would, at the same address; the processor then registers again and training
+goes on), the controller is lost: logged once, and the ranks write the checkpoint of
+the last completed iteration themselves (:meth:`Processor.on_controller_lost`, see
+:meth:`Processor._without_controller`), or exit 78 when they cannot.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import secrets
 import socket
 import threading
 import time
-from typing import Any, Callable, Deque, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple, Union
 
 import zmq
 
 from mindspeed_ha.config import ENV_AUTH_KEY, ENV_CONNECT_TIMEOUT, ConfigError, HAConfig
 from mindspeed_ha.control import auth, wire
 from mindspeed_ha.control.integrity import IntegrityReport
-from mindspeed_ha.control.policy import ActionKind
-from mindspeed_ha.control.state import Layout, OptimizerStatus, RankState
+from mindspeed_ha.control.policy import ActionKind, DumpPlan, agree_pause, plan_without_controller
+from mindspeed_ha.control.state import Layout, OptimizerStatus, RankInfo, RankState
 from mindspeed_ha.faults import (
     EXIT_CONTROLLER_LOST,
+    EXIT_DYING_CHECKPOINT_SAVED,
+    EXIT_FAULT_UNRECOVERABLE,
+    EXIT_NO_COMPLETE_DATA,
     ControllerLostError,
     ControlPlaneError,
     FaultKind,
@@ -63,6 +83,12 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[Dict[str, Any]], Tuple[bool, str]]
 ExitHandler = Callable[[int, str], None]
+#: all-gather of one JSON-able dict per rank over a process group every rank made at
+#: start-up; returns the list in rank order; raises when a rank is gone or silent
+Exchange = Callable[[Dict[str, Any]], List[Dict[str, Any]]]
+
+#: socket-monitor events of the control connection (its close, a new authenticated one)
+_CONNECTION_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 
 #: how long a GOODBYE may take to leave when the processor closes (ms); every other close: 0
 GOODBYE_LINGER_MS = 500
@@ -145,8 +171,25 @@ class Processor:
         self._closed = False
         self._goodbye_queued = False
         self.stop_received_at: Optional[float] = None
-        #: set when STOP arrives (frozen); for the runtime and tests to wait on
+        #: set when STOP or DRAIN arrives (a stop is under way); for the runtime and tests to wait on
         self.stop_event = threading.Event()
+        # graceful stop (guarded by _cond): pause limit, where the training thread is paused,
+        # the last iteration it completed (pause_point), whether it waits in report_fault
+        self._limit: Optional[int] = None
+        self._paused_at: Optional[int] = None
+        self._completed: Optional[int] = None
+        self._in_fault = False
+        self._exit_returned = False  # the exit handler returned (test doubles; normally it ends the process)
+        # a termination signal asked for a graceful stop: (reason, exit code if nobody acts, when)
+        self._stop_request: Optional[Tuple[str, int, float]] = None
+        self._stop_request_queued = False
+        # controller loss (I/O thread): monitor socket, when the connection closed, verdict
+        self._monitor = None
+        self._disconnected_at: Optional[float] = None
+        self.controller_lost_at: Optional[float] = None
+        self._exchange: Optional[Exchange] = None
+        self._integrity: Optional[IntegrityReport] = None
+        self._orphan: Optional[threading.Thread] = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, timeout: Optional[float] = None) -> "Processor":
@@ -171,6 +214,10 @@ class Processor:
             sock.setsockopt(zmq.ROUTING_ID, f"r{self.rank}-{secrets.token_hex(4)}".encode())
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+            # ZMTP heartbeats (libzmq >= 4.2): a silent controller host closes the connection
+            sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(self.config.heartbeat_interval_s * 1000)))
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(self.lost_after_s * 1000)))
+            self._monitor = sock.get_monitor_socket(_CONNECTION_EVENTS)
             sock.connect(wire.endpoint(self.addr, self.port))
             wake = os.pipe()
             for fd in wake:
@@ -185,10 +232,11 @@ class Processor:
         except BaseException:  # nothing runs yet: close what was made here
             self._io = self._worker = None
             self._ctx = self._sock = None
+            monitor, self._monitor = self._monitor, None
             self._wake_r = self._wake_w = -1
             for fd in wake:
                 os.close(fd)
-            wire.close_all(ctx, sock)
+            wire.close_all(ctx, monitor, sock)
             raise
         try:
             self._worker.start()
@@ -233,9 +281,111 @@ class Processor:
 
     # ------------------------------------------------------------------ step protocol
     @property
+    def lost_after_s(self) -> float:
+        """Seconds without a working control connection before the controller counts as
+        lost, and the ZeroMQ heartbeat timeout: half the heartbeat timeout each, so a
+        silent controller host is declared lost within ``heartbeat_timeout_s``."""
+        return self.config.heartbeat_timeout_s / 2
+
+    @property
     def frozen(self) -> bool:
+        """No optimizer update can start: frozen by STOP, or paused at a drain limit."""
         with self._cond:
-            return self._frozen
+            return self._frozen or self._paused_at is not None
+
+    def on_controller_lost(self, exchange: Exchange) -> None:
+        """Let this rank write the checkpoint itself if the controller is lost.
+
+        ``exchange(record) -> records``: an all-gather of one JSON-able dict per rank, in
+        rank order, over a process group every rank made at start-up (the controller and
+        torchrun's store are gone; the group's connections are not). It must raise when a
+        rank is gone, or silent past its timeout. Without it, a lost controller ends the
+        rank with exit 78.
+        """
+        self._exchange = exchange
+
+    def request_stop(self, reason: str, exit_code: int = 143) -> bool:
+        """Ask the controller for a graceful stop of the job (this rank got SIGTERM/SIGINT).
+
+        Safe in a signal handler: it never waits for a lock another thread of this
+        process could hold for long (a lock the interrupted main thread holds is given
+        up after 50 ms and the I/O thread sends the request at its next wake-up, within
+        ``heartbeat_interval_s``). If no STOP or DRAIN follows within
+        ``heartbeat_timeout_s`` (and the controller is not lost), the rank ends with
+        ``exit_code`` (143: what SIGTERM's default action reports).
+
+        Returns:
+            False when there is no controller to ask (not registered yet, closed, ended):
+            the caller then takes the signal's default action.
+        """
+        if self._closed or self._exited is not None or not self._registered.is_set() or self._sock is None:
+            return False
+        if self._stop_request is None:
+            self._stop_request = (str(reason), int(exit_code), time.monotonic())
+        if self._cond.acquire(timeout=0.05):
+            try:
+                self._queue_stop_request_locked()
+            finally:
+                self._cond.release()
+        return True
+
+    def _queue_stop_request_locked(self) -> None:
+        if self._stop_request is not None and not self._stop_request_queued:
+            self._stop_request_queued = True
+            self._queue_locked(wire.StopRequest(self.rank, self._stop_request[0]))
+            log.warning("rank %d: %s: asking the controller for a graceful stop", self.rank, self._stop_request[0])
+
+    def pause_point(self, iteration: int) -> None:
+        """The training thread completed ``iteration`` (``train_step`` returned); pause here
+        while a graceful stop's limit says so (``iteration >= limit``).
+
+        While paused the rank is stable at UPDATED(``iteration``) and counts as frozen;
+        the controller's EXIT ends the process from the action thread. Returns at once
+        when no stop is under way (a lock and a comparison).
+
+        Raises:
+            ProcessorExited: the controller ended the rank and the exit handler returned.
+        """
+        timed_out = False
+        with self._cond:
+            self._completed = int(iteration)
+            if self._limit is None or iteration < self._limit or self._exited is not None:
+                return
+            self._paused_at = int(iteration)
+            st, it = self._state.snapshot()
+            if self.controller_lost_at is None:
+                self._queue_locked(wire.Stopped(self.rank, st.value, it, int(iteration)))
+            self._cond.notify_all()
+            log.warning("rank %d: paused after iteration %d (graceful stop)", self.rank, iteration)
+            deadline = time.monotonic() + self.freeze_deadline_s
+            try:
+                while self._limit is not None and iteration >= self._limit and self._exited is None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        timed_out = True
+                        break
+                    self._cond.wait(left)
+            finally:
+                self._paused_at = None
+            exited = self._exited
+            while exited is not None and not self._exit_returned:
+                self._cond.wait()  # the exit handler ends the process; a test double returns
+        if timed_out:
+            self._end(EXIT_CONTROLLER_LOST, f"rank {self.rank}: paused for {self.freeze_deadline_s:.0f} s "
+                      "without an action")
+        if exited is not None:
+            raise ProcessorExited(f"rank {self.rank}: job ended ({exited[1]})")
+
+    def _next_pause_locked(self) -> int:
+        """The iteration this rank is computing, or will compute next (-1: not started)."""
+        if self._completed is not None:
+            return self._completed + 1
+        st, it = self._state.snapshot()
+        if st is OptimizerStatus.UPDATING:
+            return it
+        if st is OptimizerStatus.UPDATED and it >= 0:
+            return it + 1
+        return -1
 
     def status(self) -> Tuple[OptimizerStatus, int]:
         """Authoritative (status, iteration)."""
@@ -290,22 +440,27 @@ class Processor:
             message = kind.value
         deadline = time.monotonic() + (self.freeze_deadline_s if timeout is None else timeout)
         with self._cond:
+            self._in_fault = True
             self._main_action = None
             status, _ = self._state.snapshot()
             self._queue_locked(wire.Fault(self.rank, int(iteration), kind.value, message, status.value))
             log.error("rank %d: %s fault at iteration %d reported: %s", self.rank, kind.value, iteration, message)
-            while self._main_action is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return wire.Action(-1, ActionKind.EXIT.value,
-                                       {"code": EXIT_CONTROLLER_LOST, "reason": "no action from the controller"})
-                self._cond.wait(left)
-            return self._main_action
+            try:
+                while self._main_action is None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return wire.Action(-1, ActionKind.EXIT.value,
+                                           {"code": EXIT_CONTROLLER_LOST, "reason": "no action from the controller"})
+                    self._cond.wait(left)
+                return self._main_action
+            finally:
+                self._in_fault = False
 
     def report_integrity(self, report: IntegrityReport) -> None:
         """Send the integrity of this rank's frozen state (from the VERIFY handler, so it
         reaches the controller before that action's result)."""
         with self._cond:
+            self._integrity = report
             self._queue_locked(wire.Integrity(self.rank, int(report.iteration), bool(report.shard_ok),
                                               str(report.shard_digest), bool(report.model_ok),
                                               str(report.model_digest), str(report.detail)[:1000]))
@@ -369,6 +524,8 @@ class Processor:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        if self._monitor is not None:
+            poller.register(self._monitor, zmq.POLLIN)
         hb = self.config.heartbeat_interval_s
         backoff = 0.1
         next_register = time.monotonic()
@@ -376,18 +533,22 @@ class Processor:
         try:
             while not self._stop_io.is_set():
                 now = time.monotonic()
-                if not self._registered.is_set() and now >= next_register:
+                lost = self.controller_lost_at is not None
+                if not lost and not self._registered.is_set() and now >= next_register:
                     self._register_attempts += 1
                     log.debug("rank %d: REGISTER #%d to %s:%s", self.rank, self._register_attempts, self.addr,
                               self.port)
                     self._send(self._register_body())
                     next_register = now + backoff
                     backoff = min(backoff * 2, 2.0)
-                if self._registered.is_set() and now >= next_hb:
+                if not lost and self._registered.is_set() and now >= next_hb:
                     st, it = self.status()
                     self._send(wire.Heartbeat(self.rank, it, st.value))
                     next_hb = now + hb
+                self._check_controller(now)
                 wake_at = next_hb if self._registered.is_set() else next_register
+                if self._disconnected_at is not None and self.controller_lost_at is None:
+                    wake_at = min(wake_at, self._disconnected_at + self.lost_after_s)
                 ready = dict(poller.poll(max(1, int((wake_at - time.monotonic()) * 1000))))
                 if self._wake_r in ready:
                     try:
@@ -395,19 +556,180 @@ class Processor:
                             pass
                     except BlockingIOError:
                         pass
+                if self._monitor is not None and self._monitor in ready:
+                    self._drain_monitor()
                 while True:
                     try:
                         frame = self._sock.recv(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
                     msg = self.codec.try_decode(frame.buffer, peer="controller")
-                    if msg is not None:
+                    if msg is not None and self.controller_lost_at is None:
                         self._handle(msg)
-                self._flush_outbox()
+                if self.controller_lost_at is None:
+                    with self._cond:
+                        self._queue_stop_request_locked()
+                    self._flush_outbox()
         except Exception:  # noqa: BLE001 - keep the reason in the log, never crash silently
             log.exception("rank %d: processor I/O thread failed", self.rank)
         finally:
             self._close_io()
+
+    def _drain_monitor(self) -> None:
+        """Connection events: a close starts the loss clock, a new authenticated connection stops it."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        while True:
+            try:
+                evt = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            now = time.monotonic()
+            if evt["event"] == zmq.EVENT_DISCONNECTED:
+                if self._disconnected_at is None and self._registered.is_set() and self.controller_lost_at is None:
+                    self._disconnected_at = now
+                    log.warning("rank %d: control connection to %s:%s closed; waiting up to %.1f s for a "
+                                "controller to answer", self.rank, self.addr, self.port, self.lost_after_s)
+            elif evt["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED and self._disconnected_at is not None:
+                log.warning("rank %d: control connection to %s:%s open again after %.2f s", self.rank, self.addr,
+                            self.port, now - self._disconnected_at)
+                self._disconnected_at = None
+
+    def _check_controller(self, now: float) -> None:
+        """Declare the controller lost (once), and end a rank whose stop request nobody answered."""
+        if self.controller_lost_at is None and self._disconnected_at is not None \
+                and now - self._disconnected_at > self.lost_after_s:
+            self.controller_lost_at = now
+            with self._cond:
+                done = self._exited is not None or self._closed
+            if done:
+                return
+            log.error("rank %d: CONTROLLER LOST: no controller at %s:%s for %.1f s (connection closed, no "
+                      "standby answered); training stops and the ranks write the checkpoint of the last completed "
+                      "iteration themselves", self.rank, self.addr, self.port, now - self._disconnected_at)
+            self._orphan = threading.Thread(target=self._without_controller, daemon=True,
+                                            name=f"mindspeed-ha-no-controller-{self.rank}")
+            self._orphan.start()
+            return
+        req = self._stop_request
+        if (req is not None and self.controller_lost_at is None and not self.stop_event.is_set()
+                and now - req[2] > self.config.heartbeat_timeout_s):
+            self._stop_request = None
+            threading.Thread(target=self._end, args=(req[1], f"{req[0]}: no controller acted on the stop request "
+                             f"within {self.config.heartbeat_timeout_s} s"), daemon=True).start()
+
+    # ------------------------------------------------------------------ without a controller
+    def _without_controller(self) -> None:
+        """The controller is lost: write the dying checkpoint with the other ranks, no controller.
+
+        Runs in its own thread; every rank runs the same steps, and each exchange is a
+        collective over the start-up process group (:meth:`on_controller_lost`):
+
+        1. each rank announces where it will pause (its drain limit if a graceful stop was
+           under way, else the iteration in progress); K = :func:`policy.agree_pause`;
+           every training thread pauses after iteration K (``pause_point``);
+        2. each rank verifies its state (if it can) and announces status, layout and
+           integrity report; every rank runs :func:`policy.plan_without_controller` on
+           the same records and gets the same plan;
+        3. dump, assemble, commit, each followed by an exchange of the results (a barrier).
+
+        Exit codes: 75 committed; 76 nothing complete; 77 a write failed (staging removed
+        by the savers' exit handler); 78 the ranks could not agree (a rank is gone or
+        silent: no exchange without every rank), or this rank was waiting for the
+        controller's action on a fault of its own.
+        """
+        try:
+            code, reason = self._checkpoint_without_controller()
+        except Exception as exc:  # noqa: BLE001 - any failure ends the rank with a clear code
+            log.exception("rank %d: checkpoint without the controller failed", self.rank)
+            code, reason = EXIT_CONTROLLER_LOST, f"controller lost; the ranks could not finish without it: " \
+                                                 f"{describe(exc)}"
+        self._end(code, reason)
+
+    def _checkpoint_without_controller(self) -> Tuple[int, str]:
+        exchange = self._exchange
+        if exchange is None:
+            return EXIT_CONTROLLER_LOST, "controller lost (no process group to agree without it)"
+        with self._cond:
+            if self._in_fault:
+                return EXIT_CONTROLLER_LOST, "controller lost while this rank waited for its action on a fault"
+            self._frozen = False  # a pause limit replaces any freeze
+            mine = self._limit if self._limit is not None else self._next_pause_locked()
+            self._limit = max(0, mine)
+        records = exchange({"rank": self.rank, "pause_at": mine})
+        k = agree_pause({int(r["rank"]): int(r["pause_at"]) for r in records})
+        if k is None:
+            return EXIT_NO_COMPLETE_DATA, "controller lost before any rank started an iteration; nothing written"
+        log.warning("rank %d: without the controller: every rank pauses after iteration %d", self.rank, k)
+        deadline = time.monotonic() + self.config.action_timeout_s
+        with self._cond:
+            self._limit = k
+            self._cond.notify_all()
+            while self._paused_at != k and self._exited is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            paused = self._paused_at == k
+        if not paused:
+            return EXIT_CONTROLLER_LOST, f"controller lost; this rank did not reach iteration {k} within " \
+                                         f"{self.config.action_timeout_s} s"
+        records = exchange(self._status_record())
+        ranks = {int(r["rank"]): _rank_info(r) for r in records}
+        save_dir = next((r["save_dir"] for r in records if r.get("save_dir")), None)
+        verified = any(info.verifies for info in ranks.values())
+        plan = plan_without_controller(ranks, save_dir, self.world_size, verified=verified)
+        if not isinstance(plan, DumpPlan):
+            return plan
+        log.warning("rank %d: without the controller: %s", self.rank, plan.reason)
+        params = plan.to_params(save_dir)
+        for kind, targets in ((ActionKind.DUMP, plan.savers()), (ActionKind.ASSEMBLE, plan.assemblers.values()),
+                              (ActionKind.COMMIT, (plan.committer,))):
+            ok, detail = True, "nothing to do"
+            if self.rank in set(targets):
+                with self._actions_cv:
+                    handler = self._handlers.get(kind.value)
+                try:
+                    ok, detail = handler(dict(params)) if handler else (False, f"no handler for {kind.value}")
+                except Exception as exc:  # noqa: BLE001 - a failed step is a result
+                    log.exception("rank %d: %s without the controller failed", self.rank, kind.value)
+                    ok, detail = False, describe(exc)
+            failed = [r for r in exchange({"rank": self.rank, "ok": bool(ok), "detail": str(detail)[:500]})
+                      if not r["ok"]]
+            if failed:
+                return EXIT_FAULT_UNRECOVERABLE, (f"controller lost; {kind.value} failed on rank {failed[0]['rank']}: "
+                                                  f"{failed[0]['detail']}; nothing committed")
+        return EXIT_DYING_CHECKPOINT_SAVED, (f"controller lost; the ranks committed the checkpoint of iteration "
+                                             f"{plan.iteration} to {save_dir} themselves")
+
+    def _status_record(self) -> Dict[str, Any]:
+        """This rank's paused state for the exchange: status, layout, --save, integrity."""
+        with self._actions_cv:
+            verify = self._handlers.get(ActionKind.VERIFY.value)
+        report = None
+        if verify is not None:
+            self._integrity = None
+            ok, detail = verify({})
+            report = self._integrity if ok else None
+            if not ok:
+                log.error("rank %d: verification failed: %s", self.rank, detail)
+        st, it = self.status()
+        return {"rank": self.rank, "status": st.value, "iteration": it, "save_dir": self.save_dir,
+                "layout": dataclasses.asdict(self.layout), "verifies": verify is not None,
+                "integrity": None if report is None else dict(dataclasses.asdict(report), detail=report.detail[:300])}
+
+    def _end(self, code: int, reason: str) -> None:
+        """End this rank with ``code`` as an EXIT from the controller would (exit handler)."""
+        with self._cond:
+            if self._exited is not None:
+                return
+            self._exited = (code, reason)
+            self._cond.notify_all()
+        self.close(code)
+        self.exit_handler(code, reason)
+        with self._cond:
+            self._exit_returned = True
+            self._cond.notify_all()
 
     def _close_io(self) -> None:
         """End of the I/O thread: flush, close the socket and context, then the wake pipe.
@@ -422,9 +744,15 @@ class Processor:
             log.exception("rank %d: cannot flush the control queue", self.rank)
         with self._cond:
             goodbye = self._goodbye_queued
-        ctx, sock = self._ctx, self._sock
-        self._ctx = self._sock = None
-        wire.close_all(ctx, sock, linger_ms=GOODBYE_LINGER_MS if goodbye else 0)
+        ctx, sock, monitor = self._ctx, self._sock, self._monitor
+        self._ctx = self._sock = self._monitor = None
+        if monitor is not None:
+            try:
+                sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+        lost = self.controller_lost_at is not None  # nobody to say goodbye to: no linger
+        wire.close_all(ctx, monitor, sock, linger_ms=GOODBYE_LINGER_MS if goodbye and not lost else 0)
         with self._cond:  # pokes happen under this lock: never write to a closed (reused) fd
             fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
         for fd in fds:
@@ -453,12 +781,34 @@ class Processor:
                 self._outbox.append(wire.Stopped(self.rank, st.value, it))
             self.stop_event.set()
             log.warning("rank %d: STOP (%s); frozen at %s@%d", self.rank, body.reason, st.value, it)
+        elif t is wire.MsgType.DRAIN:
+            self._drain(body)
         elif t is wire.MsgType.ACTION:
             with self._actions_cv:
                 self._actions.append(body)
                 self._actions_cv.notify()
         else:
             self.codec.rejected["unexpected_type"] += 1
+
+    def _drain(self, body: wire.Drain) -> None:
+        """DRAIN(-1): set the pause limit at the iteration in progress, announce it (DRAINING).
+        DRAIN(K): move the limit to K; a rank already paused after K says so again (STOPPED)."""
+        with self._cond:
+            if self.stop_received_at is None:
+                self.stop_received_at = time.monotonic()
+            if body.until < 0:
+                mine = self._next_pause_locked()
+                self._limit = max(0, mine)  # not started: pause after the first iteration
+                self._outbox.append(wire.Draining(self.rank, mine))
+            else:
+                mine = body.until
+                self._limit = body.until
+                if self._paused_at is not None and self._paused_at >= body.until:
+                    st, it = self._state.snapshot()
+                    self._outbox.append(wire.Stopped(self.rank, st.value, it, self._paused_at))
+            self._cond.notify_all()
+        self.stop_event.set()
+        log.warning("rank %d: graceful stop (%s): pausing after iteration %d", self.rank, body.reason, mine)
 
     def _action_loop(self) -> None:
         while True:
@@ -501,3 +851,15 @@ class Processor:
             self._main_action = action
             self._cond.notify_all()
         self.exit_handler(code, reason)
+        with self._cond:
+            self._exit_returned = True
+            self._cond.notify_all()
+
+
+def _rank_info(record: Dict[str, Any]) -> RankInfo:
+    """A rank's exchanged record as the policy reads it (paused, so stopped and authoritative)."""
+    integ = record.get("integrity")
+    return RankInfo(rank=int(record["rank"]), layout=Layout(**record["layout"]), stopped=True,
+                    status=OptimizerStatus(record["status"]), iteration=int(record["iteration"]),
+                    save_dir=record.get("save_dir"), verifies=bool(record.get("verifies")),
+                    integrity=None if integ is None else IntegrityReport(**integ))

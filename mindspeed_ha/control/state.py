@@ -17,6 +17,9 @@ checkpoint of that state is saved as.
 Job phase (``Phase``), driven by :func:`mindspeed_ha.control.policy.decide`::
 
     RUNNING -> STOPPING -> VERIFYING -> DUMPING -> ASSEMBLING -> COMMITTING -> EXITING -> DONE
+    RUNNING -> DRAINING (graceful stop requested: SIGTERM/SIGINT) -> VERIFYING / DUMPING (every
+        rank paused at the agreed iteration) | STOPPING (a fault, or the drain took more than
+        half the preemption deadline: abandon the iteration) | EXITING | DONE (training ended)
     STOPPING -> DUMPING  (no usable rank can verify its state: test doubles)
     STOPPING / VERIFYING / DUMPING / ASSEMBLING -> EXITING  (no save dir, no complete data, failure)
     RUNNING -> EXITING (unrecoverable before a stop round), RUNNING -> DONE (all said goodbye)
@@ -106,6 +109,7 @@ class Phase(str, enum.Enum):
     """Phase of the whole job as the controller sees it."""
 
     RUNNING = "running"
+    DRAINING = "draining"
     STOPPING = "stopping"
     VERIFYING = "verifying"
     DUMPING = "dumping"
@@ -116,7 +120,8 @@ class Phase(str, enum.Enum):
 
 
 PHASE_MOVES: Dict[Phase, FrozenSet[Phase]] = {
-    Phase.RUNNING: frozenset({Phase.STOPPING, Phase.EXITING, Phase.DONE}),
+    Phase.RUNNING: frozenset({Phase.STOPPING, Phase.DRAINING, Phase.EXITING, Phase.DONE}),
+    Phase.DRAINING: frozenset({Phase.STOPPING, Phase.VERIFYING, Phase.DUMPING, Phase.EXITING, Phase.DONE}),
     Phase.STOPPING: frozenset({Phase.VERIFYING, Phase.DUMPING, Phase.EXITING}),
     Phase.VERIFYING: frozenset({Phase.DUMPING, Phase.EXITING}),
     Phase.DUMPING: frozenset({Phase.ASSEMBLING, Phase.EXITING}),
@@ -185,6 +190,7 @@ class RankInfo:
     sender: str = ""
     verifies: bool = False  # answers VERIFY with an integrity report (REGISTER)
     integrity: Any = None  # integrity.IntegrityReport of the frozen state, once reported
+    pause_at: Optional[int] = None  # graceful stop, first round: where the rank said it pauses (-1: not started)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +200,15 @@ class FaultRecord:
     at: float
     rank: int
     kind: FaultKind
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class StopRequest:
+    """A graceful stop was asked for (SIGTERM/SIGINT): when, by whom (-1: the launcher), why."""
+
+    at: float
+    rank: int
     reason: str
 
 
@@ -235,6 +250,8 @@ class ClusterState:
     exit_reason: str = ""
     run_id: str = ""
     unregistered_exits: Dict[int, Tuple[Optional[int], str, float]] = dataclasses.field(default_factory=dict)
+    stop_request: Optional[StopRequest] = None  # graceful stop (preemption), the first request
+    drain_until: Optional[int] = None  # graceful stop: the iteration every rank pauses after
 
     def set_phase(self, new: Phase, now: float, why: str = "") -> None:
         """Move the job to ``new`` or raise IllegalTransition (logged)."""
@@ -251,6 +268,17 @@ class ClusterState:
             self.fault = FaultRecord(at, rank, FaultKind(kind), reason)
             return True
         return False
+
+    def request_stop(self, at: float, rank: int, reason: str) -> bool:
+        """Record a graceful-stop request; True if it is the first one.
+
+        Only a running job is stopped gracefully: once a fault round (or a graceful stop)
+        is under way, or the job is over, the request changes nothing.
+        """
+        if self.stop_request is not None or self.phase is not Phase.RUNNING:
+            return False
+        self.stop_request = StopRequest(at, rank, reason)
+        return True
 
     def mark_dead(self, rank: int, reason: str, exit_code: Optional[int] = None, at: Optional[float] = None) -> bool:
         """Mark ``rank`` dead (evidence at time ``at``); return True if it was alive.

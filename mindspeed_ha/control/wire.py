@@ -48,7 +48,9 @@ from mindspeed_ha.control.state import Layout
 log = logging.getLogger(__name__)
 
 #: 2: REGISTER says whether the rank verifies its state; INTEGRITY answers VERIFY
-SCHEMA_VERSION = 2
+#: 3: graceful stop: STOP_REQUEST (a rank got SIGTERM/SIGINT), DRAIN / DRAINING (finish the
+#:    current iteration, pause at an agreed one), STOPPED.pause_at
+SCHEMA_VERSION = 3
 TAG_BYTES = 32
 DEFAULT_MAX_BYTES = 1 << 20
 #: what CURVE adds to a frame on the wire (MESSAGE command, nonce, MAC: 33 bytes), rounded up
@@ -77,6 +79,9 @@ class MsgType(str, enum.Enum):
     ACTION_RESULT = "action_result"
     INTEGRITY = "integrity"
     GOODBYE = "goodbye"
+    STOP_REQUEST = "stop_request"
+    DRAIN = "drain"
+    DRAINING = "draining"
 
 
 # --------------------------------------------------------------------------- bodies
@@ -143,11 +148,48 @@ class Stop:
 
 @dataclasses.dataclass(frozen=True)
 class Stopped:
-    """processor -> controller: frozen; ``status``/``iteration`` are authoritative."""
+    """processor -> controller: frozen; ``status``/``iteration`` are authoritative.
+
+    ``pause_at``: -1 answers a STOP (frozen against starting an update); k >= 0 says the
+    rank's training thread is paused after iteration k at the limit a DRAIN set (the
+    controller counts it only when k is the drain target it released).
+    """
 
     rank: int
     status: str
     iteration: int
+    pause_at: int = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class StopRequest:
+    """processor -> controller: this rank got a termination signal (e.g. SIGTERM from a
+    scheduler); asks for a graceful stop of the whole job."""
+
+    rank: int
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Drain:
+    """controller -> processor: graceful stop.
+
+    ``until`` -1 (first round): pause at the end of the iteration now in progress and
+    answer DRAINING with it. ``until`` k: pause at the end of iteration k (every rank gets
+    the same k, the highest any rank announced), then answer STOPPED(pause_at=k).
+    """
+
+    reason: str
+    until: int = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class Draining:
+    """processor -> controller: answer to DRAIN(-1): the iteration after which this rank
+    will pause (-1: it has not started its first iteration yet)."""
+
+    rank: int
+    pause_at: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +245,9 @@ BODY_TYPES: Dict[MsgType, Type[Any]] = {
     MsgType.ACTION_RESULT: ActionResult,
     MsgType.INTEGRITY: Integrity,
     MsgType.GOODBYE: Goodbye,
+    MsgType.STOP_REQUEST: StopRequest,
+    MsgType.DRAIN: Drain,
+    MsgType.DRAINING: Draining,
 }
 _TYPE_OF = {cls: t for t, cls in BODY_TYPES.items()}
 
@@ -443,6 +488,6 @@ __all__ = [
     "SCHEMA_VERSION", "MsgType", "Message", "Codec", "WireError", "new_sender", "configure_socket", "close_all",
     "endpoint",
     "Register", "Registered", "Heartbeat", "Status", "Fault", "Stop", "Stopped", "Action", "ActionResult",
-    "Integrity", "Goodbye", "BODY_TYPES", "Layout",
+    "Integrity", "Goodbye", "StopRequest", "Drain", "Draining", "BODY_TYPES", "Layout",
 ]
 
