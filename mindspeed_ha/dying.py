@@ -4,15 +4,18 @@ Runs in the processor's action thread while the training thread may be blocked i
 collective with a dead peer, so nothing here uses a collective. Three phases, each
 driven by the controller (``control.policy``):
 
-1. ``dump``: every chosen *shard saver* writes its distributed-optimizer shard
-   (main params, ``exp_avg``, ``exp_avg_sq``; fp32, ``gbuf_local`` layout) to
-   ``<save>/.mindspeed_ha_dying_iter_XXXXXXX/shards/``; every chosen *model saver*
-   writes ``iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt`` into the staging dir.
-2. ``assemble``: one rank per (TP, PP) concatenates the shard files into
-   ``distrib_optim.pt`` in megatron-core's DP-zero format (the layout that
-   ``DistributedOptimizer.get_parameter_state_dp_zero`` produces and
+1. ``dump``: every chosen *shard saver* writes its distributed-optimizer shard (main
+   params, ``exp_avg``, ``exp_avg_sq``; fp32) in place into the stage's
+   ``iter_XXXXXXX/mp_rank_TT[_PPP]/distrib_optim.pt`` under
+   ``<save>/.mindspeed_ha_dying_iter_XXXXXXX/``: the file is megatron-core's DP-zero
+   format (the layout ``DistributedOptimizer.get_parameter_state_dp_zero`` produces and
    ``load_parameter_state`` reads; megatron/core/optimizer/distrib_optimizer.py,
-   core_v0.12.1), which is DP-size independent (buckets unpadded).
+   core_v0.12.1), DP-size independent (buckets unpadded), a ``torch.save`` archive whose
+   layout every saver of the stage computes alike (:mod:`.recovery.dp_zero`), so each
+   byte is written once, by the saver that holds it, in parallel with the others. Every
+   chosen *model saver* writes ``model_optim_rng.pt`` there.
+2. ``assemble``: one rank per (TP, PP) checks that the shard savers' ranges tile
+   ``distrib_optim.pt`` exactly and sets its CRC-32 fields (a few bytes).
 3. ``commit``: one rank validates the staged ``iter_XXXXXXX``, fsyncs, renames it into
    ``<save>`` and updates ``latest_checkpointed_iteration.txt`` (temp + fsync + rename).
    Until then a loader cannot see anything: the staging dir starts with a dot and the
@@ -39,6 +42,8 @@ import hashlib
 import logging
 import os
 import shutil
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -56,27 +61,75 @@ ENV_KEEP_FAILED_STAGING = "MINDSPEED_HA_KEEP_FAILED_STAGING"
 
 @dataclass
 class IterationSnapshot:
-    """Small per-iteration state taken when the optimizer update of ``iteration`` ends.
+    """What a regular save of ``iteration`` would write that the live objects may no longer
+    hold when the dying checkpoint is written (the training thread moved on, or stopped
+    half-way through Megatron-LM's bookkeeping). Each value is taken where Megatron-LM
+    holds it for ``iteration``, never recomputed from the iteration number.
+
+    Filled in this order (:class:`mindspeed_ha.runtime.HARuntime` and
+    ``patches/megatron_state.py``):
+
+    1. the optimizer update of ``iteration`` ended: ``rng_state``;
+    2. ``train_step`` returned: ``rerun_state``, ``scheduler_state`` (stepped by
+       ``train_step`` after the update), ``rng_states`` (gathered over the DP group with
+       ``--data-parallel-random-init``: a collective, impossible once a peer is dead),
+       ``returned``;
+    3. Megatron-LM's ``train`` counted the iteration (``num_floating_point_operations``
+       called right after ``consumed_train_samples`` / ``skipped_train_samples`` were
+       increased): ``args`` (provisional), ``flops``;
+    4. ``checkpoint_and_decide_exit(iteration, ..., num_floating_point_operations_so_far,
+       ...)``, where Megatron-LM's periodic save of ``iteration`` runs (after the
+       evaluation of ``iteration``): ``args`` and ``flops`` final, as that save sees them.
+       Without Megatron-LM's loop (the built-in trainer): ``args`` when the next
+       ``train_step`` starts.
 
     Attributes:
-        iteration: the iteration whose update just completed.
-        rng_state: this rank's RNG state in Megatron-LM's checkpoint format.
-        rerun_state: the rerun state machine's checkpoint entry, taken again when
-            ``train_step`` of ``iteration`` returned (where a regular save takes it).
+        iteration: the iteration whose update completed.
+        rng_state: this rank's RNG state (:func:`~mindspeed_ha.integrations.megatron_lm.collect_rng_state`).
+        rerun_state: the rerun state machine's checkpoint entry.
+        rng_states: Megatron-LM's ``rng_state`` list (one state per DP rank under
+            ``--data-parallel-random-init``, else None: ``[rng_state]``).
+        scheduler_state: ``opt_param_scheduler.state_dict()`` as ``train_step`` left it.
+        returned: ``train_step`` of ``iteration`` returned.
+        args: shallow copy of the run's args after Megatron-LM counted ``iteration``
+            (``consumed_train_samples``, ``skipped_train_samples``, ``consumed_valid_samples``...).
+        args_final: ``args`` were taken where a regular save of ``iteration`` reads them.
+        flops: ``num_floating_point_operations_so_far`` after ``iteration`` (FLOPs).
+        flops_before: the same after the previous iteration (None: unknown).
     """
 
     iteration: int
     rng_state: Any
     rerun_state: Any = None
+    rng_states: Optional[List[Any]] = None
+    scheduler_state: Optional[Dict[str, Any]] = None
+    returned: bool = False
+    args: Any = None
+    args_final: bool = False
+    flops: Optional[float] = None
+    flops_before: Optional[float] = None
+
+    def take_args(self, args, final: bool, flops: Optional[float] = None) -> None:
+        """Keep a shallow copy of ``args`` (and ``flops`` when given) unless final ones are held."""
+        if self.args_final or args is None:
+            return
+        self.args = copy.copy(args)
+        self.args_final = final
+        if flops is not None:
+            self.flops = flops
+
+    def count_flops(self, flops_in_batch: float) -> bool:
+        """Megatron-LM's ``num_floating_point_operations_so_far += flops_in_batch`` for this
+        iteration, once, after ``train_step`` returned. Returns whether it counted."""
+        if not self.returned or self.flops is not None or self.flops_before is None:
+            return False
+        self.flops = self.flops_before + flops_in_batch
+        return True
 
 
 def staging_root(save_dir: str, iteration: int) -> str:
     """Hidden staging directory for the dying checkpoint of ``iteration`` (same filesystem as ``save_dir``)."""
     return os.path.join(save_dir, f".mindspeed_ha_dying_iter_{iteration:07d}")
-
-
-def shard_path(save_dir: str, iteration: int, tp: int, pp: int, shard_id: int) -> str:
-    return os.path.join(staging_root(save_dir, iteration), "shards", f"tp{tp:02d}_pp{pp:03d}_s{shard_id:04d}.pt")
 
 
 def _atomic_torch_save(obj, path: str) -> None:
@@ -168,10 +221,15 @@ class IntegrityError(RuntimeError):
 
 
 class _Digest:
-    """blake2b over names, dtypes, shapes and bytes, in a fixed order; counts non-finite values."""
+    """blake2b over names, dtypes, shapes and bytes, in a fixed order; counts non-finite values.
 
-    def __init__(self):
+    ``check_finite=False`` skips the count (same digest): a saver matching a trusted digest
+    needs no second finite pass, equal bytes are the bytes verified finite.
+    """
+
+    def __init__(self, check_finite: bool = True):
         self._h = hashlib.blake2b(digest_size=16)
+        self.check_finite = check_finite
         self.problems: List[str] = []
 
     def meta(self, text: str) -> None:
@@ -182,7 +240,7 @@ class _Digest:
 
         t = t.detach()
         self.meta(f"{name}|{t.dtype}|{tuple(t.shape)}")
-        if t.is_floating_point() and t.numel():
+        if self.check_finite and t.is_floating_point() and t.numel():
             finite = torch.isfinite(t)
             if not bool(finite.all()):
                 bad = int(t.numel() - finite.sum())
@@ -210,14 +268,19 @@ class _Digest:
         return not self.problems, self._h.hexdigest(), "; ".join(self.problems[:5])
 
 
-def _digest_shard_buckets(num_shards: int, buckets) -> Tuple[bool, str, str]:
-    d = _Digest()
+def _digest_shard_bucket(d: _Digest, bucket) -> None:
+    gbuf_idx, buf_numel, dtype_key, bucket_idx, b = bucket
+    name = f"buffer {gbuf_idx} ({buf_numel}) {dtype_key} bucket {bucket_idx}"
+    d.meta(f"{name}|{b['gbuf_world_numel']}|{b['numel_unpadded']}")
+    for k in _STATE_KEYS:
+        d.tensor(f"{k} of {name}", b[k])
+
+
+def _digest_shard_buckets(num_shards: int, buckets, check_finite: bool = True) -> Tuple[bool, str, str]:
+    d = _Digest(check_finite)
     d.meta(f"num_shards={num_shards}")
-    for gbuf_idx, buf_numel, dtype_key, bucket_idx, b in buckets:
-        name = f"buffer {gbuf_idx} ({buf_numel}) {dtype_key} bucket {bucket_idx}"
-        d.meta(f"{name}|{b['gbuf_world_numel']}|{b['numel_unpadded']}")
-        for k in _STATE_KEYS:
-            d.tensor(f"{k} of {name}", b[k])
+    for bucket in buckets:
+        _digest_shard_bucket(d, bucket)
     return d.result()
 
 
@@ -239,35 +302,36 @@ def _param_names(ctx: "DyingContext") -> Dict[str, List[str]]:
             for key, chunk in zip(_model_chunk_keys(len(chunks)), chunks)}
 
 
-def _digest_params(items) -> Tuple[bool, str, str]:
-    d = _Digest()
+def _digest_params(items, check_finite: bool = True) -> Tuple[bool, str, str]:
+    d = _Digest(check_finite)
     for name, t in items:
         d.tensor(name, t)
     return d.result()
 
 
-def model_state_digest(state: Dict[str, Any], names: Dict[str, List[str]]) -> Tuple[bool, str, str]:
+def model_state_digest(state: Dict[str, Any], names: Dict[str, List[str]],
+                       check_finite: bool = True) -> Tuple[bool, str, str]:
     """Digest of the model parameters ``names`` (chunk key -> names) in a ``model_optim_rng.pt`` state."""
-    return _digest_params((f"{key}.{n}", state[key][n]) for key, ns in names.items() for n in ns)
+    return _digest_params(((f"{key}.{n}", state[key][n]) for key, ns in names.items() for n in ns), check_finite)
 
 
-def _live_model_digest(ctx: "DyingContext") -> Tuple[bool, str, str]:
+def _live_model_digest(ctx: "DyingContext", check_finite: bool = True) -> Tuple[bool, str, str]:
     chunks = mlm.unwrap_model(ctx.model)
     chunks = chunks if isinstance(chunks, list) else [chunks]
     params = {key: dict(chunk.named_parameters()) for key, chunk in zip(_model_chunk_keys(len(chunks)), chunks)}
-    return _digest_params((f"{key}.{n}", ps[n]) for key, ps in params.items() for n in sorted(ps))
+    return _digest_params(((f"{key}.{n}", ps[n]) for key, ps in params.items() for n in sorted(ps)), check_finite)
 
 
-def _live_shard_digest(ctx: "DyingContext") -> Tuple[bool, str, str]:
+def _live_shard_digest(ctx: "DyingContext", check_finite: bool = True) -> Tuple[bool, str, str]:
     """The optimizer part: the distributed optimizer's shard, else the whole optimizer state
     (a non-distributed optimizer, saved inside ``model_optim_rng.pt``); "" without optimizer."""
     opt = _unwrap_distributed_optimizer(ctx.optimizer)
     if opt is not None:
         num_shards = _num_shards(opt)
-        return _digest_shard_buckets(num_shards, _shard_buckets(opt, num_shards))
+        return _digest_shard_buckets(num_shards, _shard_buckets(opt, num_shards), check_finite)
     if ctx.optimizer is None or getattr(ctx.args, "no_save_optim", False):
         return True, "", ""
-    d = _Digest()
+    d = _Digest(check_finite)
     d.value("optimizer", ctx.optimizer.state_dict())
     return d.result()
 
@@ -297,43 +361,6 @@ def _expect(what: str, got: Tuple[bool, str, str], trusted: str) -> None:
                              f"{f' ({problems})' if problems else ''}; the state changed after verification")
 
 
-def assemble_dp_zero(shards: List[Dict[str, Any]]) -> Dict[Any, Any]:
-    """Merge the ``c`` shards of one (TP, PP) stage, in shard order, into the DP-zero state.
-
-    Raises:
-        ValueError: shards missing, duplicated or of mismatching layout.
-    """
-    import torch
-
-    if not shards:
-        raise ValueError("no shards to assemble")
-    c = shards[0]["num_shards"]
-    if len(shards) != c or any(s["num_shards"] != c for s in shards):
-        raise ValueError(f"expected {c} shards, got {len(shards)}")
-    state: Dict[Any, Any] = {"buckets_coalesced": True}
-    for gbuf_idx, buf in shards[0]["buffers"].items():
-        dtype_state = {}
-        for dtype_key, buckets in buf["dtypes"].items():
-            total = buf["numel_unpadded"]
-            world = {k: torch.zeros((total,), dtype=torch.float32) for k in _STATE_KEYS}
-            world["numel_unpadded"] = total
-            offset = 0
-            for bucket_idx, b0 in enumerate(buckets):
-                n = b0["numel_unpadded"]
-                for k in _STATE_KEYS:
-                    parts = [s["buffers"][gbuf_idx]["dtypes"][dtype_key][bucket_idx][k] for s in shards]
-                    full = torch.cat(parts)
-                    if full.numel() != b0["gbuf_world_numel"]:
-                        raise ValueError(f"bucket {bucket_idx}: shard sizes do not add up")
-                    world[k][offset:offset + n].copy_(full[:n])
-                offset += n
-            if offset != total:
-                raise ValueError(f"buffer {gbuf_idx}: buckets cover {offset} of {total} elements")
-            dtype_state[dtype_key] = world
-        state[gbuf_idx] = dtype_state
-    return state
-
-
 @dataclass
 class DyingContext:
     """What a rank needs to take part in a dying checkpoint (set by the runtime)."""
@@ -355,77 +382,138 @@ def checkpoint_format(args) -> str:
 
 def _model_state(ctx: DyingContext, iteration: int, snapshot: IterationSnapshot,
                  ckpt_format: str = "torch") -> Dict[str, Any]:
-    args = copy.copy(ctx.args)
-    args.iteration = iteration
-    gbs = getattr(args, "global_batch_size", None)
-    if gbs:
-        args.consumed_train_samples = iteration * gbs
-    # num_floating_point_operations_so_far is a statistic of the training loop the runtime
-    # cannot see: left out (Megatron-LM's loader reads 0).
-    state = mlm.generate_state_dict(
-        args, mlm.unwrap_model(ctx.model), ctx.optimizer, ctx.opt_param_scheduler, [snapshot.rng_state],
+    """``model_optim_rng.pt`` of ``iteration`` as Megatron-LM's ``save_checkpoint`` writes it
+    (key by key; ``tests/test_megatron_counters.py`` compares them), from ``snapshot``.
+
+    When ``train_step`` of ``iteration`` did not return (a fault in the collectives after
+    the optimizer update), Megatron-LM's scheduler step and counting of the iteration are
+    done on copies with Megatron-LM's own functions
+    (:func:`~mindspeed_ha.integrations.megatron_lm.count_iteration`).
+
+    Raises:
+        RuntimeError: ``--data-parallel-random-init`` and the DP ranks' RNG states of
+            ``iteration`` were not gathered (a fault during that gather).
+    """
+    args, sched, flops = snapshot.args, snapshot.scheduler_state, snapshot.flops
+    if not snapshot.returned:
+        args, sched, flops = mlm.count_iteration(args if args is not None else ctx.args,
+                                                 ctx.opt_param_scheduler, snapshot.flops_before)
+    elif args is None:  # counted by the training loop, not yet copied: the live args hold it
+        args = copy.copy(ctx.args)
+    if flops is None:
+        flops = getattr(args, "num_floating_point_operations_so_far", None)
+    rng_states = snapshot.rng_states
+    if rng_states is None:
+        if mlm.needs_rng_gather(args):
+            raise RuntimeError(f"iteration {iteration}: --data-parallel-random-init needs every data-parallel "
+                               "rank's RNG state and they were not gathered (a fault during the gather)")
+        rng_states = [snapshot.rng_state]
+    return mlm.generate_state_dict(
+        args, mlm.unwrap_model(ctx.model), ctx.optimizer, ctx.opt_param_scheduler, rng_states,
         iteration=iteration, rerun_state=mlm.rerun_state(ckpt_format, snapshot.rerun_state),
-        ckpt_format=ckpt_format,
+        num_floating_point_operations_so_far=flops, ckpt_format=ckpt_format, scheduler_state=sched,
     )
-    sched = state.get("opt_param_scheduler")
-    if isinstance(sched, dict) and gbs and "num_steps" in sched:
-        # The LR scheduler steps after the optimizer update; the update of ``iteration``
-        # may have finished without it (fault in between), so state it explicitly.
-        sched["num_steps"] = iteration * gbs
-    return state
+
+
+class _Steps:
+    """Seconds per named step of one phase on one rank (for the action's result line)."""
+
+    def __init__(self):
+        self.seconds: Dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    def __str__(self) -> str:
+        return " ".join(f"{k}={v:.3f}s" for k, v in self.seconds.items())
+
+
+def _model_path(ctx: DyingContext, iteration: int) -> str:
+    return mlm.get_checkpoint_name(staging_root(ctx.args.save, iteration), iteration,
+                                   pipeline_parallel=ctx.pp_size > 1, tensor_rank=ctx.tp_rank,
+                                   pipeline_rank=ctx.pp_rank)
 
 
 def dump(ctx: DyingContext, iteration: int, snapshot: Optional[IterationSnapshot],
          write_shard: bool, write_model: bool, shard_digest: str = "", model_digest: str = "") -> str:
-    """Phase 1 on one rank. Returns a one-line description of what was written.
+    """Phase 1 on one rank. Returns a one-line description of what was written, with the
+    seconds of each step in brackets.
 
     ``shard_digest`` / ``model_digest``: the digests the policy trusted for this rank's
-    shard / model (DumpPlan; "" = not verified). What was written is read back and must
-    have them (``torch_dist``: the state in memory is checked before it is written).
+    shard / model (DumpPlan; "" = not verified). The bytes written are digested in memory,
+    from the very buffers handed to the write, and must have them: the file then holds
+    what the VERIFY round checked (finite, agreed by the majority) whatever the state did
+    since. A mismatch fails the dump after the write; the staging dir is never
+    published then (EXIT 77, :func:`discard`).
 
     Raises:
         RuntimeError: this rank has no snapshot for ``iteration`` (its state moved on).
         IntegrityError: what was written is not what was verified (the caller's action
             fails: EXIT 77, nothing published).
     """
-    save = ctx.args.save
     if snapshot is None or snapshot.iteration != iteration:
         have = None if snapshot is None else snapshot.iteration
         raise RuntimeError(f"no consistent state for iteration {iteration} (snapshot at {have})")
+    steps = _Steps()
     if checkpoint_format(ctx.args) == "torch_dist":
-        if write_shard and shard_digest:
-            _expect("optimizer shard in memory", _live_shard_digest(ctx), shard_digest)
-        if write_model and model_digest:
-            _expect("model parameters in memory", _live_model_digest(ctx), model_digest)
-        return _dump_torch_dist(ctx, iteration, snapshot, write_shard, write_model)
+        with steps("check"):
+            if write_shard and shard_digest:
+                _expect("optimizer shard in memory", _live_shard_digest(ctx, check_finite=False), shard_digest)
+            if write_model and model_digest:
+                _expect("model parameters in memory", _live_model_digest(ctx, check_finite=False), model_digest)
+        with steps("write"):
+            out = _dump_torch_dist(ctx, iteration, snapshot, write_shard, write_model)
+        return f"{out} [{steps}]"
     written = []
-    distributed = _unwrap_distributed_optimizer(ctx.optimizer) is not None
-    if write_shard and distributed:
-        path = shard_path(save, iteration, ctx.tp_rank, ctx.pp_rank, ctx.shard_id)
-        shard = local_optimizer_shard(ctx.optimizer)
-        shard["iteration"] = iteration
-        _atomic_torch_save(shard, path)
-        if shard_digest:
-            _expect(f"written {os.path.basename(path)}", shard_file_digest(_load(path)), shard_digest)
-        written.append(os.path.basename(path))
+    opt = _unwrap_distributed_optimizer(ctx.optimizer)
+    if write_shard and opt is not None:
+        written.append(_dump_dp_zero_shard(ctx, opt, iteration, shard_digest, steps))
     if write_model:
-        path = mlm.get_checkpoint_name(
-            staging_root(save, iteration), iteration,
-            pipeline_parallel=ctx.pp_size > 1, tensor_rank=ctx.tp_rank, pipeline_rank=ctx.pp_rank,
-        )
-        _atomic_torch_save(_model_state(ctx, iteration, snapshot), path)
-        rel = os.path.relpath(path, staging_root(save, iteration))
-        if model_digest or (shard_digest and not distributed):
-            state = _load(path)
+        path = _model_path(ctx, iteration)
+        rel = os.path.relpath(path, staging_root(ctx.args.save, iteration))
+        with steps("model_state"):
+            state = _model_state(ctx, iteration, snapshot)
+        with steps("model_check"):
             if model_digest:
-                _expect(f"model parameters in written {rel}", model_state_digest(state, _param_names(ctx)),
+                _expect(f"model parameters of {rel}", model_state_digest(state, _param_names(ctx), False),
                         model_digest)
-            if shard_digest and not distributed and "optimizer" in state:
-                d = _Digest()
+            if shard_digest and opt is None and "optimizer" in state:
+                d = _Digest(check_finite=False)
                 d.value("optimizer", state["optimizer"])
-                _expect(f"optimizer state in written {rel}", d.result(), shard_digest)
+                _expect(f"optimizer state of {rel}", d.result(), shard_digest)
+        with steps("model_write"):
+            _atomic_torch_save(state, path)
         written.append(rel)
-    return ", ".join(written) or "nothing"
+    return f"{', '.join(written)} [{steps}]" if written else "nothing"
+
+
+def _dump_dp_zero_shard(ctx: DyingContext, opt, iteration: int, shard_digest: str, steps: _Steps) -> str:
+    """This rank's shard, written in place into the stage's ``distrib_optim.pt`` (:mod:`.recovery.dp_zero`),
+    digested bucket by bucket just before each bucket's bytes are written."""
+    from mindspeed_ha.recovery import dp_zero
+
+    num_shards = _num_shards(opt)
+    path = mlm.get_distributed_optimizer_checkpoint_name(_model_path(ctx, iteration))
+    rel = os.path.relpath(path, staging_root(ctx.args.save, iteration))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with steps("plan"):
+        plan = dp_zero.FilePlan(dp_zero.layout_of(opt))
+    digest = _Digest(check_finite=False) if shard_digest else None
+    if digest is not None:
+        digest.meta(f"num_shards={num_shards}")
+    with steps("shard_write"):
+        nbytes = dp_zero.write_shard(
+            path, plan, ctx.shard_id, num_shards, _shard_buckets(opt, num_shards),
+            staging_root(ctx.args.save, iteration), ctx.tp_rank, ctx.pp_rank, iteration,
+            before_write=None if digest is None else (lambda bucket: _digest_shard_bucket(digest, bucket)))
+    if digest is not None:
+        _expect(f"shard {ctx.shard_id} written to {rel}", digest.result(), shard_digest)
+    return f"{rel} shard {ctx.shard_id}/{num_shards} ({nbytes} B)"
 
 
 def _load(path: str) -> Dict[str, Any]:
@@ -469,30 +557,29 @@ def _dump_torch_dist(ctx: DyingContext, iteration: int, snapshot: IterationSnaps
 
 
 def assemble(ctx: DyingContext, iteration: int) -> str:
-    """Phase 2 on one rank per (TP, PP): shard files -> ``distrib_optim.pt`` (``torch``;
-    ``torch_dist`` parts are merged by :func:`commit`)."""
+    """Phase 2 on one rank per (TP, PP), after every saver: ``distrib_optim.pt`` checked
+    complete (every byte of every tensor written by exactly one shard saver) and its
+    CRC-32 fields set (:func:`.recovery.dp_zero.finalize`; ``torch``). ``torch_dist``
+    parts are merged by :func:`commit`.
+
+    Raises:
+        DPZeroError: a shard saver's writes are missing or do not tile the file.
+    """
     if checkpoint_format(ctx.args) == "torch_dist":
         return "torch_dist: parts are merged at commit"
     opt = _unwrap_distributed_optimizer(ctx.optimizer)
     if opt is None:
         return "no distributed optimizer: nothing to assemble"
-    save = ctx.args.save
-    c = opt.data_parallel_group.size()
-    shards = []
-    for j in range(c):
-        path = shard_path(save, iteration, ctx.tp_rank, ctx.pp_rank, j)
-        shard = _load(path)
-        if shard.get("iteration") != iteration:
-            raise RuntimeError(f"{path}: shard is for iteration {shard.get('iteration')}, expected {iteration}")
-        shards.append(shard)
-    state = assemble_dp_zero(shards)
-    model_path = mlm.get_checkpoint_name(
-        staging_root(save, iteration), iteration,
-        pipeline_parallel=ctx.pp_size > 1, tensor_rank=ctx.tp_rank, pipeline_rank=ctx.pp_rank,
-    )
-    out = mlm.get_distributed_optimizer_checkpoint_name(model_path)
-    _atomic_torch_save(state, out)
-    return os.path.relpath(out, staging_root(save, iteration))
+    from mindspeed_ha.recovery import dp_zero
+
+    steps = _Steps()
+    path = mlm.get_distributed_optimizer_checkpoint_name(_model_path(ctx, iteration))
+    with steps("plan"):
+        plan = dp_zero.FilePlan(dp_zero.layout_of(opt))
+    with steps("finalize"):
+        dp_zero.finalize(path, plan, _num_shards(opt), staging_root(ctx.args.save, iteration),
+                         ctx.tp_rank, ctx.pp_rank, iteration)
+    return f"{os.path.relpath(path, staging_root(ctx.args.save, iteration))} complete [{steps}]"
 
 
 def commit(save_dir: str, iteration: int) -> str:

@@ -14,6 +14,7 @@ Prints, per ``--ckpt-format``: checkpoint bytes, save seconds, MB/s, dd MB/s, an
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -36,6 +37,18 @@ def _dd_rate(directory, nbytes):
     seconds = time.perf_counter() - start
     os.remove(target)
     return count * (4 << 20) / seconds
+
+
+def _breakdown(report, stderr):
+    """Seconds from each action sent to the next (DUMP -> ASSEMBLE -> COMMIT -> EXIT), and
+    the ranks' own step timings (``[name=1.234s ...]`` in their action results)."""
+    first = {}
+    for e in report["events"]:
+        first.setdefault(e["action"], e["t_wall"])
+    order = [a for a in ("dump", "assemble", "commit", "exit") if a in first]
+    phases = {a: first[b] - first[a] for a, b in zip(order, order[1:])}
+    steps = re.findall(r"rank (\d+): (dump|assemble|commit) ok .*?\[([^\]]*)\]", stderr)
+    return phases, steps
 
 
 def main():
@@ -63,7 +76,12 @@ def main():
                 print(r.stderr[-3000:], file=sys.stderr)
                 raise SystemExit(f"{fmt}: expected exit 75, got {r.returncode}")
             with open(report) as f:
-                save_s = json.load(f)["phase_seconds"]["save"]
+                rep = json.load(f)
+            save_s = rep["phase_seconds"]["save"]
+            phases, steps = _breakdown(rep, r.stderr)
+            print(f"{fmt}: phases " + " ".join(f"{k}={v:.3f}s" for k, v in phases.items()))
+            for rank, action, detail in steps:
+                print(f"{fmt}:   rank {rank} {action}: {detail}")
             nbytes = _dir_bytes(os.path.join(save, "iter_0000001"))
             dd = _dd_rate(save, nbytes)
             rows.append((fmt, nbytes, save_s, nbytes / save_s, dd))

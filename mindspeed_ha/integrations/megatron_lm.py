@@ -189,6 +189,91 @@ def set_rng_state(rng_state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(rng_state["rng_tracker_states"])
 
 
+def needs_rng_gather(args) -> bool:
+    """Whether Megatron-LM's ``rng_state`` holds one entry per data-parallel rank: with
+    ``--data-parallel-random-init`` and more than one DP rank (``get_rng_state``, which
+    then all-gathers every DP rank's state over the DP group). Reads the layout only."""
+    import torch.distributed as dist
+
+    if not getattr(args, "data_parallel_random_init", False) or not dist.is_initialized():
+        return False
+    from megatron.core import parallel_state as mpu
+
+    return mpu.get_data_parallel_world_size() > 1
+
+
+def gather_rng_states(rng_state: dict, args) -> List[dict]:
+    """Megatron-LM's ``rng_state`` list for this rank's own state ``rng_state``: every DP
+    rank's state in DP-rank order under :func:`needs_rng_gather`, else ``[rng_state]``
+    (``get_rng_state``, same group and order).
+
+    A collective over the data-parallel group when :func:`needs_rng_gather` (every DP rank
+    must call it at the same point); no communication otherwise.
+
+    Raises:
+        RuntimeError: (the backend) a DP peer is gone.
+    """
+    if not needs_rng_gather(args):
+        return [rng_state]
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    out = [None] * mpu.get_data_parallel_world_size()
+    dist.all_gather_object(out, rng_state, group=mpu.get_data_parallel_group())
+    return out
+
+
+def scheduler_state(opt_param_scheduler) -> Optional[dict]:
+    """A copy of ``opt_param_scheduler.state_dict()`` (the ``opt_param_scheduler`` entry), or None."""
+    if opt_param_scheduler is None:
+        return None
+    import copy
+
+    return copy.deepcopy(opt_param_scheduler.state_dict())
+
+
+def count_iteration(args, opt_param_scheduler, flops_before: Optional[float]):
+    """What Megatron-LM's ``train`` does to its counters once ``train_step`` returned, done
+    with Megatron-LM's own functions, for a dying checkpoint of an iteration whose
+    optimizer update finished but whose ``train_step`` did not return (a fault in the
+    collectives after ``optimizer.step``). Touches nothing live.
+
+    Megatron-LM core_v0.12.1 ``megatron/training/training.py``: ``train_step`` steps the
+    scheduler by ``get_num_microbatches() * micro_batch_size * data_parallel_size`` after a
+    successful update (the update of this iteration did finish); ``train`` then adds
+    ``data_parallel_world_size * micro_batch_size * get_num_microbatches()`` to
+    ``consumed_train_samples``, ``get_current_global_batch_size() -
+    get_current_running_global_batch_size()`` to ``skipped_train_samples`` and
+    ``num_floating_point_operations(args, batch_size)`` to its FLOP count.
+
+    Args:
+        args: the run's args before the count (a shallow copy is returned).
+        flops_before: the FLOP count after the previous iteration (None: not tracked).
+
+    Returns:
+        ``(args, scheduler state dict or None, flops or None)``.
+    """
+    import copy
+
+    from megatron.core import parallel_state as mpu
+    from megatron.core.num_microbatches_calculator import (
+        get_current_global_batch_size, get_current_running_global_batch_size, get_num_microbatches)
+
+    args = copy.copy(args)
+    sched = scheduler_state(opt_param_scheduler)
+    if sched is not None:
+        sched["num_steps"] += get_num_microbatches() * args.micro_batch_size * args.data_parallel_size
+    batch_size = mpu.get_data_parallel_world_size() * args.micro_batch_size * get_num_microbatches()
+    args.consumed_train_samples += batch_size
+    if hasattr(args, "skipped_train_samples"):
+        args.skipped_train_samples += get_current_global_batch_size() - get_current_running_global_batch_size()
+    training = sys.modules.get("megatron.training.training")
+    flops = flops_before
+    if flops_before is not None and training is not None:
+        flops = flops_before + training.num_floating_point_operations(args, batch_size)
+    return args, sched, flops
+
+
 def sharded_rng_state(rng_state: list):
     """The ``rng_state`` list as ``--ckpt-format torch_dist`` stores it: one ``ShardedObject``
     per (PP, TP) position, DP rank 0 the main replica (``get_rng_state`` with
@@ -237,7 +322,7 @@ def rerun_state(ckpt_format: str, captured: Optional[dict] = None):
 
 def generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state, iteration=None,
                         rerun_state=None, num_floating_point_operations_so_far=None,
-                        ckpt_format: str = "torch") -> dict:
+                        ckpt_format: str = "torch", scheduler_state: Optional[dict] = None) -> dict:
     """One rank's checkpoint content: ``model_optim_rng.pt`` (``torch``), or the sharded
     state dict ``dist_checkpointing.save`` takes (``torch_dist``).
 
@@ -250,6 +335,8 @@ def generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state, 
         iteration: stored when given.
         rerun_state: the rerun state machine's state (None when not tracked).
         num_floating_point_operations_so_far: stored when given (a loader reads 0 when absent).
+        scheduler_state: the ``opt_param_scheduler`` entry to store instead of
+            ``opt_param_scheduler.state_dict()`` (a copy taken earlier, see :func:`scheduler_state`).
         ckpt_format: ``torch`` or ``torch_dist``. For ``torch_dist`` the model is
             ``sharded_state_dict()`` of each chunk and the distributed optimizer is
             ``fully_sharded_model_space`` (what ``save_checkpoint`` does with Megatron-LM's
@@ -269,7 +356,9 @@ def generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state, 
                 sd["optimizer"] = optimizer.sharded_state_dict(sd, **kwargs)
             else:
                 sd["optimizer"] = optimizer.state_dict()
-        if opt_param_scheduler is not None:
+        if scheduler_state is not None:
+            sd["opt_param_scheduler"] = scheduler_state
+        elif opt_param_scheduler is not None:
             sd["opt_param_scheduler"] = opt_param_scheduler.state_dict()
     sd["rerun_state_machine"] = rerun_state
     if not args.no_save_rng:
@@ -321,6 +410,10 @@ def expected_files(ckpt_args) -> List[str]:
 def validate_checkpoint_dir(ckpt_dir: str, iteration: Optional[int] = None) -> List[str]:
     """Check that an ``iter_XXXXXXX`` directory is complete; returns its files (relative paths).
 
+    Each file is opened as ``torch.load`` opens it (archive, pickle, every storage record
+    present with its size), memory-mapped (``mmap=True``): the tensors' bytes are not read,
+    so validating costs no second pass over the checkpoint.
+
     Raises:
         CheckpointError: no model file, a missing expected file, an unloadable file, or
             a wrong ``iteration`` inside.
@@ -333,7 +426,7 @@ def validate_checkpoint_dir(ckpt_dir: str, iteration: Optional[int] = None) -> L
     if not found:
         raise CheckpointError(f"{ckpt_dir}: no mp_rank_*/{MODEL_FILE}")
     try:
-        first = torch.load(found[0], map_location="cpu", weights_only=False)
+        first = torch.load(found[0], map_location="cpu", weights_only=False, mmap=True)
     except Exception as exc:
         raise CheckpointError(f"{found[0]}: not loadable: {exc}") from exc
     if "args" not in first:
@@ -344,7 +437,7 @@ def validate_checkpoint_dir(ckpt_dir: str, iteration: Optional[int] = None) -> L
         if not os.path.isfile(path):
             raise CheckpointError(f"{ckpt_dir}: missing {rel}")
         try:
-            sd = first if path == found[0] else torch.load(path, map_location="cpu", weights_only=False)
+            sd = first if path == found[0] else torch.load(path, map_location="cpu", weights_only=False, mmap=True)
         except Exception as exc:
             raise CheckpointError(f"{path}: not loadable: {exc}") from exc
         if rel.endswith(MODEL_FILE) and iteration is not None and sd.get("iteration") != iteration:
@@ -398,6 +491,7 @@ __all__ = [
     "current_args", "unwrap_model",
     "get_checkpoint_name", "get_distributed_optimizer_checkpoint_name", "get_checkpoint_tracker_filename",
     "read_tracker_iteration", "collect_rng_state", "set_rng_state", "generate_state_dict",
+    "needs_rng_gather", "gather_rng_states", "scheduler_state", "count_iteration",
     "sharded_rng_state", "capture_rerun_state", "rerun_state",
     "write_tracker", "expected_files", "validate_checkpoint_dir", "commit_checkpoint",
 ]

@@ -1,0 +1,136 @@
+"""``distrib_optim.pt`` written in place by several shard savers (recovery/dp_zero.py,
+recovery/torch_file.py): what ``torch.load`` reads equals the DP-zero state built by
+concatenating the shards, whatever order the savers run in; the zip's CRCs are right;
+a missing or mismatched saver fails the check; zip64 archives are laid out correctly."""
+
+import os
+import random
+import zipfile
+import zlib
+
+import pytest
+import torch
+
+from mindspeed_ha.recovery import dp_zero, torch_file
+
+DTYPE_KEY = (torch.float32, torch.float32)
+KEYS = dp_zero.STATE_KEYS
+
+
+def _groups(num_shards):
+    """Two buffers; buckets of world size divisible by ``num_shards``, unpadded tails of varied length."""
+    out = []
+    for gbuf_idx, specs in enumerate([[(12, 11), (8, 8), (16, 9)], [(4, 1)]]):
+        buckets, offset = [], 0
+        for world, unpadded in specs:
+            world *= num_shards
+            buckets.append(dp_zero.Bucket(world, unpadded, offset))
+            offset += unpadded
+        out.append(dp_zero.Group(gbuf_idx, DTYPE_KEY, offset, tuple(buckets)))
+    return out
+
+
+def _world(groups, seed=0):
+    """The full (padded) bucket tensors a DP group holds: {(gbuf, bucket): {key: tensor}}."""
+    g = torch.Generator().manual_seed(seed)
+    return {(grp.gbuf_idx, i): {k: torch.randn(b.world, generator=g) for k in KEYS}
+            for grp in groups for i, b in enumerate(grp.buckets)}
+
+
+def _shard_items(groups, world, shard_id, num_shards):
+    for grp in groups:
+        for i, b in enumerate(grp.buckets):
+            local = b.world // num_shards
+            shard = {k: world[(grp.gbuf_idx, i)][k][shard_id * local:(shard_id + 1) * local].clone() for k in KEYS}
+            shard.update(gbuf_world_numel=b.world, numel_unpadded=b.unpadded)
+            yield grp.gbuf_idx, grp.numel, grp.dtype_key, i, shard
+
+
+def _expected(groups, world):
+    state = {"buckets_coalesced": True}
+    for grp in groups:
+        st = {k: torch.cat([world[(grp.gbuf_idx, i)][k][:b.unpadded] for i, b in enumerate(grp.buckets)])
+              for k in KEYS}
+        st["numel_unpadded"] = grp.numel
+        state[grp.gbuf_idx] = {grp.dtype_key: st}
+    return state
+
+
+def _write(tmp_path, groups, world, num_shards, order, iteration=7):
+    path = str(tmp_path / "iter" / "distrib_optim.pt")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    for j in order:  # each saver plans the layout on its own, as separate processes do
+        plan = dp_zero.FilePlan(groups)
+        dp_zero.write_shard(path, plan, j, num_shards, _shard_items(groups, world, j, num_shards),
+                            str(tmp_path), 0, 0, iteration)
+    return path
+
+
+@pytest.mark.parametrize("num_shards,order", [(1, [0]), (3, [2, 0, 1])])
+def test_savers_write_a_file_torch_load_reads_as_the_dp_zero_state(tmp_path, num_shards, order):
+    groups = _groups(num_shards)
+    world = _world(groups)
+    path = _write(tmp_path, groups, world, num_shards, order)
+    dp_zero.finalize(path, dp_zero.FilePlan(groups), num_shards, str(tmp_path), 0, 0, 7)
+    got = torch.load(path, weights_only=True)  # what megatron-core's load_parameter_state does
+    want = _expected(groups, world)
+    assert list(got) == list(want)
+    for grp in groups:
+        a, b = got[grp.gbuf_idx][DTYPE_KEY], want[grp.gbuf_idx][DTYPE_KEY]
+        assert a["numel_unpadded"] == b["numel_unpadded"]
+        for k in KEYS:
+            assert a[k].dtype == torch.float32 and torch.equal(a[k], b[k]), k
+    with zipfile.ZipFile(path) as z:
+        assert z.testzip() is None  # every record's CRC-32 is right
+
+
+def test_a_missing_or_stale_saver_fails_the_check(tmp_path):
+    groups = _groups(2)
+    world = _world(groups)
+    path = _write(tmp_path, groups, world, 2, [1])
+    with pytest.raises(dp_zero.DPZeroError, match="shard 0 of .tp=0, pp=0.: no record"):
+        dp_zero.finalize(path, dp_zero.FilePlan(groups), 2, str(tmp_path), 0, 0, 7)
+    _write(tmp_path, groups, world, 2, [0], iteration=6)
+    with pytest.raises(dp_zero.DPZeroError, match="iteration 6"):
+        dp_zero.finalize(path, dp_zero.FilePlan(groups), 2, str(tmp_path), 0, 0, 7)
+
+
+def test_ranges_must_tile_each_record():
+    crc = zlib.crc32(b"abcdef")
+    parts = [(3, 3, zlib.crc32(b"def")), (0, 3, zlib.crc32(b"abc"))]
+    assert torch_file.combine_ranges(6, parts) == crc
+    with pytest.raises(torch_file.TorchFileError, match=r"\[3, 6\) missing"):
+        torch_file.combine_ranges(6, parts[1:])
+    with pytest.raises(torch_file.TorchFileError, match="written twice"):
+        torch_file.combine_ranges(6, parts + [(2, 1, zlib.crc32(b"c"))])
+    rng = random.Random(0)
+    for _ in range(20):
+        a, b = rng.randbytes(rng.randrange(300)), rng.randbytes(rng.randrange(300))
+        assert torch_file.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+def test_zip64_layout(tmp_path):
+    """A storage over 4 GiB: the archive uses zip64 records; only the layout is planned
+    (the big tensor is never touched), the file is sparse."""
+    big = torch.empty((1_100_000_000,), dtype=torch.float32)
+    obj = {"big": big, "small": torch.empty((10,), dtype=torch.float32)}
+    layout = torch_file.plan(obj)
+    assert layout.size > 4 << 30
+    path = str(tmp_path / "big.pt")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.ftruncate(fd, layout.size)
+        layout.write_skeleton(fd)
+        key, off = layout.storage_offset(obj["small"])
+        data = torch.arange(10, dtype=torch.float32).numpy().tobytes()
+        os.pwrite(fd, data, off)
+        layout.patch_crc(fd, key, zlib.crc32(data))
+    finally:
+        os.close(fd)
+    got = torch.load(path, mmap=True, weights_only=True)
+    assert torch.equal(got["small"], torch.arange(10, dtype=torch.float32)) and got["big"].shape == big.shape
+    with zipfile.ZipFile(path) as z:
+        info = {i.filename.split("/", 1)[1]: i for i in z.infolist()}
+        assert info[f"data/{key}"].CRC == zlib.crc32(data)
+        with z.open(info[f"data/{key}"]) as f:
+            assert f.read() == data
