@@ -240,12 +240,25 @@ class HARuntime:
 
     # ---- step protocol ----------------------------------------------------------------
     def enter_iteration(self) -> int:
+        args = self.ctx.args if self.ctx is not None else self.args
         if self.completed is None:
+            # The state loaded (or initialised): what a save before the first step would write.
+            # Every rank enters its first train_step here, so the RNG gather is safe.
             self.completed = int(getattr(self.args, "iteration", 0) or 0)
             self._take_snapshot(self.completed)
-            self.snapshot.rerun_state = megatron_lm.capture_rerun_state()
+            snap = self.snapshot
+            snap.rerun_state = megatron_lm.capture_rerun_state()
+            snap.scheduler_state = megatron_lm.scheduler_state(getattr(self.ctx, "opt_param_scheduler", None))
+            snap.returned = True
+            snap.take_args(args, final=True, flops=getattr(args, "num_floating_point_operations_so_far", None))
+            if megatron_lm.needs_rng_gather(args):
+                snap.rng_states = megatron_lm.gather_rng_states(snap.rng_state, args)
             if self.processor is not None:
                 self.processor.end_update(self.completed)
+        elif self.snapshot is not None and self.snapshot.iteration == self.completed:
+            # The training loop counted the iteration (consumed samples...): a no-op when
+            # Megatron-LM's checkpoint_and_decide_exit already took them (patches/megatron_state.py).
+            self.snapshot.take_args(args, final=True)
         self.current = self.completed + 1
         return self.current
 
@@ -273,16 +286,26 @@ class HARuntime:
             self._take_snapshot(k)
             if self.processor is not None:
                 self.processor.end_update(k)
-        self.snapshot.rerun_state = megatron_lm.capture_rerun_state()  # as a regular save sees it
+        snap = self.snapshot
+        snap.rerun_state = megatron_lm.capture_rerun_state()  # as a regular save sees it
+        snap.scheduler_state = megatron_lm.scheduler_state(getattr(self.ctx, "opt_param_scheduler", None))
+        snap.returned = True
         self.completed = k
+        args = self.ctx.args if self.ctx is not None else self.args
+        if megatron_lm.needs_rng_gather(args):
+            # --data-parallel-random-init: a regular save holds every DP rank's RNG state;
+            # gathered now, while every rank is here (a dying checkpoint cannot gather).
+            snap.rng_states = megatron_lm.gather_rng_states(snap.rng_state, args)
         self.injector.fire("between", k, self.ctx)
         if self.processor is not None:
             self.processor.pause_point(k)  # graceful stop: every rank pauses after the same iteration
 
     def _take_snapshot(self, iteration: int) -> None:
-        # The rerun state is added by iteration_done (where a regular save would read it);
-        # a dying checkpoint taken before that reads the live state instead.
-        self.snapshot = dying.IterationSnapshot(iteration, megatron_lm.collect_rng_state())
+        # The rest is added when train_step returns (iteration_done) and when the training
+        # loop counted the iteration (dying.IterationSnapshot says where).
+        prev = self.snapshot
+        self.snapshot = dying.IterationSnapshot(iteration, megatron_lm.collect_rng_state(),
+                                                flops_before=prev.flops if prev is not None else None)
 
     def handle_fault(self, exc: BaseException):
         """Report ``exc`` to the controller and carry out its action.
