@@ -58,6 +58,8 @@ ENV_REPORT = "MINDSPEED_HA_REPORT"
 #: seconds after the preemption deadline before the launcher SIGKILLs the workers left
 #: (the controller's EXIT(77) at the deadline normally ends them first)
 PREEMPT_KILL_MARGIN_S = 5.0
+#: seconds workers get to exit by themselves once the controller is DONE (they said goodbye)
+EXIT_MARGIN_S = 5.0
 
 
 class _Survivors:
@@ -74,6 +76,7 @@ class _Survivors:
         self.stop_at: Optional[float] = None  # graceful stop: when the signal came
         self.stop_signal: Optional[int] = None
         self.stop_killed = False  # the preemption backstop SIGKILLed workers
+        self.done_at: Optional[float] = None  # when the controller was first seen DONE
 
 
 def _say(text: str) -> None:
@@ -182,6 +185,13 @@ def _poll_lets_survivors_finish(wrapped, instance, args, kwargs):
     controller_done = state.controller is not None and state.controller.wait_done(0) is not None
     if failed and running and not controller_done and time.monotonic() - state.first_failure < state.grace_s:
         return None  # keep waiting: survivors are saving the dying checkpoint
+    if controller_done and running:
+        # the controller saw every rank it ended say goodbye: their processes are exiting now;
+        # give them EXIT_MARGIN_S before torchrun's shutdown signals them
+        if state.done_at is None:
+            state.done_at = time.monotonic()
+        if time.monotonic() - state.done_at < EXIT_MARGIN_S:
+            return None
     return wrapped(*args, **kwargs)
 
 

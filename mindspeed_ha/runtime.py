@@ -259,6 +259,10 @@ class HARuntime:
             # The training loop counted the iteration (consumed samples...): a no-op when
             # Megatron-LM's checkpoint_and_decide_exit already took them (patches/megatron_state.py).
             self.snapshot.take_args(args, final=True)
+        if self.processor is not None:
+            # graceful stop: every rank pauses after the same iteration, where a regular save
+            # of it runs (Megatron-LM's loop counted it, saved and evaluated) and before the next
+            self.processor.pause_point(self.completed)
         self.current = self.completed + 1
         return self.current
 
@@ -297,8 +301,6 @@ class HARuntime:
             # gathered now, while every rank is here (a dying checkpoint cannot gather).
             snap.rng_states = megatron_lm.gather_rng_states(snap.rng_state, args)
         self.injector.fire("between", k, self.ctx)
-        if self.processor is not None:
-            self.processor.pause_point(k)  # graceful stop: every rank pauses after the same iteration
 
     def _take_snapshot(self, iteration: int) -> None:
         # The rest is added when train_step returns (iteration_done) and when the training

@@ -31,7 +31,9 @@ update already running still completes and is reported. If no action arrives wit
 the freeze deadline, ``begin_update`` raises :class:`ControllerLostError`.
 
 Graceful stop (DRAIN, after SIGTERM/SIGINT): the training thread calls
-:meth:`Processor.pause_point` after every completed iteration. DRAIN(-1) sets a pause
+:meth:`Processor.pause_point` before it starts an iteration, with the last one it
+completed (the training loop has counted, logged, evaluated and saved that one, so a
+checkpoint of it is what Megatron-LM's own save of it would hold). DRAIN(-1) sets a pause
 limit at the iteration now in progress and answers DRAINING with it; DRAIN(K) moves the
 limit to K, the highest any rank announced. ``pause_point(k)`` blocks while
 ``k >= limit`` (the rank is then stable at UPDATED(k) and answers STOPPED(pause_at=k)),
@@ -336,8 +338,9 @@ class Processor:
             log.warning("rank %d: %s: asking the controller for a graceful stop", self.rank, self._stop_request[0])
 
     def pause_point(self, iteration: int) -> None:
-        """The training thread completed ``iteration`` (``train_step`` returned); pause here
-        while a graceful stop's limit says so (``iteration >= limit``).
+        """The training thread is about to start the iteration after ``iteration``, the last
+        one it completed; pause here while a graceful stop's limit says so
+        (``iteration >= limit``).
 
         While paused the rank is stable at UPDATED(``iteration``) and counts as frozen;
         the controller's EXIT ends the process from the action thread. Returns at once
