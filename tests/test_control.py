@@ -26,8 +26,8 @@ from mindspeed_ha.control.controller import Controller
 from mindspeed_ha.control.policy import ActionKind, DumpPlan
 from mindspeed_ha.control.processor import Processor, ProcessorExited
 from mindspeed_ha.control.state import Layout, OptimizerStatus, Phase
-from mindspeed_ha.faults import (EXIT_DYING_CHECKPOINT_SAVED, EXIT_FAULT_UNRECOVERABLE, EXIT_NO_COMPLETE_DATA,
-                                 CommunicationError, ControlPlaneError, FaultKind)
+from mindspeed_ha.faults import (EXIT_CONTROLLER_LOST, EXIT_DYING_CHECKPOINT_SAVED, EXIT_FAULT_UNRECOVERABLE,
+                                 EXIT_NO_COMPLETE_DATA, CommunicationError, ControlPlaneError, FaultKind)
 from mindspeed_ha.testing.harness import launch, launcher_command, tiny_gpt_args
 
 KEY = b"t" * 32
@@ -452,3 +452,125 @@ def test_stopped_rank_is_detected_and_ended_by_the_launcher(tmp_path):
     assert f"worker rank 1 (pid {pid}) is unresponsive" in r.stderr, r.stderr[-6000:]
     assert f"Sending process {pid} closing signal" not in r.stderr  # torchrun had nothing left to end
     assert not psutil.pid_exists(pid)
+
+
+# --------------------------------------------------------------------------- graceful stop, controller loss
+def _wait_for(cond, timeout=20.0, what="condition"):
+    """Wait until ``cond()`` holds (polled: it reads state another thread owns)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        threading.Event().wait(0.01)
+
+
+def _trainer(p, completed, closing):
+    """A rank's training thread: pause point, then the update of the next iteration, ..."""
+    def run():
+        k = completed
+        try:
+            while k < 100:
+                p.pause_point(k)
+                k += 1
+                p.begin_update(k)
+                p.end_update(k)
+        except ProcessorExited:
+            pass
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    closing.callback(t.join, 10)
+    return t
+
+
+def test_graceful_stop_pauses_every_rank_after_the_same_iteration(job, closing):
+    """request_stop (the launcher's SIGTERM): DRAIN(-1) -> each rank announces the iteration it
+    is in (rank 3 is one behind), DRAIN(6) -> every rank finishes up to 6 and pauses there;
+    then the dying checkpoint of 6 with every rank alive, and EXIT 75."""
+    j = job()
+    for k in range(1, 6):
+        j.step(k, ranks=range(3) if k == 5 else None)
+    for r, p in enumerate(j.procs):
+        p.pause_point(5 if r < 3 else 4)  # no limit yet: returns at once
+    j.ctl.request_stop("SIGTERM to the launcher (test)")
+    _wait_for(lambda: j.ctl.state.drain_until is not None, what="DRAIN(K)")
+    assert j.ctl.state.drain_until == 6
+    assert {r: i.pause_at for r, i in j.ctl.state.ranks.items()} == {0: 6, 1: 6, 2: 6, 3: 5}
+    for r, p in enumerate(j.procs):
+        _trainer(p, 5 if r < 3 else 4, closing)
+    out = j.ctl.wait_done(20)
+    assert out is not None and out.exit_code == EXIT_DYING_CHECKPOINT_SAVED, out
+    assert out.iteration == 6 and out.fault_rank is None and out.stop_request.rank == -1
+    assert [e.action for e in out.events] == [ActionKind.DRAIN, ActionKind.DRAIN, ActionKind.DUMP, ActionKind.ASSEMBLE,
+                                              ActionKind.COMMIT, ActionKind.EXIT, ActionKind.NOOP]
+    for r in range(WORLD):
+        assert j.exited[r].wait(5) and j.exits[r][0] == EXIT_DYING_CHECKPOINT_SAVED
+        assert j.procs[r].status() == (OptimizerStatus.UPDATED, 6)
+    assert {"drain", "save", "total"} <= set(out.timings)
+
+
+def test_stop_request_from_a_rank(job):
+    """A rank's SIGTERM handler asks for the stop (StopRequest): the controller drains the job."""
+    j = job()
+    j.step(1)
+    assert j.procs[2].request_stop("SIGTERM to rank 2 (test)")
+    _wait_for(lambda: j.ctl.state.stop_request is not None, what="the stop request")
+    assert j.ctl.state.stop_request.rank == 2
+    for p in j.procs:
+        assert p.stop_event.wait(10)  # DRAIN reached every rank
+
+
+def _loss_cfg():
+    return CFG.replace(heartbeat_interval_s=0.1, heartbeat_timeout_s=4.0)  # lost after 2 s without a controller
+
+
+def test_controller_lost_is_noticed_over_the_connection_and_logged_once(closing, caplog):
+    """The controller goes away (its process would; here its sockets close): every processor
+    notices the closed connection, declares the controller lost once, and, with no way to
+    agree with the other ranks (no exchange registered), ends with 78."""
+    caplog.set_level(logging.WARNING, logger="mindspeed_ha.control.processor")
+    cfg = _loss_cfg()
+    ctl = Controller(cfg, 2, "127.0.0.1", 0, tick_s=0.01).start()
+    closing.callback(ctl.stop)
+    exits, procs = {}, []
+    done = {r: threading.Event() for r in range(2)}
+    for r in range(2):
+        def on_exit(code, reason, r=r):
+            exits[r] = (code, reason)
+            done[r].set()
+        p = Processor(cfg, r, Layout(dp_rank=r, dp_size=2, replica_count=2, instance_id=r), "/save",
+                      port=ctl.port, exit_handler=on_exit)
+        closing.callback(p.close, None)
+        procs.append(p.start())
+    _wait_for(lambda: len(ctl.state.ranks) == 2, what="registration")
+    ctl.stop()
+    for r in range(2):
+        assert done[r].wait(30)
+        assert exits[r][0] == EXIT_CONTROLLER_LOST and "controller lost" in exits[r][1]
+        assert procs[r].controller_lost_at is not None
+    lost = [rec.getMessage() for rec in caplog.records if "CONTROLLER LOST" in rec.getMessage()]
+    assert sorted(m.split(":")[0] for m in lost) == ["rank 0", "rank 1"]
+
+
+def test_standby_controller_at_the_same_address_takes_over(closing):
+    """A controller that comes back at the same address before the loss is declared (a
+    standby) gets every rank registered again; nobody declares the controller lost."""
+    cfg = _loss_cfg()
+    port = free_port()
+    first = Controller(cfg, 2, "127.0.0.1", port, tick_s=0.01).start()
+    closing.callback(first.stop)
+    procs = []
+    for r in range(2):
+        p = Processor(cfg, r, Layout(dp_rank=r, dp_size=2, replica_count=2, instance_id=r), "/save",
+                      port=port, exit_handler=lambda code, reason: pytest.fail(f"exit {code}: {reason}"))
+        closing.callback(p.close, None)
+        procs.append(p.start())
+    _wait_for(lambda: len(first.state.ranks) == 2, what="registration")
+    first.stop()
+    standby = Controller(cfg, 2, "127.0.0.1", port, tick_s=0.01).start()
+    closing.callback(standby.stop)
+    _wait_for(lambda: len(standby.state.ranks) == 2, what="registration with the standby")
+    for p in procs:
+        _wait_for(lambda: p._disconnected_at is None, what="reconnection")
+        assert p.controller_lost_at is None
+    procs[0].begin_update(1)
+    procs[0].end_update(1)
+    _wait_for(lambda: standby.state.ranks[0].iteration == 1, what="status reaching the standby")

@@ -3,10 +3,11 @@
 import pytest
 
 from mindspeed_ha.config import HAConfig
-from mindspeed_ha.control.policy import ActionKind, DumpPlan, NoCompleteData, decide, select_dying_checkpoint
+from mindspeed_ha.control.policy import (ActionKind, DumpPlan, NoCompleteData, agree_pause, decide,
+                                         plan_without_controller, select_dying_checkpoint)
 from mindspeed_ha.control.state import ClusterState, Layout, OptimizerStatus, PendingAction, Phase, RankInfo
-from mindspeed_ha.faults import (EXIT_DYING_CHECKPOINT_SAVED, EXIT_FAULT_UNRECOVERABLE, EXIT_NO_COMPLETE_DATA,
-                                 FaultKind)
+from mindspeed_ha.faults import (EXIT_CONTROLLER_LOST, EXIT_DYING_CHECKPOINT_SAVED, EXIT_FAULT_UNRECOVERABLE,
+                                 EXIT_NO_COMPLETE_DATA, FaultKind)
 
 U, UP = OptimizerStatus.UPDATED, OptimizerStatus.UPDATING
 
@@ -519,3 +520,205 @@ def test_ranks_that_cannot_verify_skip_the_round():
     st = _stopped(cluster(1, 1, 2, 2))  # test doubles: RankInfo.verifies is False
     d = decide(10.1, st, CFG)
     assert d.action is ActionKind.DUMP and not DumpPlan.from_params(d.params).shard_digests
+
+
+# --------------------------------------------------------------------------- graceful stop (preemption)
+PCFG = CFG.replace(preemption_deadline_s=10.0)  # drain budget 5 s, deadline 10 s
+
+
+def apply_drain(st, d, now):
+    """What the controller does with a DRAIN / graceful STOP_ALL (without I/O)."""
+    if d.action is ActionKind.DRAIN:
+        if d.params["until"] >= 0:
+            st.drain_until = d.params["until"]
+        for r in d.targets:
+            st.ranks[r].stopped = False
+            if d.params["until"] < 0:
+                st.ranks[r].pause_at = None
+        if d.next_phase is not None:
+            st.set_phase(d.next_phase, now)
+    elif d.action is ActionKind.STOP_ALL and d.params.get("graceful"):
+        for r in d.targets:
+            st.ranks[r].stopped = False
+        st.set_phase(d.next_phase, now)
+    else:
+        apply(st, d, now)
+
+
+def running(world_ranks=None, it=5):
+    st = state_of(world_ranks or cluster(1, 2, 2, 2, it=it))
+    for i in st.ranks.values():
+        i.last_heartbeat = 10.0
+    return st
+
+
+# (announced pause points) -> agreed iteration
+AGREE = [
+    ("all in the same iteration", {0: 6, 1: 6, 2: 6, 3: 6}, 6),
+    ("one rank an iteration ahead: everyone finishes its", {0: 6, 1: 7, 2: 6, 3: 6}, 7),
+    ("a rank not started yet follows the others", {0: -1, 1: 4, 2: 4, 3: 4}, 4),
+    ("nobody started: nothing to save", {0: -1, 1: -1}, None),
+    ("a rank paused before its first iteration (announced 0) counts as not started", {0: 0, 1: -1}, None),
+]
+
+
+@pytest.mark.parametrize("name,announced,expect", AGREE, ids=[a[0] for a in AGREE])
+def test_agree_pause_table(name, announced, expect):
+    assert agree_pause(announced) == expect
+
+
+def test_graceful_stop_round_trip():
+    """SIGTERM: DRAIN(-1) to all, DRAIN(max announced), every rank paused there, VERIFY-less
+    test doubles dump at once; the plan uses every rank (no dead one) at the agreed iteration."""
+    st = running()
+    assert st.request_stop(10.0, -1, "SIGTERM to the launcher")
+    assert not st.request_stop(10.1, 2, "SIGTERM to rank 2")  # the first request wins
+    d = decide(10.1, st, PCFG)
+    assert d.action is ActionKind.DRAIN and d.params == {"until": -1} and d.next_phase is Phase.DRAINING
+    assert d.targets == (0, 1, 2, 3)
+    apply_drain(st, d, 10.1)
+    for r, k in {0: 6, 1: 6, 2: 7, 3: 6}.items():
+        st.ranks[r].pause_at = k
+        st.ranks[r].last_heartbeat = 10.2
+    d = decide(10.2, st, PCFG)
+    assert d.action is ActionKind.DRAIN and d.params == {"until": 7} and d.next_phase is None
+    apply_drain(st, d, 10.2)
+    for r in (0, 1, 2):
+        st.ranks[r].stopped, st.ranks[r].iteration = True, 7
+    assert decide(10.3, st, PCFG).action is ActionKind.NOOP  # rank 3 is still finishing iteration 7
+    st.ranks[3].stopped, st.ranks[3].iteration = True, 7
+    d = decide(10.4, st, PCFG)
+    assert d.action is ActionKind.DUMP and d.next_phase is Phase.DUMPING and d.params["iteration"] == 7
+    assert st.fault is None
+
+
+def test_graceful_stop_waits_for_registration_then_abandons():
+    st = running()
+    del st.ranks[3]  # still starting
+    st.request_stop(10.0, -1, "SIGTERM")
+    apply_drain(st, decide(10.0, st, PCFG), 10.0)
+    for r in (0, 1, 2):
+        st.ranks[r].pause_at = 6
+        st.ranks[r].last_heartbeat = 14.8
+    assert decide(14.9, st, PCFG).action is ActionKind.NOOP
+    d = decide(15.1, st, PCFG)  # past the drain budget (5 s)
+    assert d.action is ActionKind.STOP_ALL and d.params == {"graceful": True} and d.next_phase is Phase.STOPPING
+    assert "abandoning" in d.reason
+
+
+def test_graceful_stop_abandons_an_iteration_that_takes_too_long():
+    """Past half the deadline the iteration in progress is abandoned: freeze now and save the
+    last iteration every shard holds (a classic stop round), still before the deadline."""
+    st = running(it=6)
+    st.request_stop(10.0, -1, "SIGTERM")
+    apply_drain(st, decide(10.0, st, PCFG), 10.0)
+    for r in st.ranks:
+        st.ranks[r].pause_at = 7
+        st.ranks[r].last_heartbeat = 14.0
+    apply_drain(st, decide(10.1, st, PCFG), 10.1)
+    st.ranks[0].stopped = True  # the others are still in iteration 7
+    d = decide(15.1, st, PCFG)
+    assert d.action is ActionKind.STOP_ALL and d.next_phase is Phase.STOPPING
+    apply_drain(st, d, 15.1)
+    for r in st.ranks:  # frozen now: rank 0 paused after 7, the others at 6 (7 not begun)
+        st.ranks[r].stopped, st.ranks[r].last_heartbeat = True, 15.1
+    st.ranks[0].iteration = 7
+    d = decide(15.2, st, PCFG)
+    assert d.action is ActionKind.DUMP and d.params["iteration"] == 6
+
+
+def test_graceful_stop_past_the_deadline_exits_77_but_not_during_commit():
+    st = running()
+    st.request_stop(10.0, -1, "SIGTERM")
+    apply_drain(st, decide(10.0, st, PCFG), 10.0)
+    for r in st.ranks:
+        st.ranks[r].pause_at = 6
+    apply_drain(st, decide(10.1, st, PCFG), 10.1)
+    for r in st.ranks:
+        st.ranks[r].stopped, st.ranks[r].iteration, st.ranks[r].last_heartbeat = True, 6, 19.5
+    d = decide(10.2, st, PCFG)
+    apply(st, d, 10.2)  # DUMP
+    assert decide(19.9, st, PCFG).action is ActionKind.NOOP  # still within 10 s
+    d = decide(20.1, st, PCFG)
+    assert d.action is ActionKind.EXIT and d.params["code"] == EXIT_FAULT_UNRECOVERABLE
+    assert "preemption deadline" in d.reason and "--ha-preemption-deadline" in d.reason
+    # a commit under way is not cut by the deadline: it may already have published the checkpoint
+    st2 = running()
+    for i in st2.ranks.values():
+        i.last_heartbeat = 20.4
+    st2.request_stop(10.0, -1, "SIGTERM")
+    st2.phase, st2.plan = Phase.COMMITTING, DumpPlan(6, {}, {}, {}, 0)
+    st2.pending = PendingAction(1, "commit", (0,), 19.0, {"save_dir": "/save"})
+    assert decide(20.5, st2, PCFG).action is ActionKind.NOOP
+    st2.pending.results[0] = (True, "committed")
+    d = decide(20.6, st2, PCFG)
+    assert d.action is ActionKind.EXIT and d.params["code"] == EXIT_DYING_CHECKPOINT_SAVED
+
+
+def test_fault_during_graceful_stop_becomes_a_dying_checkpoint():
+    st = running()
+    st.request_stop(10.0, -1, "SIGTERM")
+    apply_drain(st, decide(10.0, st, PCFG), 10.0)
+    st.mark_dead(1, "control connection closed", None, 10.3)
+    d = decide(10.4, st, PCFG)
+    assert d.action is ActionKind.STOP_ALL and d.next_phase is Phase.STOPPING and not d.params.get("graceful")
+    assert d.params["rank"] == 1 and d.targets == (0, 2, 3)
+
+
+def test_training_that_ends_during_the_graceful_stop_is_done():
+    st = running()
+    st.request_stop(10.0, -1, "SIGTERM")
+    apply_drain(st, decide(10.0, st, PCFG), 10.0)
+    for i in st.ranks.values():
+        i.exit_code = 0
+        i.alive = False
+    assert decide(10.5, st, PCFG).next_phase is Phase.DONE
+
+
+def test_graceful_stop_before_any_iteration_exits_76():
+    st = running()
+    st.request_stop(10.0, -1, "SIGTERM")
+    apply_drain(st, decide(10.0, st, PCFG), 10.0)
+    for i in st.ranks.values():
+        i.pause_at = -1
+    d = decide(10.1, st, PCFG)
+    assert d.action is ActionKind.EXIT and d.params["code"] == EXIT_NO_COMPLETE_DATA
+
+
+def test_stop_request_ignored_once_a_fault_round_runs():
+    st = running()
+    st.phase = Phase.STOPPING
+    assert not st.request_stop(10.0, -1, "SIGTERM") and st.stop_request is None
+
+
+# --------------------------------------------------------------------------- without a controller
+# (name, shape, changes to the exchanged records, save_dir, expected: iteration or exit code)
+ORPHAN = [
+    ("every rank paused at the same iteration", (1, 2, 2, 2), {}, "/save", 5),
+    ("a rank missing from the exchange", (1, 2, 2, 2), {"drop": 3}, "/save", EXIT_CONTROLLER_LOST),
+    ("no --save", (1, 2, 2, 2), {}, None, EXIT_FAULT_UNRECOVERABLE),
+    ("no replica and one holder dirty", (1, 1, 2, 1), {"dirty": 1}, "/save", EXIT_NO_COMPLETE_DATA),
+    ("replica covers a dirty holder", (1, 2, 2, 2), {"dirty": 1}, "/save", 5),
+    ("nothing completed yet", (1, 1, 2, 2), {"iteration": 0}, "/save", EXIT_NO_COMPLETE_DATA),
+]
+
+
+@pytest.mark.parametrize("name,shape,change,save,expect", ORPHAN, ids=[o[0] for o in ORPHAN])
+def test_plan_without_controller_table(name, shape, change, save, expect):
+    ranks = cluster(*shape)
+    world = len(ranks)
+    if "drop" in change:
+        del ranks[change["drop"]]
+    if "dirty" in change:
+        ranks[change["dirty"]].status = UP
+    if "iteration" in change:
+        for i in ranks.values():
+            i.iteration = change["iteration"]
+    out = plan_without_controller(ranks, save, world)
+    if isinstance(expect, int) and expect >= 70:
+        assert isinstance(out, tuple) and out[0] == expect, out
+    else:
+        plan = check_plan(out, ranks)
+        assert plan.iteration == expect
+        # every rank computes the same plan from the same records
+        assert plan_without_controller(dict(reversed(list(ranks.items()))), save, world) == plan
