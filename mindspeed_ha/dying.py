@@ -38,6 +38,7 @@ Megatron-LM's names and file contents come from :mod:`mindspeed_ha.integrations.
 from __future__ import annotations
 
 import copy
+import gc
 import hashlib
 import logging
 import os
@@ -133,14 +134,13 @@ def staging_root(save_dir: str, iteration: int) -> str:
 
 
 def _atomic_torch_save(obj, path: str) -> None:
-    import torch
+    """``torch.save(obj)`` to ``path`` through a temporary name, fsynced (each storage
+    written once, straight from memory: :func:`.recovery.torch_file.save`)."""
+    from mindspeed_ha.recovery import torch_file
 
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    torch_file.save(obj, tmp)
     os.replace(tmp, path)
 
 
@@ -268,20 +268,40 @@ class _Digest:
         return not self.problems, self._h.hexdigest(), "; ".join(self.problems[:5])
 
 
-def _digest_shard_bucket(d: _Digest, bucket) -> None:
-    gbuf_idx, buf_numel, dtype_key, bucket_idx, b = bucket
-    name = f"buffer {gbuf_idx} ({buf_numel}) {dtype_key} bucket {bucket_idx}"
-    d.meta(f"{name}|{b['gbuf_world_numel']}|{b['numel_unpadded']}")
-    for k in _STATE_KEYS:
-        d.tensor(f"{k} of {name}", b[k])
+def _bucket_name(bucket) -> str:
+    gbuf_idx, buf_numel, dtype_key, bucket_idx, _ = bucket
+    return f"buffer {gbuf_idx} ({buf_numel}) {dtype_key} bucket {bucket_idx}"
 
 
 def _digest_shard_buckets(num_shards: int, buckets, check_finite: bool = True) -> Tuple[bool, str, str]:
     d = _Digest(check_finite)
     d.meta(f"num_shards={num_shards}")
     for bucket in buckets:
-        _digest_shard_bucket(d, bucket)
+        name, b = _bucket_name(bucket), bucket[4]
+        d.meta(f"{name}|{b['gbuf_world_numel']}|{b['numel_unpadded']}")
+        for k in _STATE_KEYS:
+            d.tensor(f"{k} of {name}", b[k])
     return d.result()
+
+
+class _StreamingShardDigest(_Digest):
+    """:func:`_digest_shard_buckets` (same value, no finite count) fed chunk by chunk by
+    :func:`.recovery.dp_zero.write_shard` with the bytes it is about to write."""
+
+    def __init__(self, num_shards: int):
+        super().__init__(check_finite=False)
+        self.meta(f"num_shards={num_shards}")
+        self._bucket = ""
+
+    def begin_bucket(self, item) -> None:
+        self._bucket, b = _bucket_name(item), item[4]
+        self.meta(f"{self._bucket}|{b['gbuf_world_numel']}|{b['numel_unpadded']}")
+
+    def begin_tensor(self, name: str, t) -> None:
+        self.meta(f"{name} of {self._bucket}|{t.dtype}|{tuple(t.shape)}")
+
+    def update(self, data) -> None:
+        self._h.update(data)
 
 
 def shard_file_digest(shard: Dict[str, Any]) -> Tuple[bool, str, str]:
@@ -433,6 +453,21 @@ class _Steps:
         return " ".join(f"{k}={v:.3f}s" for k, v in self.seconds.items())
 
 
+@contextmanager
+def _gc_paused():
+    """No cyclic garbage collection meanwhile: a full collection of a training process's
+    heap takes tenths of a second (measured: 0.2-0.4 s in a stock Megatron-LM rank, hidden
+    512), time a dying checkpoint does not have. The training thread is frozen; what the
+    dump allocates is mostly tensors freed by reference counting."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def _model_path(ctx: DyingContext, iteration: int) -> str:
     return mlm.get_checkpoint_name(staging_root(ctx.args.save, iteration), iteration,
                                    pipeline_parallel=ctx.pp_size > 1, tensor_rank=ctx.tp_rank,
@@ -441,7 +476,7 @@ def _model_path(ctx: DyingContext, iteration: int) -> str:
 
 def dump(ctx: DyingContext, iteration: int, snapshot: Optional[IterationSnapshot],
          write_shard: bool, write_model: bool, shard_digest: str = "", model_digest: str = "") -> str:
-    """Phase 1 on one rank. Returns a one-line description of what was written, with the
+    """Phase 1 on one rank (garbage collection paused). Returns a one-line description of what was written, with the
     seconds of each step in brackets.
 
     ``shard_digest`` / ``model_digest``: the digests the policy trusted for this rank's
@@ -459,6 +494,12 @@ def dump(ctx: DyingContext, iteration: int, snapshot: Optional[IterationSnapshot
     if snapshot is None or snapshot.iteration != iteration:
         have = None if snapshot is None else snapshot.iteration
         raise RuntimeError(f"no consistent state for iteration {iteration} (snapshot at {have})")
+    with _gc_paused():
+        return _dump(ctx, iteration, snapshot, write_shard, write_model, shard_digest, model_digest)
+
+
+def _dump(ctx: DyingContext, iteration: int, snapshot: IterationSnapshot, write_shard: bool,
+          write_model: bool, shard_digest: str, model_digest: str) -> str:
     steps = _Steps()
     if checkpoint_format(ctx.args) == "torch_dist":
         with steps("check"):
@@ -494,7 +535,7 @@ def dump(ctx: DyingContext, iteration: int, snapshot: Optional[IterationSnapshot
 
 def _dump_dp_zero_shard(ctx: DyingContext, opt, iteration: int, shard_digest: str, steps: _Steps) -> str:
     """This rank's shard, written in place into the stage's ``distrib_optim.pt`` (:mod:`.recovery.dp_zero`),
-    digested bucket by bucket just before each bucket's bytes are written."""
+    each chunk digested just before it is written; the digest must be the trusted one."""
     from mindspeed_ha.recovery import dp_zero
 
     num_shards = _num_shards(opt)
@@ -503,14 +544,11 @@ def _dump_dp_zero_shard(ctx: DyingContext, opt, iteration: int, shard_digest: st
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with steps("plan"):
         plan = dp_zero.FilePlan(dp_zero.layout_of(opt))
-    digest = _Digest(check_finite=False) if shard_digest else None
-    if digest is not None:
-        digest.meta(f"num_shards={num_shards}")
+    digest = _StreamingShardDigest(num_shards) if shard_digest else None
     with steps("shard_write"):
         nbytes = dp_zero.write_shard(
             path, plan, ctx.shard_id, num_shards, _shard_buckets(opt, num_shards),
-            staging_root(ctx.args.save, iteration), ctx.tp_rank, ctx.pp_rank, iteration,
-            before_write=None if digest is None else (lambda bucket: _digest_shard_bucket(digest, bucket)))
+            staging_root(ctx.args.save, iteration), ctx.tp_rank, ctx.pp_rank, iteration, digest)
     if digest is not None:
         _expect(f"shard {ctx.shard_id} written to {rel}", digest.result(), shard_digest)
     return f"{rel} shard {ctx.shard_id}/{num_shards} ({nbytes} B)"

@@ -57,6 +57,7 @@ def main():
     ap.add_argument("--tarball", default=DEFAULT_TARBALL)
     ap.add_argument("--hidden-size", type=int, default=512)
     ap.add_argument("--formats", default="torch,torch_dist")
+    ap.add_argument("--log-dir", help="keep each run's stderr (controller and ranks) here")
     ns = ap.parse_args()
     from mindspeed_ha.testing import megatron_lm as mlm
 
@@ -72,6 +73,10 @@ def main():
             env = {"MINDSPEED_HA_CACHE": os.path.join(tmp, "cache"), "MINDSPEED_HA_REPORT": report,
                    "MINDSPEED_HA_INJECT": "rank=3,iteration=2,point=backward"}
             r = mlm.launch_stock(root, args, env=env, timeout_s=1800)
+            if ns.log_dir:
+                os.makedirs(ns.log_dir, exist_ok=True)
+                with open(os.path.join(ns.log_dir, f"{fmt}.stderr"), "w") as f:
+                    f.write(r.stderr)
             if r.returncode != 75:
                 print(r.stderr[-3000:], file=sys.stderr)
                 raise SystemExit(f"{fmt}: expected exit 75, got {r.returncode}")

@@ -134,3 +134,24 @@ def test_zip64_layout(tmp_path):
         assert info[f"data/{key}"].CRC == zlib.crc32(data)
         with z.open(info[f"data/{key}"]) as f:
             assert f.read() == data
+
+
+@pytest.mark.parametrize("chunk", [8, 1 << 20])
+def test_digest_fed_while_writing_is_the_verified_digest(tmp_path, monkeypatch, chunk):
+    """The saver's digest, fed chunk by chunk as it writes (padding too), equals the digest
+    the VERIFY round computes over the same shard (``dying._digest_shard_buckets``)."""
+    from mindspeed_ha import dying
+
+    monkeypatch.setattr(dp_zero, "CHUNK_BYTES", chunk)
+    groups = _groups(2)
+    world = _world(groups)
+    path = str(tmp_path / "iter" / "distrib_optim.pt")
+    os.makedirs(os.path.dirname(path))
+    for j in (0, 1):
+        streamed = dying._StreamingShardDigest(2)
+        dp_zero.write_shard(path, dp_zero.FilePlan(groups), j, 2, _shard_items(groups, world, j, 2),
+                            str(tmp_path), 0, 0, 7, streamed)
+        assert streamed.result() == dying._digest_shard_buckets(2, _shard_items(groups, world, j, 2))
+    dp_zero.finalize(path, dp_zero.FilePlan(groups), 2, str(tmp_path), 0, 0, 7)
+    got = torch.load(path, weights_only=True)
+    assert torch.equal(got[0][DTYPE_KEY]["exp_avg"], _expected(groups, world)[0][DTYPE_KEY]["exp_avg"])

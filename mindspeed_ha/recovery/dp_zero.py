@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Protocol, Tuple
 
 from mindspeed_ha.recovery import torch_file
 
@@ -114,19 +115,37 @@ def _ranges_path(staging_root: str, tp: int, pp: int, shard_id: int) -> str:
     return os.path.join(ranges_dir(staging_root), f"tp{tp:02d}_pp{pp:03d}_s{shard_id:04d}.json")
 
 
+class ShardDigest(Protocol):
+    """What :func:`write_shard` feeds, in order, with the bytes it is about to write."""
+
+    def begin_bucket(self, item: Tuple) -> None:
+        """A new bucket (the item :func:`write_shard` got)."""
+
+    def begin_tensor(self, name: str, t) -> None:
+        """A new state tensor of the bucket (``param``, ``exp_avg``, ``exp_avg_sq``); all
+        its bytes follow through :meth:`update` (padding included)."""
+
+    def update(self, data: memoryview) -> None:
+        """The next bytes of the current tensor."""
+
+
 def write_shard(path: str, plan: FilePlan, shard_id: int, num_shards: int,
                 buckets: Iterable[Tuple[int, Any, int, int, Dict[str, Any]]],
                 staging_root: str, tp: int, pp: int, iteration: int,
-                before_write: Optional[Callable[[Tuple], None]] = None) -> int:
+                digest: Optional[ShardDigest] = None) -> int:
     """Write shard ``shard_id`` of ``num_shards`` into ``path`` in place; returns bytes written.
+
+    Works through each tensor in chunks of ``CHUNK_BYTES``: digest, CRC-32, ``pwrite``,
+    start of the chunk's writeback (Linux ``sync_file_range``), so the disk writes while
+    the next chunk is digested; one fsync at the end.
 
     Args:
         buckets: this rank's shard, bucket by bucket, in layout order, as
             ``(gbuf_idx, buffer numel, dtype_key, bucket_idx, {state key: CPU fp32 tensor
             of W_b / c elements, ...})`` (``dying._shard_buckets``). The tensors must not
             change until this returns.
-        before_write: called with each bucket tuple before its bytes are written (the
-            integrity digest: what it sees is what is written).
+        digest: fed every byte of every tensor, each chunk before it is written (the
+            integrity digest: the bytes it sees are the bytes written).
 
     Raises:
         DPZeroError: a bucket does not match the plan.
@@ -142,24 +161,25 @@ def write_shard(path: str, plan: FilePlan, shard_id: int, num_shards: int,
         groups = {(g.gbuf_idx, g.dtype_key): g for g in plan.groups}
         for item in buckets:
             gbuf_idx, _, dtype_key, bucket_idx, shard = item
-            if before_write is not None:
-                before_write(item)
+            if digest is not None:
+                digest.begin_bucket(item)
             b = groups[(gbuf_idx, dtype_key)].buckets[bucket_idx]
             local = b.world // num_shards
             lo, hi = shard_id * local, min((shard_id + 1) * local, b.unpadded)
             for k in STATE_KEYS:
                 t = shard[k]
-                if t.dtype != _fp32() or t.numel() != local:
+                if t.dtype != _fp32() or t.numel() != local or not t.is_contiguous():
                     raise DPZeroError(f"{k} of buffer {gbuf_idx} bucket {bucket_idx}: {t.dtype} x {t.numel()}, "
-                                      f"expected float32 x {local}")
-                if hi <= lo:
-                    continue
-                data = memoryview(t[:hi - lo].numpy()).cast("B")
+                                      f"expected contiguous float32 x {local}")
+                if digest is not None:
+                    digest.begin_tensor(k, t)
                 key, base = plan.place(gbuf_idx, dtype_key, k)
                 at = (b.offset + lo) * 4
-                torch_file._pwrite_all(fd, data, base + at)
-                ranges.append((key, at, len(data), torch_file.crc32(data)))
-                written += len(data)
+                n = max(0, hi - lo) * 4
+                crc = _write_chunks(fd, memoryview(t.numpy()).cast("B"), n, base + at, digest)
+                if n:
+                    ranges.append((key, at, n, crc))
+                    written += n
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -167,6 +187,25 @@ def write_shard(path: str, plan: FilePlan, shard_id: int, num_shards: int,
                 {"iteration": iteration, "shard_id": shard_id, "num_shards": num_shards,
                  "layout": plan.fingerprint, "ranges": ranges})
     return written
+
+
+#: bytes digested, checksummed and written per step (see :func:`write_shard`)
+CHUNK_BYTES = 16 << 20
+
+
+def _write_chunks(fd: int, whole: memoryview, n: int, offset: int, digest: Optional[ShardDigest]) -> int:
+    """Digest all of ``whole``; write its first ``n`` bytes at ``offset``; returns their CRC-32."""
+    crc = 0
+    for pos in range(0, len(whole), CHUNK_BYTES):
+        chunk = whole[pos:pos + CHUNK_BYTES]
+        if digest is not None:
+            digest.update(chunk)
+        part = chunk[:max(0, min(len(chunk), n - pos))]
+        if len(part):
+            torch_file._pwrite_all(fd, part, offset + pos)
+            crc = zlib.crc32(part, crc)
+            torch_file.start_writeback(fd, offset + pos, len(part))
+    return crc & 0xFFFFFFFF
 
 
 def finalize(path: str, plan: FilePlan, num_shards: int, staging_root: str, tp: int, pp: int,
