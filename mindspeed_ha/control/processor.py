@@ -742,7 +742,8 @@ class Processor:
         without it the controller would take a clean exit for a death.
         """
         try:
-            self._flush_outbox()
+            if self.controller_lost_at is None:  # nobody to send to otherwise
+                self._flush_outbox()
         except Exception:  # noqa: BLE001 - closing must not fail
             log.exception("rank %d: cannot flush the control queue", self.rank)
         with self._cond:
