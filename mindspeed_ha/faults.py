@@ -35,6 +35,16 @@ directory, a save/assemble/commit step failed or timed out). Nothing was committ
 EXIT_CONTROLLER_LOST = 78
 """The processor lost its controller while frozen and gave up waiting for an action."""
 
+EXIT_FAILED_BEFORE_TRAINING = 79
+"""A rank failed before any rank started its first iteration: during start-up or while
+loading the checkpoint named by ``--load`` (a resume error, e.g. a checkpoint that does
+not fit the run's flags). Not a training fault: nothing could be saved and nothing was
+written; the checkpoint loaded is untouched. The failing rank's own error says why; fix
+it before rerunning (a plain rerun fails the same way)."""
+
+EXIT_RESUME_FAILED = EXIT_FAILED_BEFORE_TRAINING
+"""Alias: a resume that fails in ``load_checkpoint`` is the common case of 79."""
+
 
 # --------------------------------------------------------------------------- kinds
 class FaultKind(str, enum.Enum):

@@ -285,7 +285,8 @@ def main(argv=None) -> int:
         "arguments carry --enable-high-availability, the job's controller in this process and "
         f"a grace period ({ENV_GRACE}, default 600 s) for survivors to save the dying "
         "checkpoint. Exit codes: 75 dying checkpoint saved (rerun with --load), 76 nothing "
-        "written (no complete copy / no completed iteration), 2 bad arguments.")
+        "written (no complete copy / no completed iteration), 79 a rank failed before training "
+        "started (start-up or resuming from --load; nothing to save), 2 bad arguments.")
     targs = parser.parse_args(argv)
     ns = _ha_args(targs.training_script_args)
     if not targs.module and not targs.no_python and not os.path.isfile(targs.training_script):
@@ -336,6 +337,12 @@ def main(argv=None) -> int:
     except ChildFailedError as exc:
         codes = {f.exitcode for f in exc.failures.values()}
         code = _exit_code(codes)
+        if controller is not None and code != 75:
+            from mindspeed_ha.faults import EXIT_FAILED_BEFORE_TRAINING
+
+            controller.wait_done(2.0)  # every worker is gone: its verdict follows at once
+            if controller.outcome().exit_code == EXIT_FAILED_BEFORE_TRAINING:
+                code = EXIT_FAILED_BEFORE_TRAINING  # every worker ended on its own error at start-up
         if _survivors.stop_killed and code != 75:  # graceful stop past its deadline: nothing was committed
             from mindspeed_ha.faults import EXIT_FAULT_UNRECOVERABLE
 
@@ -351,14 +358,17 @@ def main(argv=None) -> int:
 def _exit_code(codes) -> int:
     """The job's exit status from the workers' (signals are negative).
 
-    75 when the dying checkpoint was saved; otherwise a worker's own error (a plain
-    non-zero exit, e.g. a traceback) wins over the controller's 76/77/78 verdicts, which
+    75 when the dying checkpoint was saved; 79 when training never started (start-up or
+    ``--load`` failed: the workers' own errors are that failure); otherwise a worker's own
+    error (a plain non-zero exit, e.g. a traceback) wins over the controller's 76/77/78 verdicts, which
     only follow from it.
     """
     from mindspeed_ha import faults
 
     if faults.EXIT_DYING_CHECKPOINT_SAVED in codes:
         return faults.EXIT_DYING_CHECKPOINT_SAVED
+    if faults.EXIT_FAILED_BEFORE_TRAINING in codes:  # start-up / --load failed: the errors are that
+        return faults.EXIT_FAILED_BEFORE_TRAINING
     ha_codes = {faults.EXIT_NO_COMPLETE_DATA, faults.EXIT_FAULT_UNRECOVERABLE, faults.EXIT_CONTROLLER_LOST}
     own = sorted(c for c in codes if c > 0 and c not in ha_codes)
     if own:

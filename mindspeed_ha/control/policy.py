@@ -18,7 +18,8 @@ Phases and what moves them (see ``state.Phase``)::
                 -> STOP_ALL (freeze now: the iteration in progress is abandoned), STOPPING.
                 Every rank said GOODBYE(0) (training ended meanwhile) -> DONE
     STOPPING    every live rank answered STOPPED, or stop_timeout_s passed (silent ranks
-                are unavailable) -> no save dir: EXIT(77); no complete data: EXIT(76);
+                are unavailable) -> no rank started training (start-up or --load
+                failed): EXIT(79); no save dir: EXIT(77); no complete data: EXIT(76);
                 else VERIFY to every usable rank that can verify       -> VERIFYING
                 (none can: DUMP(plan) to shard/model savers            -> DUMPING)
     VERIFYING   every target answered (integrity report of its frozen state), died, or
@@ -54,6 +55,7 @@ from mindspeed_ha.config import HAConfig
 from mindspeed_ha.faults import (
     EXIT_CONTROLLER_LOST,
     EXIT_DYING_CHECKPOINT_SAVED,
+    EXIT_FAILED_BEFORE_TRAINING,
     EXIT_FAULT_UNRECOVERABLE,
     EXIT_NO_COMPLETE_DATA,
     FaultKind,
@@ -437,6 +439,13 @@ def _after_verify(now: float, state: ClusterState, config: HAConfig, gone: Mappi
 def _after_stop(state: ClusterState, config: HAConfig, gone: Mapping[int, str], unavailable: Mapping[int, str],
                 elapsed: float) -> Decision:
     """Every live rank is frozen (or given up on): choose the iteration, then VERIFY or DUMP."""
+    if state.ranks and all(info.iteration < 0 for info in state.ranks.values()):
+        # No rank reached its first train_step (none ever reported an optimizer status):
+        # start-up or --load failed. Saying "no complete data" would blame training.
+        first = state.fault.reason if state.fault is not None else "a rank failed"
+        return _exit(state, gone, EXIT_FAILED_BEFORE_TRAINING,
+                     f"{first}, before training started (start-up, or resuming from --load): not a training "
+                     "fault; nothing to save, nothing written, the checkpoint loaded is untouched")
     save_dir = state.save_dir or config.save_dir
     if not save_dir:
         return _exit(state, gone, EXIT_FAULT_UNRECOVERABLE,
