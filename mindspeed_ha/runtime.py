@@ -11,7 +11,10 @@ Step protocol, in the order the training thread calls it (one iteration ``k``):
    updates); then the pause point (graceful pause: reserved).
 5. Any exception escaping ``train_step`` goes to :meth:`HARuntime.handle_fault`, which
    classifies it, reports it and waits for the controller's action (a dying checkpoint
-   runs in the processor's action thread; EXIT ends the process).
+   runs in the processor's action thread; EXIT ends the process). So does one escaping
+   the rest of the run once training started: the training loop around ``train_step``,
+   a periodic or the final checkpoint save, evaluation (fault guards in
+   ``patches/training.py``); those report the last completed iteration.
 """
 
 from __future__ import annotations
@@ -61,6 +64,22 @@ def reset() -> None:
 
 
 _uncaught = {"code": 0}
+
+#: attribute set on an exception once it was reported (see HARuntime.handle_fault)
+_REPORTED = "_mindspeed_ha_reported"
+_WHERE = {"train": "the training loop (between iterations)", "save": "a regular checkpoint save",
+          "final_save": "the final checkpoint save", "eval": "evaluation"}
+
+
+def _reported(exc: BaseException) -> bool:
+    """Whether ``exc`` or an exception it was raised from or during was reported already."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if getattr(exc, _REPORTED, False):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _install_exit_hooks() -> None:
@@ -309,15 +328,35 @@ class HARuntime:
         self.snapshot = dying.IterationSnapshot(iteration, megatron_lm.collect_rng_state(),
                                                 flops_before=prev.flops if prev is not None else None)
 
-    def handle_fault(self, exc: BaseException):
+    def handle_fault(self, exc: BaseException, where: str = "train_step"):
         """Report ``exc`` to the controller and carry out its action.
+
+        Args:
+            exc: the exception that escaped the guarded function.
+            where: what raised it: ``"train_step"`` (reported with the iteration being
+                computed) or a guard outside it (``"train"``: the training loop between
+                iterations, ``"save"``, ``"final_save"``, ``"eval"``; reported with the
+                last completed iteration, the one a dying checkpoint can hold).
+
+        A fault is reported once: an exception an inner guard already reported (it comes
+        back only when the controller could not act) is not reported again by an outer one.
 
         Returns only if the controller cannot be reached (then the caller re-raises).
         """
-        if self.processor is None:
+        if self.processor is None or _reported(exc):
             return None
-        log.error("rank %d: fault in iteration %s: %s", self.rank, self.current, exc)
-        return self.processor.report_fault(exc, self.current)
+        try:
+            setattr(exc, _REPORTED, True)
+        except AttributeError:  # an exception type without a __dict__: report it, once is the rule
+            pass
+        if where == "train_step":
+            iteration = self.current
+            log.error("rank %d: fault in iteration %s: %s", self.rank, iteration, exc)
+        else:
+            iteration = self.completed if self.completed is not None else int(getattr(self.args, "iteration", 0) or 0)
+            log.error("rank %d: fault during %s after iteration %s: %s", self.rank, _WHERE.get(where, where),
+                      iteration, exc)
+        return self.processor.report_fault(exc, iteration)
 
     # ---- action handlers (processor action thread) -------------------------------------
     def _roles(self, params: dict):

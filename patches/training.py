@@ -1,10 +1,22 @@
-"""Feature ``ha``: start the runtime and put the exception decorator around ``train_step``.
+"""Feature ``ha``: start the runtime and put the exception decorator around the whole run.
 
 Adaptation points 1 (start processors once model-parallel groups exist) and 5 (catch,
 classify, report, wait for the controller's action). The wrapped ``train_step`` has
 Megatron-LM core_v0.12.1's signature ``train_step(forward_step_func, data_iterator,
 model, optimizer, opt_param_scheduler, config)``; the same wrapper serves Megatron-LM's
 ``megatron.training.training`` and our Megatron-shaped ``mindspeed_ha.testing.trainer.training``.
+
+Fault guards (:func:`_guard`) cover what runs around ``train_step`` once training has
+started, with the same path (:meth:`HARuntime.handle_fault`): the rest of the training
+loop (``train``: logging, batch-size ramp-up, exit checks, between iterations), every
+``save_checkpoint`` (periodic ones inside ``train``, the final one in ``pretrain``) and
+``evaluate_and_print_results`` (during training and after it). A fault there is reported
+with the last completed iteration; a rank blocked in a collective with a dead peer
+(e.g. the save's barrier, Megatron-LM checkpointing.py ``save_checkpoint``) gets gloo's
+"Connection closed by peer" and waits for the controller's action instead of exiting 1.
+Start-up (model build, ``--load``, data iterator creation) is not guarded: before the
+first iteration there is nothing a dying checkpoint could add, and a configuration
+error there must surface as itself.
 """
 
 from __future__ import annotations
@@ -13,6 +25,11 @@ import functools
 import inspect
 
 from .registry import Patch
+
+#: what the main thread is inside of, outermost first ("train", "save", "final_save", "eval")
+_activity: list = []
+#: (point, iteration) of an armed save fault, fired at the save's first barrier (testing)
+_save_fault: list = []
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,6 +91,125 @@ def _train_step(wrapped, instance, args, kwargs):
     return result
 
 
+def _guarded_call(rt, where: str, wrapped, args, kwargs):
+    _activity.append(where)
+    try:
+        return wrapped(*args, **kwargs)
+    except Exception as exc:  # SystemExit / KeyboardInterrupt pass through
+        rt.handle_fault(exc, where=where)  # returns only if the controller cannot act
+        raise
+    finally:
+        _activity.pop()
+
+
+def _guard(where: str):
+    """Fault guard for a function that runs outside ``train_step`` (``where`` names it in logs)."""
+
+    def wrapper(wrapped, instance, args, kwargs):
+        from mindspeed_ha.runtime import get_runtime
+
+        rt = get_runtime()
+        if rt is None:
+            return wrapped(*args, **kwargs)
+        return _guarded_call(rt, where, wrapped, args, kwargs)
+
+    return wrapper
+
+
+def _first_arg(args, kwargs, name: str, position: int):
+    if name in kwargs:
+        return kwargs[name]
+    return args[position] if len(args) > position else None
+
+
+def _save_guard(wrapped, instance, args, kwargs):
+    """``save_checkpoint(iteration, ...)``: a periodic save inside ``train``, else the final save."""
+    from mindspeed_ha.runtime import get_runtime
+
+    rt = get_runtime()
+    if rt is None:
+        return wrapped(*args, **kwargs)
+    point = "save" if "train" in _activity else "final_save"
+    iteration = _first_arg(args, kwargs, "iteration", 0)
+    armed = iteration is not None and rt.injector.armed(point, int(iteration))
+    if armed:
+        _save_fault[:] = [(point, int(iteration))]
+    try:
+        return _guarded_call(rt, point, wrapped, args, kwargs)
+    finally:
+        _save_fault.clear()
+
+
+def _eval_injection(wrapped, instance, args, kwargs):
+    """``evaluate(forward_step_func, ...)``: an armed ``eval`` fault fires at its first forward step."""
+    from mindspeed_ha.runtime import get_runtime
+
+    rt = get_runtime()
+    iteration = rt.completed if rt is not None else None
+    if iteration is None or not rt.injector.armed("eval", iteration):
+        return wrapped(*args, **kwargs)
+    bound = _signature(wrapped).bind(*args, **kwargs)
+    inner = bound.arguments["forward_step_func"]
+    state = {"fired": False}
+
+    def forward_step(*a, **kw):
+        if not state["fired"]:
+            state["fired"] = True
+            rt.injector.fire("eval", iteration, rt.ctx)
+        return inner(*a, **kw)
+
+    bound.arguments["forward_step_func"] = forward_step
+    return wrapped(*bound.args, **bound.kwargs)
+
+
+def _save_barrier_injection(wrapped, instance, args, kwargs):
+    """``torch.distributed.barrier`` during a save with an armed ``save``/``final_save`` fault:
+    fire it at the save's first barrier, after this rank wrote its files."""
+    if _save_fault:
+        point, iteration = _save_fault.pop()
+        from mindspeed_ha.runtime import get_runtime
+
+        rt = get_runtime()
+        if rt is not None:
+            rt.injector.fire(point, iteration, rt.ctx)
+    return wrapped(*args, **kwargs)
+
+
+def _data_injection(wrapped, instance, args, kwargs):
+    """``get_batch_on_this_tp_rank``: an armed ``data`` fault fires when this rank fetches a batch."""
+    from mindspeed_ha.runtime import get_runtime
+
+    rt = get_runtime()
+    if rt is not None and rt.current is not None:
+        rt.injector.fire("data", rt.current, rt.ctx)
+    return wrapped(*args, **kwargs)
+
+
+def _helper_dies_with_rank(wrapped, instance, args, kwargs):
+    """The server process of a ``multiprocessing`` manager started by a rank (Megatron-LM's
+    ``torch_dist`` save starts one, megatron/core/dist_checkpointing/strategies/
+    filesystem_async.py ``_get_write_results_queue``, and stops it only at a normal
+    interpreter exit): it gets SIGKILL when the rank dies, by a signal or by the
+    ``os._exit`` that ends a rank after a dying checkpoint. Otherwise it outlives the rank
+    forever, holding the rank's stdout and stderr, so whatever reads them (torchrun's
+    logs, a test harness) never sees them close. Linux ``prctl(PR_SET_PDEATHSIG)``
+    (linux/prctl.h: 1); elsewhere a no-op. Runs in the server process (forked)."""
+    import os
+    import signal
+
+    parent = os.getppid()
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))
+    except (OSError, AttributeError):  # no libc prctl: not Linux
+        pass
+    else:
+        if os.getppid() != parent:  # the rank died before prctl took effect
+            os._exit(0)
+    return wrapped(*args, **kwargs)
+
+
 def _grad_sync_injection(wrapped, instance, args, kwargs):
     from mindspeed_ha.runtime import get_runtime
 
@@ -109,6 +245,87 @@ PATCHES = [
         feature="ha",
         versions=None,
         doc="exception decorator + step protocol around mindspeed_ha.testing.trainer's train_step",
+    ),
+    Patch(
+        name="ha.guard.train.megatron",
+        module="megatron.training.training",
+        attribute="train",
+        wrapper=_guard("train"),
+        feature="ha",
+        versions=None,
+        doc="fault guard around Megatron-LM's training loop (between iterations, logging, exit checks)",
+    ),
+    Patch(
+        name="ha.guard.save_checkpoint.megatron",
+        module="megatron.training.training",
+        attribute="save_checkpoint",
+        wrapper=_save_guard,
+        feature="ha",
+        versions=None,
+        doc="fault guard around Megatron-LM's periodic and final save_checkpoint",
+    ),
+    Patch(
+        name="ha.guard.evaluate.megatron",
+        module="megatron.training.training",
+        attribute="evaluate_and_print_results",
+        wrapper=_guard("eval"),
+        feature="ha",
+        versions=None,
+        doc="fault guard around Megatron-LM's evaluation (during and after training)",
+    ),
+    Patch(
+        name="ha.guard.train.trainer",
+        module="mindspeed_ha.testing.trainer.training",
+        attribute="train",
+        wrapper=_guard("train"),
+        feature="ha",
+        versions=None,
+        doc="fault guard around mindspeed_ha.testing.trainer's training loop",
+    ),
+    Patch(
+        name="ha.guard.save_checkpoint.trainer",
+        module="mindspeed_ha.testing.trainer.training",
+        attribute="save_checkpoint",
+        wrapper=_save_guard,
+        feature="ha",
+        versions=None,
+        doc="fault guard around mindspeed_ha.testing.trainer's periodic and final save_checkpoint",
+    ),
+    Patch(
+        name="ha.helper_dies_with_rank",
+        module="multiprocessing.managers",
+        attribute="BaseManager._run_server",
+        wrapper=_helper_dies_with_rank,
+        feature="ha",
+        versions=None,
+        doc="a multiprocessing manager's server process (torch_dist save) is killed when its rank dies",
+    ),
+    Patch(
+        name="testing.inject_eval",
+        module="megatron.training.training",
+        attribute="evaluate",
+        wrapper=_eval_injection,
+        feature="testing",
+        versions=None,
+        doc="fault injector hook at the first forward step of an evaluation",
+    ),
+    Patch(
+        name="testing.inject_save",
+        module="torch.distributed",
+        attribute="barrier",
+        wrapper=_save_barrier_injection,
+        feature="testing",
+        versions=None,
+        doc="fault injector hook at the first barrier of a checkpoint save (this rank's files written)",
+    ),
+    Patch(
+        name="testing.inject_data",
+        module="megatron.training.utils",
+        attribute="get_batch_on_this_tp_rank",
+        wrapper=_data_injection,
+        feature="testing",
+        versions=None,
+        doc="fault injector hook where a rank fetches a training batch",
     ),
     Patch(
         name="testing.inject_grad_sync",

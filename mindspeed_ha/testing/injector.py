@@ -10,6 +10,12 @@ Points (where in iteration ``k`` the fault fires):
     ``grad_sync``   DDP gradient synchronisation of iteration k
     ``optimizer``   inside the optimizer update of iteration k (after begin_update)
     ``between``     after iteration k completed, before k+1 starts
+    ``data``        where this rank fetches a training batch of iteration k (Megatron-LM's
+                    ``get_batch_on_this_tp_rank``; ranks of the first and last PP stage)
+    ``eval``        first forward step of the evaluation after iteration k (``--eval-interval``)
+    ``save``        inside the periodic checkpoint save of iteration k, at its first barrier:
+                    this rank's files are written, the tracker is not (a half-written save)
+    ``final_save``  the same inside the final save at the end of training (iteration k)
     ``dying``       while this rank writes its part of a dying checkpoint
 Faults: ``kill`` (SIGKILL to itself: the process vanishes, nothing runs after),
 ``raise`` (raise :class:`InjectedFault`, a RuntimeError carrying a gloo-like message),
@@ -40,7 +46,8 @@ from typing import Any, List, Optional
 
 ENV = "MINDSPEED_HA_INJECT"
 ENV_LOG = "MINDSPEED_HA_INJECT_LOG"  # optional: append a JSON line per fired fault
-POINTS = ("forward", "backward", "grad_sync", "optimizer", "between", "dying")
+POINTS = ("forward", "backward", "grad_sync", "optimizer", "between", "data", "eval", "save", "final_save",
+          "dying")
 FAULTS = ("kill", "raise", "stop", "corrupt", "term", "term_launcher", "kill_launcher")
 #: faults that signal a process and let this rank go on: SIGTERM to itself (a preempted
 #: worker), SIGTERM to its parent, the launcher (a preempted job), SIGKILL to the launcher
