@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from mindspeed_ha import faults
+from mindspeed_ha.config import ConfigError, HAConfig
 from mindspeed_ha.testing import megatron_lm as mlm
 from mindspeed_ha.testing.harness import launch, launcher_command, tiny_gpt_args
 
@@ -29,6 +30,27 @@ SIGNAL_AT = 3
 HB = ["--ha-heartbeat-interval", "0.5", "--ha-heartbeat-timeout", "2"]
 
 pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.mark.parametrize("flag,env,value", [
+    ("--ha-preemption-deadline", None, "0"), ("--ha-preemption-deadline", None, "3601"),
+    (None, "MINDSPEED_HA_PREEMPTION_DEADLINE", "soon"), (None, "MINDSPEED_HA_PREEMPTION_DEADLINE", "nan")])
+def test_preemption_deadline_is_validated_naming_the_source_and_range(flag, env, value):
+    import argparse
+
+    ns = argparse.Namespace(enable_high_availability=True, ha_preemption_deadline=value if flag else None)
+    with pytest.raises(ConfigError) as err:
+        HAConfig.from_args(ns, {env: value} if env else {})
+    assert (flag or env) in str(err.value) and "(0, 3600]" in str(err.value)
+    assert HAConfig.from_args(argparse.Namespace(), {}).preemption_deadline_s == 20.0  # under a 30 s grace
+
+
+def test_launcher_refuses_a_bad_deadline_before_starting_workers():
+    import subprocess
+
+    r = subprocess.run([*launcher_command(4), "-m", "mindspeed_ha.testing.trainer.pretrain_gpt",
+                        *_args("--ha-preemption-deadline", "-1")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--ha-preemption-deadline" in r.stderr and "(0, 3600]" in r.stderr, r.stderr[-2000:]
 
 
 def _args(*extra):
@@ -110,14 +132,18 @@ def test_sigterm_to_the_launcher_stops_gracefully_and_resumes_bitwise(tmp_path, 
     assert "graceful stop (SIGTERM to the launcher" in r.stderr and f"continue from iteration {k}" in r.stderr
 
 
-def test_sigterm_to_one_worker_stops_the_job_gracefully(tmp_path):
+@pytest.mark.parametrize("ranks", [(2,), (0, 1, 2, 3)], ids=["one_worker", "every_worker"])
+def test_sigterm_to_workers_stops_the_job_gracefully(tmp_path, ranks):
     """SIGTERM to a single worker: it asks the controller for a graceful stop; the whole job
-    ends with a checkpoint (75), no worker is killed, nobody waits for torchrun's 30 s."""
+    ends with a checkpoint (75), no worker is killed, nobody waits for torchrun's 30 s. To
+    every worker (a scheduler signalling every process): the first request wins."""
     save = str(tmp_path / "ckpt")
-    r = _run(tmp_path, _args("--save", save), f"rank=2,iteration={SIGNAL_AT},point=between,fault=term")
+    inject = ";".join(f"rank={r},iteration={SIGNAL_AT},point=between,fault=term" for r in ranks)
+    r = _run(tmp_path, _args("--save", save), inject)
     assert r.returncode == faults.EXIT_DYING_CHECKPOINT_SAVED, r.stderr[-6000:]
     rep = r.report
-    assert rep["stop_request"]["rank"] == 2 and "SIGTERM to rank 2" in rep["stop_request"]["reason"]
+    req = rep["stop_request"]
+    assert req["rank"] in ranks and f"SIGTERM to rank {req['rank']}" in req["reason"]
     assert rep["fault_rank"] is None
     assert _actions(rep) == ["drain", "drain", "verify", "dump", "assemble", "commit", "exit"], rep["events"]
     k = _tracker(save)
