@@ -72,7 +72,8 @@ class IterationSnapshot:
 
     1. the optimizer update of ``iteration`` ended: ``rng_state``;
     2. ``train_step`` returned: ``rerun_state``, ``scheduler_state`` (stepped by
-       ``train_step`` after the update), ``rng_states`` (gathered over the DP group with
+       ``train_step`` after the update), ``consumed_before`` (the training loop has not
+       counted the iteration yet), ``rng_states`` (gathered over the DP group with
        ``--data-parallel-random-init``: a collective, impossible once a peer is dead),
        ``returned``;
     3. Megatron-LM's ``train`` counted the iteration (``num_floating_point_operations``
@@ -92,6 +93,8 @@ class IterationSnapshot:
             ``--data-parallel-random-init``, else None: ``[rng_state]``).
         scheduler_state: ``opt_param_scheduler.state_dict()`` as ``train_step`` left it.
         returned: ``train_step`` of ``iteration`` returned.
+        consumed_before: ``args.consumed_train_samples`` then (the loop's count of
+            ``iteration`` adds the batch to it right after).
         args: shallow copy of the run's args after Megatron-LM counted ``iteration``
             (``consumed_train_samples``, ``skipped_train_samples``, ``consumed_valid_samples``...).
         args_final: ``args`` were taken where a regular save of ``iteration`` reads them.
@@ -105,6 +108,7 @@ class IterationSnapshot:
     rng_states: Optional[List[Any]] = None
     scheduler_state: Optional[Dict[str, Any]] = None
     returned: bool = False
+    consumed_before: Optional[int] = None
     args: Any = None
     args_final: bool = False
     flops: Optional[float] = None
@@ -405,9 +409,11 @@ def _model_state(ctx: DyingContext, iteration: int, snapshot: IterationSnapshot,
     """``model_optim_rng.pt`` of ``iteration`` as Megatron-LM's ``save_checkpoint`` writes it
     (key by key; ``tests/test_megatron_counters.py`` compares them), from ``snapshot``.
 
-    When ``train_step`` of ``iteration`` did not return (a fault in the collectives after
-    the optimizer update), Megatron-LM's scheduler step and counting of the iteration are
-    done on copies with Megatron-LM's own functions
+    What a fault kept Megatron-LM from doing for ``iteration`` is done on copies with
+    Megatron-LM's own functions: the scheduler step when ``train_step`` did not return (a
+    fault in the collectives after the optimizer update,
+    :func:`~mindspeed_ha.integrations.megatron_lm.scheduler_after_step`), the training
+    loop's count when the fault came before it
     (:func:`~mindspeed_ha.integrations.megatron_lm.count_iteration`).
 
     Raises:
@@ -415,11 +421,14 @@ def _model_state(ctx: DyingContext, iteration: int, snapshot: IterationSnapshot,
             ``iteration`` were not gathered (a fault during that gather).
     """
     args, sched, flops = snapshot.args, snapshot.scheduler_state, snapshot.flops
-    if not snapshot.returned:
-        args, sched, flops = mlm.count_iteration(args if args is not None else ctx.args,
-                                                 ctx.opt_param_scheduler, snapshot.flops_before)
-    elif args is None:  # counted by the training loop, not yet copied: the live args hold it
-        args = copy.copy(ctx.args)
+    if sched is None and ctx.opt_param_scheduler is not None:
+        sched = mlm.scheduler_after_step(ctx.opt_param_scheduler, ctx.args)
+    if args is None:
+        live = ctx.args
+        if snapshot.returned and getattr(live, "consumed_train_samples", None) != snapshot.consumed_before:
+            args = copy.copy(live)  # counted by the loop (the built-in trainer's: just before its save)
+        else:
+            args, flops = mlm.count_iteration(live, snapshot.flops_before)
     if flops is None:
         flops = getattr(args, "num_floating_point_operations_so_far", None)
     rng_states = snapshot.rng_states

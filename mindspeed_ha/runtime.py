@@ -310,11 +310,12 @@ class HARuntime:
             if self.processor is not None:
                 self.processor.end_update(k)
         snap = self.snapshot
+        args = self.ctx.args if self.ctx is not None else self.args
         snap.rerun_state = megatron_lm.capture_rerun_state()  # as a regular save sees it
         snap.scheduler_state = megatron_lm.scheduler_state(getattr(self.ctx, "opt_param_scheduler", None))
+        snap.consumed_before = getattr(args, "consumed_train_samples", None)  # the loop counts k after this
         snap.returned = True
         self.completed = k
-        args = self.ctx.args if self.ctx is not None else self.args
         if megatron_lm.needs_rng_gather(args):
             # --data-parallel-random-init: a regular save holds every DP rank's RNG state;
             # gathered now, while every rank is here (a dying checkpoint cannot gather).

@@ -232,15 +232,30 @@ def scheduler_state(opt_param_scheduler) -> Optional[dict]:
     return copy.deepcopy(opt_param_scheduler.state_dict())
 
 
-def count_iteration(args, opt_param_scheduler, flops_before: Optional[float]):
-    """What Megatron-LM's ``train`` does to its counters once ``train_step`` returned, done
-    with Megatron-LM's own functions, for a dying checkpoint of an iteration whose
-    optimizer update finished but whose ``train_step`` did not return (a fault in the
-    collectives after ``optimizer.step``). Touches nothing live.
+def scheduler_after_step(opt_param_scheduler, args) -> dict:
+    """A copy of the scheduler's state after the step ``train_step`` takes once the
+    optimizer update succeeded, for a dying checkpoint of an iteration whose update
+    finished but whose ``train_step`` did not return (a fault in the collectives after
+    ``optimizer.step``). Touches nothing live.
 
-    Megatron-LM core_v0.12.1 ``megatron/training/training.py``: ``train_step`` steps the
-    scheduler by ``get_num_microbatches() * micro_batch_size * data_parallel_size`` after a
-    successful update (the update of this iteration did finish); ``train`` then adds
+    Megatron-LM core_v0.12.1 ``megatron/training/training.py`` ``train_step``:
+    ``opt_param_scheduler.step(increment=get_num_microbatches() * micro_batch_size *
+    data_parallel_size)``, and ``OptimizerParamScheduler.step`` only adds ``increment``
+    to ``num_steps`` (the learning rate it sets is recomputed from ``num_steps`` on load).
+    """
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+    state = scheduler_state(opt_param_scheduler)
+    state["num_steps"] += get_num_microbatches() * args.micro_batch_size * args.data_parallel_size
+    return state
+
+
+def count_iteration(args, flops_before: Optional[float]):
+    """What Megatron-LM's ``train`` does to its counters right after ``train_step``
+    returns, done on a copy with Megatron-LM's own functions, for a dying checkpoint of an
+    iteration the training loop did not count (the fault came first). Touches nothing live.
+
+    Megatron-LM core_v0.12.1 ``megatron/training/training.py`` ``train``: adds
     ``data_parallel_world_size * micro_batch_size * get_num_microbatches()`` to
     ``consumed_train_samples``, ``get_current_global_batch_size() -
     get_current_running_global_batch_size()`` to ``skipped_train_samples`` and
@@ -251,7 +266,7 @@ def count_iteration(args, opt_param_scheduler, flops_before: Optional[float]):
         flops_before: the FLOP count after the previous iteration (None: not tracked).
 
     Returns:
-        ``(args, scheduler state dict or None, flops or None)``.
+        ``(args, flops or None)``.
     """
     import copy
 
@@ -260,9 +275,6 @@ def count_iteration(args, opt_param_scheduler, flops_before: Optional[float]):
         get_current_global_batch_size, get_current_running_global_batch_size, get_num_microbatches)
 
     args = copy.copy(args)
-    sched = scheduler_state(opt_param_scheduler)
-    if sched is not None:
-        sched["num_steps"] += get_num_microbatches() * args.micro_batch_size * args.data_parallel_size
     batch_size = mpu.get_data_parallel_world_size() * args.micro_batch_size * get_num_microbatches()
     args.consumed_train_samples += batch_size
     if hasattr(args, "skipped_train_samples"):
@@ -270,8 +282,10 @@ def count_iteration(args, opt_param_scheduler, flops_before: Optional[float]):
     training = sys.modules.get("megatron.training.training")
     flops = flops_before
     if flops_before is not None and training is not None:
-        flops = flops_before + training.num_floating_point_operations(args, batch_size)
-    return args, sched, flops
+        count = training.num_floating_point_operations
+        count = getattr(count, "__wrapped__", count)  # not through patches/megatron_state.py's counter
+        flops = flops_before + count(args, batch_size)
+    return args, flops
 
 
 def sharded_rng_state(rng_state: list):
@@ -491,7 +505,7 @@ __all__ = [
     "current_args", "unwrap_model",
     "get_checkpoint_name", "get_distributed_optimizer_checkpoint_name", "get_checkpoint_tracker_filename",
     "read_tracker_iteration", "collect_rng_state", "set_rng_state", "generate_state_dict",
-    "needs_rng_gather", "gather_rng_states", "scheduler_state", "count_iteration",
+    "needs_rng_gather", "gather_rng_states", "scheduler_state", "scheduler_after_step", "count_iteration",
     "sharded_rng_state", "capture_rerun_state", "rerun_state",
     "write_tracker", "expected_files", "validate_checkpoint_dir", "commit_checkpoint",
 ]
