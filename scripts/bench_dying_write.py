@@ -3,18 +3,24 @@
 
 Stock Megatron-LM ``pretrain_gpt.py`` (4 gloo ranks, TP1 PP2 DP2, 2 optimizer replicas,
 hidden ``--hidden-size``: ~240 MB of checkpoint at 512) is killed in backward of
-iteration 2; the controller's report gives the save phase (DUMP sent -> EXIT sent: shard
-and model files, assembly or merge, validation, rename, tracker). Right after, ``dd
+iteration 2; the controller's report gives the save phase (DUMP sent -> EXIT sent: the
+savers' files, completion check or merge, validation, rename, tracker). Right after, ``dd
 if=/dev/zero bs=4M conv=fsync`` writes the same number of bytes to the same directory.
 Prints, per ``--ckpt-format``: checkpoint bytes, save seconds, MB/s, dd MB/s, and the ratio.
 
     python scripts/bench_dying_write.py [--megatron-lm DIR | --tarball FILE] [--hidden-size 512]
+        [--repeat N] [--log-dir DIR]
+
+Also prints, per run, the seconds between the controller's actions (DUMP -> ASSEMBLE ->
+COMMIT -> EXIT) and each rank's own steps (from its action result).
 """
 
 import argparse
 import json
 import os
 import re
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -51,12 +57,42 @@ def _breakdown(report, stderr):
     return phases, steps
 
 
+def _run_once(mlm, root, tmp, fmt, hidden, log_dir, n):
+    """One killed run; returns (bytes, save s, dd bytes/s) and prints the breakdown."""
+    save = os.path.join(tmp, f"ckpt_{fmt}_{n}")
+    report = os.path.join(tmp, f"report_{fmt}_{n}.json")
+    args = mlm.stock_gpt_args(pp=2, train_iters=4, ckpt_format=fmt, hidden_size=hidden,
+                              num_attention_heads=8, save=save, save_interval=1000,
+                              enable_high_availability=True, ha_controller_port=0)
+    env = {"MINDSPEED_HA_CACHE": os.path.join(tmp, "cache"), "MINDSPEED_HA_REPORT": report,
+           "MINDSPEED_HA_INJECT": "rank=3,iteration=2,point=backward"}
+    r = mlm.launch_stock(root, args, env=env, timeout_s=1800)
+    if log_dir:
+        os.makedirs(log_dir, exist_ok=True)
+        with open(os.path.join(log_dir, f"{fmt}_{n}.stderr"), "w") as f:
+            f.write(r.stderr)
+    if r.returncode != 75:
+        print(r.stderr[-3000:], file=sys.stderr)
+        raise SystemExit(f"{fmt}: expected exit 75, got {r.returncode}")
+    with open(report) as f:
+        rep = json.load(f)
+    phases, steps = _breakdown(rep, r.stderr)
+    print(f"{fmt} #{n}: phases " + " ".join(f"{k}={v:.3f}s" for k, v in phases.items()))
+    for rank, action, detail in steps:
+        print(f"{fmt} #{n}:   rank {rank} {action}: {detail}")
+    nbytes = _dir_bytes(os.path.join(save, "iter_0000001"))
+    dd = _dd_rate(save, nbytes)
+    shutil.rmtree(save, ignore_errors=True)
+    return nbytes, rep["phase_seconds"]["save"], dd
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--megatron-lm")
     ap.add_argument("--tarball", default=DEFAULT_TARBALL)
     ap.add_argument("--hidden-size", type=int, default=512)
     ap.add_argument("--formats", default="torch,torch_dist")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per format (the disk's rate varies between runs)")
     ap.add_argument("--log-dir", help="keep each run's stderr (controller and ranks) here")
     ns = ap.parse_args()
     from mindspeed_ha.testing import megatron_lm as mlm
@@ -64,36 +100,19 @@ def main():
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_dying_write_", dir=os.getcwd()) as tmp:
         root = ns.megatron_lm or mlm.unpack(ns.tarball, os.path.join(tmp, "src"))
-        for fmt in ns.formats.split(","):
-            save = os.path.join(tmp, f"ckpt_{fmt}")
-            report = os.path.join(tmp, f"report_{fmt}.json")
-            args = mlm.stock_gpt_args(pp=2, train_iters=4, ckpt_format=fmt, hidden_size=ns.hidden_size,
-                                      num_attention_heads=8, save=save, save_interval=1000,
-                                      enable_high_availability=True, ha_controller_port=0)
-            env = {"MINDSPEED_HA_CACHE": os.path.join(tmp, "cache"), "MINDSPEED_HA_REPORT": report,
-                   "MINDSPEED_HA_INJECT": "rank=3,iteration=2,point=backward"}
-            r = mlm.launch_stock(root, args, env=env, timeout_s=1800)
-            if ns.log_dir:
-                os.makedirs(ns.log_dir, exist_ok=True)
-                with open(os.path.join(ns.log_dir, f"{fmt}.stderr"), "w") as f:
-                    f.write(r.stderr)
-            if r.returncode != 75:
-                print(r.stderr[-3000:], file=sys.stderr)
-                raise SystemExit(f"{fmt}: expected exit 75, got {r.returncode}")
-            with open(report) as f:
-                rep = json.load(f)
-            save_s = rep["phase_seconds"]["save"]
-            phases, steps = _breakdown(rep, r.stderr)
-            print(f"{fmt}: phases " + " ".join(f"{k}={v:.3f}s" for k, v in phases.items()))
-            for rank, action, detail in steps:
-                print(f"{fmt}:   rank {rank} {action}: {detail}")
-            nbytes = _dir_bytes(os.path.join(save, "iter_0000001"))
-            dd = _dd_rate(save, nbytes)
-            rows.append((fmt, nbytes, save_s, nbytes / save_s, dd))
+        for n in range(ns.repeat):
+            for fmt in ns.formats.split(","):
+                rows.append((fmt, *_run_once(mlm, root, tmp, fmt, ns.hidden_size, ns.log_dir, n)))
     print(f"\nstock pretrain_gpt.py, TP1 PP2 DP2, 2 replicas, hidden {ns.hidden_size}; rank 3 killed")
     print(f"{'format':11} {'MB':>8} {'save s':>8} {'MB/s':>8} {'dd MB/s':>8} {'ratio':>6}")
-    for fmt, nbytes, save_s, rate, dd in rows:
+    for fmt, nbytes, save_s, dd in rows:
+        rate = nbytes / save_s
         print(f"{fmt:11} {nbytes / 1e6:8.1f} {save_s:8.3f} {rate / 1e6:8.1f} {dd / 1e6:8.1f} {rate / dd:6.2f}")
+    if ns.repeat > 1:
+        for fmt in ns.formats.split(","):
+            ratios = [nb / s / dd for f, nb, s, dd in rows if f == fmt]
+            print(f"{fmt}: ratio median {statistics.median(ratios):.2f} (min {min(ratios):.2f}, "
+                  f"max {max(ratios):.2f}, {len(ratios)} runs)")
 
 
 if __name__ == "__main__":

@@ -155,3 +155,22 @@ def test_digest_fed_while_writing_is_the_verified_digest(tmp_path, monkeypatch, 
     dp_zero.finalize(path, dp_zero.FilePlan(groups), 2, str(tmp_path), 0, 0, 7)
     got = torch.load(path, weights_only=True)
     assert torch.equal(got[0][DTYPE_KEY]["exp_avg"], _expected(groups, world)[0][DTYPE_KEY]["exp_avg"])
+
+
+def test_save_writes_what_torch_save_writes(tmp_path):
+    """torch_file.save (one writer): views of one storage, bf16, empty tensors, tensors
+    inside an object; torch.load reads the same values, the CRCs are right."""
+    import argparse
+
+    buf = torch.randn(100)
+    obj = {"a": buf[10:20], "b": buf[30:50].view(4, 5), "bf": torch.randn(3).bfloat16(), "e": torch.empty(0),
+           "ns": argparse.Namespace(t=torch.arange(4), n=1), "l": [torch.ones(2), (torch.zeros(1), 5)]}
+    path = str(tmp_path / "m.pt")
+    torch_file.save(obj, path)
+    got = torch.load(path, weights_only=False)
+    for k in ("a", "b", "bf", "e"):
+        assert got[k].dtype == obj[k].dtype and torch.equal(got[k], obj[k]), k
+    assert torch.equal(got["ns"].t, obj["ns"].t) and got["ns"].n == 1
+    assert torch.equal(got["l"][0], obj["l"][0]) and torch.equal(got["l"][1][0], obj["l"][1][0])
+    with zipfile.ZipFile(path) as z:
+        assert z.testzip() is None

@@ -187,10 +187,23 @@ def plan(obj: Any) -> TorchFileLayout:
     return TorchFileLayout(rec, records, tensor_keys, storages)
 
 
+def _write_with_torch_save(obj: Any, path: str) -> int:
+    import torch
+
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+        return f.tell()
+
+
 def save(obj: Any, path: str) -> int:
     """``torch.save(obj, path)`` by one writer, and fsync: the same archive (:func:`plan`),
     each storage written straight from its memory (GPU storages copied to the CPU first)
     with ``pwrite``, its CRC-32 computed on the way (``zlib``). Returns bytes written.
+
+    Tensors are found in dicts, lists, tuples and objects' ``__dict__``; if one is
+    elsewhere, the file is written by ``torch.save`` itself (same content).
 
     Raises:
         TorchFileError, OSError.
@@ -198,6 +211,9 @@ def save(obj: Any, path: str) -> int:
     import torch
 
     layout = plan(obj)
+    if set(layout.storages) != set(layout.records):
+        # a tensor inside an object this module does not walk: let torch.save find it
+        return _write_with_torch_save(obj, path)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.ftruncate(fd, layout.size)
@@ -320,6 +336,11 @@ def _pair(obj, refs):
             raise TorchFileError("pickled sequence differs from the object")
         for a, b in zip(obj, refs):
             yield from _pair(a, b)
+    elif isinstance(getattr(obj, "__dict__", None), dict) and isinstance(getattr(refs, "__dict__", None), dict):
+        a, b = vars(obj), vars(refs)
+        if list(a) == list(b):
+            for k in a:
+                yield from _pair(a[k], b[k])
 
 
 # ---- CRC-32 of a concatenation from the CRCs of its parts ----------------------------
