@@ -178,6 +178,16 @@ def test_rampup_pp2_bf16_dying_checkpoint_equals_regular_save(tree, tmp_path):
         assert sd["args"].consumed_train_samples == 4 * 4 + 2 * 8
     assert compare_checkpoints(_iter_dir(regular, K), _iter_dir(dying, K)) == []
 
+    # The fault right after train_step of K returned, before Megatron-LM's loop counted K
+    # (consumed samples, FLOPs): the raising rank (rank 0, the model saver of stage 0 here)
+    # does that count on a copy with Megatron-LM's functions when it saves.
+    raised = str(tmp_path / "raised")
+    r = _run(tree, _argv(ha=True, save=raised, save_interval=1000, **flags),
+             env={"MINDSPEED_HA_INJECT": f"rank=0,iteration={K},point=between,fault=raise"})
+    assert r.returncode == faults.EXIT_DYING_CHECKPOINT_SAVED, r.stderr[-6000:]
+    assert _tracker(raised) == K
+    assert compare_checkpoints(_iter_dir(regular, K), _iter_dir(raised, K)) == []
+
 
 # ---- TP2 + --data-parallel-random-init + batch size changed on resume ----------------------
 TP2 = dict(tp=2, data_parallel_random_init=True, train_iters=8)
