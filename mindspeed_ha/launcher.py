@@ -360,8 +360,8 @@ def _exit_code(codes) -> int:
 
     75 when the dying checkpoint was saved; 79 when training never started (start-up or
     ``--load`` failed: the workers' own errors are that failure); otherwise a worker's own
-    error (a plain non-zero exit, e.g. a traceback) wins over the controller's 76/77/78 verdicts, which
-    only follow from it.
+    error (a plain non-zero exit, e.g. a traceback) wins over the controller's 76/77/78
+    verdicts, which only follow from it.
     """
     from mindspeed_ha import faults
 

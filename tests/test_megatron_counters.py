@@ -267,3 +267,38 @@ def test_resume_failure_is_reported_as_such(tree, first_half, tmp_path):
     assert "no complete data" not in text
     assert "before training started (start-up, or resuming from --load)" in text, text[-4000:]
     assert _tracker(bad) == 4  # the checkpoint is untouched
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("started", [False, True])
+def test_policy_start_up_failure_is_not_no_complete_data(started):
+    """The rule behind item 5, on the pure policy: a rank dies while no rank has reported an
+    optimizer status (none reached train_step: start-up or --load failed) -> EXIT 79 with
+    a reason saying so; once every rank reached its first train_step (UPDATED at the loaded
+    iteration 4) the same death is a training fault (dying checkpoint of 4: DUMP/VERIFY)."""
+    from mindspeed_ha.config import HAConfig
+    from mindspeed_ha.control.policy import ActionKind, decide
+    from mindspeed_ha.control.state import ClusterState, FaultKind, Layout, OptimizerStatus, Phase, RankInfo
+
+    ranks = {}
+    for r in range(4):  # TP1 PP1 DP4, two optimizer instances of two shards
+        lay = Layout(tp_rank=0, pp_rank=0, dp_rank=r, tp_size=1, pp_size=1, dp_size=4, replica_count=2,
+                     instance_id=r // 2, shard_id=r % 2)
+        ranks[r] = RankInfo(rank=r, layout=lay, last_heartbeat=0.0, save_dir="/save",
+                            **({"status": OptimizerStatus.UPDATED, "iteration": 4} if started else {}))
+    st = ClusterState(world_size=4, ranks=ranks)
+    ranks[2].alive, ranks[2].exit_code, ranks[2].dead_reason = False, 1, "said goodbye (exit code 1)"
+    cfg = HAConfig(enabled=True, distributed_optimizer=True, replica_count=2, heartbeat_interval_s=0.1,
+                   heartbeat_timeout_s=1.0, stop_timeout_s=2.0, action_timeout_s=10.0, save_dir="/save")
+    d = decide(0.5, st, cfg)
+    assert d.action is ActionKind.STOP_ALL, d
+    st.record_fault(d.params["at"], d.params["rank"], FaultKind(d.params["kind"]), d.reason)
+    st.set_phase(Phase.STOPPING, 0.5)
+    for r in (0, 1, 3):
+        ranks[r].stopped = True
+    d = decide(0.6, st, cfg)
+    if started:
+        assert d.action in (ActionKind.VERIFY, ActionKind.DUMP), d
+    else:
+        assert d.action is ActionKind.EXIT and d.params["code"] == faults.EXIT_FAILED_BEFORE_TRAINING, d
+        assert "before training started" in d.reason and "no complete data" not in d.reason, d.reason
