@@ -153,6 +153,24 @@ def test_sigterm_to_workers_stops_the_job_gracefully(tmp_path, ranks):
     assert "closing signal" not in r.stderr  # torchrun never had to end anyone
 
 
+def test_graceful_stop_past_the_deadline_exits_77_and_publishes_nothing(tmp_path, no_stray_workers):
+    """Past --ha-preemption-deadline the save is abandoned: a saver hangs (SIGSTOP) while it
+    writes; at the deadline the controller sends EXIT(77) (the others remove the staging
+    dir, the tracker is never written); the hung saver, still there after the deadline and
+    the launcher's margin, is SIGKILLed; the launcher exits 77."""
+    save = str(tmp_path / "ckpt")
+    hang = ";".join(f"rank=2,iteration={k},point=dying,fault=stop" for k in range(SIGNAL_AT, SIGNAL_AT + 6))
+    r = _run(tmp_path, _args("--save", save, "--ha-preemption-deadline", "3", "--ha-heartbeat-timeout", "30"),
+             f"rank=0,iteration={SIGNAL_AT},point=between,fault=term_launcher;{hang}")
+    assert r.returncode == faults.EXIT_FAULT_UNRECOVERABLE, r.stderr[-6000:]
+    rep = r.report
+    assert _actions(rep)[-1] == "exit" and rep["exit_code"] == faults.EXIT_FAULT_UNRECOVERABLE
+    assert "preemption deadline of 3 s" in rep["reason"], rep["reason"]
+    assert "still running 5 s after the preemption deadline: SIGKILL" in r.stderr
+    assert not os.path.exists(os.path.join(save, "latest_checkpointed_iteration.txt"))
+    assert not [n for n in os.listdir(save) if n.startswith(".")], os.listdir(save)
+
+
 def test_controller_lost_ranks_write_the_checkpoint_themselves(tmp_path, baseline, no_stray_workers):
     """The launcher (and the controller thread in it) is SIGKILLed, the workers stay: each
     notices over its control connection, logs it once, and the ranks agree among themselves
