@@ -17,6 +17,7 @@ both the resume from the previous dying checkpoint and the next fault point.
 
 import argparse
 import os
+import re
 
 import pytest
 import torch
@@ -88,13 +89,19 @@ def _only_published(save, k):
 
 
 def _fault_run(tree, args, inject, k, baseline, first):
-    """One faulted run: the fault fired where ``inject`` says; exit 75, checkpoint of ``k``
-    (0 steps lost), the losses of ``first..k`` equal the uninterrupted run's."""
+    """One faulted run: every fault of ``inject`` fired where it says; a rank that raised
+    (fault=raise) reported its fault with the last completed iteration ``k`` instead of
+    exiting (without the fault guards it exits 1 and the controller only sees it die);
+    exit 75, checkpoint of ``k`` (0 steps lost), the losses of ``first..k`` equal the
+    uninterrupted run's."""
     r = _run(tree, args, inject)
-    spec = dict(item.split("=") for item in inject.split(","))
-    fired = (f"mindspeed-ha injector: {spec.get('fault', 'kill')} rank {spec['rank']} at {spec['point']} "
-             f"of iteration {spec['iteration']}")
-    assert fired in r.stdout, r.stdout[-3000:]
+    for part in inject.split(";"):
+        spec = dict(item.split("=") for item in part.split(","))
+        fault = spec.get("fault", "kill")
+        fired = f"mindspeed-ha injector: {fault} rank {spec['rank']} at {spec['point']} of iteration {spec['iteration']}"
+        assert fired in r.stdout, r.stdout[-3000:]
+        if fault == "raise":
+            assert re.search(rf"rank {spec['rank']}: \w+ fault at iteration {k}: ", r.stderr), r.stderr[-6000:]
     assert r.returncode == faults.EXIT_DYING_CHECKPOINT_SAVED, r.stderr[-6000:]
     assert sorted(r.losses) == list(range(first, k + 1)), r.losses
     for it in range(first, k + 1):
@@ -104,16 +111,18 @@ def _fault_run(tree, args, inject, k, baseline, first):
 
 
 def test_eval_between_save_final_save_torch(tree, baseline, tmp_path):
-    """``--ckpt-format torch``, one chain: rank 1 killed in the evaluation after iteration 2;
-    resumed, rank 2 raises between iterations 3 and 4; resumed, rank 0 killed inside the
-    periodic save of 4 (its files written, the tracker not: the survivors fail in the save's
-    barrier); resumed, rank 3 killed inside the final save of 6."""
+    """``--ckpt-format torch``, one chain, each step a rank SIGKILLed and another raising at
+    the same point: in the evaluation after iteration 2 (ranks 1 and 2); resumed, between
+    iterations 3 and 4 (rank 2 raises); resumed, inside the periodic save of 4 (rank 0
+    killed at its first barrier, its files written, the tracker not; rank 3 raises); resumed,
+    inside the final save of 6 (rank 3 killed, rank 1 raises)."""
     save = str(tmp_path / "ckpt")
     args = _args("torch", save)
-    _fault_run(tree, args, "rank=1,iteration=2,point=eval", 2, baseline, 1)
+    _fault_run(tree, args, "rank=1,iteration=2,point=eval;rank=2,iteration=2,point=eval,fault=raise", 2, baseline, 1)
     _fault_run(tree, args, "rank=2,iteration=3,point=between,fault=raise", 3, baseline, 3)
-    _fault_run(tree, args, "rank=0,iteration=4,point=save", 4, baseline, 4)
-    _fault_run(tree, args, "rank=3,iteration=6,point=final_save", 6, baseline, 5)
+    _fault_run(tree, args, "rank=0,iteration=4,point=save;rank=3,iteration=4,point=save,fault=raise", 4, baseline, 4)
+    _fault_run(tree, args, "rank=3,iteration=6,point=final_save;rank=1,iteration=6,point=final_save,fault=raise",
+               6, baseline, 5)
     name = f"iter_{ITERS:07d}"
     diffs = compare_checkpoint_dirs(os.path.join(save, name), os.path.join(baseline["save"], name),
                                     ignore=IGNORED_KEYS)
