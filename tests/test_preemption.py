@@ -116,6 +116,16 @@ def _check_checkpoint_and_resume(tmp_path, r, base, save):
     return k
 
 
+def test_sigint_to_the_launcher_stops_gracefully(tmp_path):
+    """Ctrl-C (SIGINT) to mindspeed-ha-run: the same graceful stop as SIGTERM, exit 75."""
+    save = str(tmp_path / "ckpt")
+    r = _run(tmp_path, _args("--save", save), f"rank=1,iteration={SIGNAL_AT},point=between,fault=int_launcher")
+    assert r.returncode == faults.EXIT_DYING_CHECKPOINT_SAVED, r.stderr[-6000:]
+    assert "SIGINT to the launcher" in r.report["stop_request"]["reason"] and r.report["fault_rank"] is None
+    assert _actions(r.report) == ["drain", "drain", "verify", "dump", "assemble", "commit", "exit"]
+    assert _tracker(save) == r.report["iteration"] >= SIGNAL_AT
+
+
 def test_sigterm_to_the_launcher_stops_gracefully_and_resumes_bitwise(tmp_path, baseline):
     """The scheduler's SIGTERM to the launcher: every rank finishes its iteration and pauses
     after the same one, the checkpoint of it is written with no dead rank, exit 75."""

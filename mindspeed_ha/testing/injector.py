@@ -21,9 +21,9 @@ Faults: ``kill`` (SIGKILL to itself: the process vanishes, nothing runs after),
 ``raise`` (raise :class:`InjectedFault`, a RuntimeError carrying a gloo-like message),
 ``stop`` (SIGSTOP to itself: a hang; every thread stops, heartbeats included, the
 process and its connections stay; it goes on only if someone sends SIGCONT),
-``term`` (SIGTERM to itself: a preempted worker), ``term_launcher`` / ``kill_launcher``
-(SIGTERM / SIGKILL to its parent process, the launcher: a preempted job / a lost
-controller host; the rank itself goes on),
+``term`` (SIGTERM to itself: a preempted worker), ``term_launcher`` / ``int_launcher`` /
+``kill_launcher`` (SIGTERM / SIGINT / SIGKILL to its parent process, the launcher: a
+preempted job / Ctrl-C / a lost controller host; the rank itself goes on),
 ``corrupt`` (silent data corruption of this rank's state, then training goes on; only at
 the points the runtime fires with its state: ``optimizer``, ``between``, ``dying``)::
 
@@ -48,12 +48,12 @@ ENV = "MINDSPEED_HA_INJECT"
 ENV_LOG = "MINDSPEED_HA_INJECT_LOG"  # optional: append a JSON line per fired fault
 POINTS = ("forward", "backward", "grad_sync", "optimizer", "between", "data", "eval", "save", "final_save",
           "dying")
-FAULTS = ("kill", "raise", "stop", "corrupt", "term", "term_launcher", "kill_launcher")
+FAULTS = ("kill", "raise", "stop", "corrupt", "term", "term_launcher", "int_launcher", "kill_launcher")
 #: faults that signal a process and let this rank go on: SIGTERM to itself (a preempted
 #: worker), SIGTERM to its parent, the launcher (a preempted job), SIGKILL to the launcher
 #: (the controller's host lost; the workers stay)
 _SIGNALS = {"term": ("self", "SIGTERM"), "term_launcher": ("parent", "SIGTERM"),
-            "kill_launcher": ("parent", "SIGKILL")}
+            "int_launcher": ("parent", "SIGINT"), "kill_launcher": ("parent", "SIGKILL")}
 CORRUPT_WHAT = ("param", "main_param", "exp_avg", "exp_avg_sq")
 CORRUPT_HOW = ("nan", "bitflip")
 CORRUPT_POINTS = ("optimizer", "between", "dying")  # fired by the runtime, with its state
