@@ -343,7 +343,7 @@ def main(argv=None) -> int:
             controller.wait_done(2.0)  # every worker is gone: its verdict follows at once
             if controller.outcome().exit_code == EXIT_FAILED_BEFORE_TRAINING:
                 code = EXIT_FAILED_BEFORE_TRAINING  # every worker ended on its own error at start-up
-        if _survivors.stop_killed and code != 75:  # graceful stop past its deadline: nothing was committed
+        if _survivors.stop_killed and code not in (75, 76):  # graceful stop past its deadline: nothing committed
             from mindspeed_ha.faults import EXIT_FAULT_UNRECOVERABLE
 
             code = EXIT_FAULT_UNRECOVERABLE

@@ -722,3 +722,16 @@ def test_plan_without_controller_table(name, shape, change, save, expect):
         assert plan.iteration == expect
         # every rank computes the same plan from the same records
         assert plan_without_controller(dict(reversed(list(ranks.items()))), save, world) == plan
+
+
+def test_graceful_stop_while_ranks_are_still_starting_exits_76():
+    """Preempted during start-up (a rank not registered, none started an iteration): nothing
+    to save; 76, not a stop round that would blame a failure."""
+    st = running()
+    del st.ranks[3]
+    st.request_stop(10.0, -1, "SIGTERM")
+    apply_drain(st, decide(10.0, st, PCFG), 10.0)
+    for r in (0, 1, 2):
+        st.ranks[r].pause_at, st.ranks[r].last_heartbeat = -1, 15.0
+    d = decide(15.1, st, PCFG)
+    assert d.action is ActionKind.EXIT and d.params["code"] == EXIT_NO_COMPLETE_DATA and "starting" in d.reason

@@ -526,6 +526,10 @@ def _draining(now: float, state: ClusterState, config: HAConfig, gone: Mapping[i
             return Decision(ActionKind.NOOP, f"graceful stop: waiting for ranks {waiting} to say where they pause"
                             + (f" and for {unregistered} ranks to register" if unregistered > 0 else ""))
         if waiting or unregistered > 0:
+            if not any((state.ranks[r].pause_at or -1) >= 1 for r in live):
+                return _exit(state, gone, EXIT_NO_COMPLETE_DATA, "graceful stop before any rank started its first "
+                             "iteration (ranks still starting): nothing to save (a checkpoint it loaded is "
+                             "untouched); nothing written")
             return _abandon(state, gone, f"ranks {waiting} did not answer DRAIN within {budget:g} s")
         k = agree_pause({r: state.ranks[r].pause_at for r in live})
         if k is None:
