@@ -98,8 +98,8 @@ def _fault_run(tree, args, inject, k, baseline, first):
     for part in inject.split(";"):
         spec = dict(item.split("=") for item in part.split(","))
         fault = spec.get("fault", "kill")
-        fired = f"mindspeed-ha injector: {fault} rank {spec['rank']} at {spec['point']} of iteration {spec['iteration']}"
-        assert fired in r.stdout, r.stdout[-3000:]
+        fired = f"injector: {fault} rank {spec['rank']} at {spec['point']} of iteration {spec['iteration']}"
+        assert f"mindspeed-ha {fired}" in r.stdout, r.stdout[-3000:]
         if fault == "raise":
             assert re.search(rf"rank {spec['rank']}: \w+ fault at iteration {k}: ", r.stderr), r.stderr[-6000:]
     assert r.returncode == faults.EXIT_DYING_CHECKPOINT_SAVED, r.stderr[-6000:]
