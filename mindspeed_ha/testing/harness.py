@@ -171,7 +171,14 @@ def launch(nproc: int, train_args: Sequence[str], *, env: Optional[Mapping[str, 
         except subprocess.TimeoutExpired:
             timed_out = True
             _kill_group(proc.pid)
-            out, err = proc.communicate()
+            try:
+                out, err = proc.communicate(timeout=_DRAIN_S)
+            except subprocess.TimeoutExpired:  # a process outside the group holds the pipes open
+                proc.kill()
+                for pipe in (proc.stdout, proc.stderr):
+                    pipe.close()
+                proc.wait()
+                out, err = "", f"(output lost: the pipes stayed open {_DRAIN_S} s after the kill)"
         finally:
             if proc.poll() is None:
                 _kill_group(proc.pid)
@@ -187,6 +194,10 @@ def launch(nproc: int, train_args: Sequence[str], *, env: Optional[Mapping[str, 
                          timed_out, records, grad_norms)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+#: seconds to drain the pipes after the process group was killed on timeout
+_DRAIN_S = 30
 
 
 def _kill_group(pgid: int) -> None:
