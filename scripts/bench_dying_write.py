@@ -45,6 +45,33 @@ def _dd_rate(directory, nbytes):
     return count * (4 << 20) / seconds
 
 
+def _primitive_rates(directory, nbytes=128 << 20):
+    """Single-core rates (bytes/s) of what a saver does per byte, on this machine: the
+    integrity digest (blake2b, as ``dying._Digest``), CRC-32 (zlib), and write + fsync of
+    a new file in ``directory`` from memory (``os.pwrite``)."""
+    import hashlib
+    import zlib
+
+    data = memoryview(os.urandom(1 << 20) * (nbytes >> 20))
+    out = {}
+    for name, fn in (("blake2b", lambda: hashlib.blake2b(data, digest_size=16).digest()),
+                     ("crc32", lambda: zlib.crc32(data))):
+        start = time.perf_counter()
+        fn()
+        out[name] = nbytes / (time.perf_counter() - start)
+    path = os.path.join(directory, "primitive.bin")
+    start = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.pwrite(fd, data, 0)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    out["pwrite+fsync"] = nbytes / (time.perf_counter() - start)
+    os.remove(path)
+    return out
+
+
 def _breakdown(report, stderr):
     """Seconds from each action sent to the next (DUMP -> ASSEMBLE -> COMMIT -> EXIT), and
     the ranks' own step timings (``[name=1.234s ...]`` in their action results)."""
@@ -82,6 +109,9 @@ def _run_once(mlm, root, tmp, fmt, hidden, log_dir, n):
         print(f"{fmt} #{n}:   rank {rank} {action}: {detail}")
     nbytes = _dir_bytes(os.path.join(save, "iter_0000001"))
     dd = _dd_rate(save, nbytes)
+    rates = _primitive_rates(save)
+    print(f"{fmt} #{n}: one core, MB/s: " + " ".join(f"{k} {v / 1e6:.0f}" for k, v in rates.items())
+          + f"; dd {dd / 1e6:.0f}")
     shutil.rmtree(save, ignore_errors=True)
     return nbytes, rep["phase_seconds"]["save"], dd
 
