@@ -282,7 +282,10 @@ class HARuntime:
             # graceful stop: every rank pauses after the same iteration, where a regular save
             # of it runs (Megatron-LM's loop counted it, saved and evaluated) and before the next
             self.processor.pause_point(self.completed)
-        self.current = self.completed + 1
+        # Megatron-LM's own number of the step (args.curr_iteration, set just before train_step):
+        # iterations it skipped (--iterations-to-skip: no train_step) are counted too.
+        curr = getattr(args, "curr_iteration", None)
+        self.current = curr + 1 if isinstance(curr, int) and curr >= self.completed else self.completed + 1
         return self.current
 
     def begin_update(self) -> None:

@@ -11,7 +11,9 @@ FLOP count. The args entries that legitimately differ are listed in :data:`RUN_A
 Flag sets, combined into as few runs as the proof allows:
 
 * PP2 + bf16 + ``--rampup-batch-size`` (sample-based: the global batch grows from 4 to 8
-  after 16 samples, so the consumed samples are not iteration x batch size);
+  after 16 samples, so the consumed samples are not iteration x batch size) +
+  ``--iterations-to-skip 2`` (iteration 3 is skipped: its samples are consumed and counted
+  as skipped, the scheduler does not step, the checkpoints keep Megatron-LM's numbering);
 * TP2 + ``--data-parallel-random-init`` + a global batch size changed on resume (8 for
   iterations 1-4, then 16: Megatron-LM counts 32 + 2 x 16 = 64 samples at iteration 6,
   iteration x batch size would say 96). The run resumed from that dying checkpoint
@@ -163,9 +165,10 @@ def _model_files(iter_dir):
 # ---- PP2 + bf16 + batch-size ramp-up ---------------------------------------------------------
 def test_rampup_pp2_bf16_dying_checkpoint_equals_regular_save(tree, tmp_path):
     """Global batch 4 for 16 samples, then 8: at iteration 6 Megatron-LM counts 4 x 4 + 2 x 8 = 32
-    samples (6 x 8 = 48 recomputed). Also saved by Megatron-LM at the ramp-up step (4)."""
+    samples (6 x 8 = 48 recomputed), 4 of them skipped (iteration 3), the scheduler 28 in.
+    Also saved by Megatron-LM at the ramp-up step (4)."""
     flags = dict(pp=2, bf16=True, rampup="4 4 16", train_iters=None, lr_warmup_iters=None,
-                 train_samples=48, lr_warmup_samples=8)
+                 train_samples=48, lr_warmup_samples=8, iterations_to_skip=2)
     regular = str(tmp_path / "regular")
     r = _run(tree, _argv(save=regular, save_interval=K, exit_interval=K, **flags))
     assert r.returncode == 0, r.stderr[-4000:]
@@ -176,6 +179,8 @@ def test_rampup_pp2_bf16_dying_checkpoint_equals_regular_save(tree, tmp_path):
     assert _tracker(dying) == K
     for sd in _model_files(_iter_dir(dying, K)):
         assert sd["args"].consumed_train_samples == 4 * 4 + 2 * 8
+        assert sd["args"].skipped_train_samples == 4
+        assert sd["opt_param_scheduler"]["num_steps"] == 4 * 4 + 2 * 8 - 4
     assert compare_checkpoints(_iter_dir(regular, K), _iter_dir(dying, K)) == []
 
     # The fault right after train_step of K returned, before Megatron-LM's loop counted K
