@@ -442,10 +442,13 @@ def _after_stop(state: ClusterState, config: HAConfig, gone: Mapping[int, str], 
     if state.ranks and all(info.iteration < 0 for info in state.ranks.values()):
         # No rank reached its first train_step (none ever reported an optimizer status):
         # start-up or --load failed. Saying "no complete data" would blame training.
-        first = state.fault.reason if state.fault is not None else "a rank failed"
+        first = "a rank failed"
+        if state.fault is not None:  # the evidence, without "stopping all ranks for a dying checkpoint"
+            first = state.fault.reason.split("; stopping all ranks")[0]
         return _exit(state, gone, EXIT_FAILED_BEFORE_TRAINING,
                      f"{first}, before training started (start-up, or resuming from --load): not a training "
-                     "fault; nothing to save, nothing written, the checkpoint loaded is untouched")
+                     "fault; nothing to save, nothing written, the checkpoint loaded is untouched; the failing "
+                     "rank's own error says why")
     save_dir = state.save_dir or config.save_dir
     if not save_dir:
         return _exit(state, gone, EXIT_FAULT_UNRECOVERABLE,
