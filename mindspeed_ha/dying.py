@@ -368,11 +368,12 @@ def verify_state(ctx: "DyingContext", iteration: int) -> IntegrityReport:
     iteration. A layout error makes the part not ok instead of raising.
     """
     parts = {}
-    for part, fn in (("shard", _live_shard_digest), ("model", _live_model_digest)):
-        try:
-            parts[part] = fn(ctx)
-        except IntegrityError as exc:
-            parts[part] = (False, "", str(exc))
+    with _gc_paused():
+        for part, fn in (("shard", _live_shard_digest), ("model", _live_model_digest)):
+            try:
+                parts[part] = fn(ctx)
+            except IntegrityError as exc:
+                parts[part] = (False, "", str(exc))
     detail = "; ".join(f"{part}: {p[2]}" for part, p in parts.items() if p[2])
     return IntegrityReport(iteration, parts["shard"][0], parts["shard"][1], parts["model"][0],
                            parts["model"][1], detail)
@@ -621,11 +622,12 @@ def assemble(ctx: DyingContext, iteration: int) -> str:
 
     steps = _Steps()
     path = mlm.get_distributed_optimizer_checkpoint_name(_model_path(ctx, iteration))
-    with steps("plan"):
-        plan = dp_zero.FilePlan(dp_zero.layout_of(opt))
-    with steps("finalize"):
-        dp_zero.finalize(path, plan, _num_shards(opt), staging_root(ctx.args.save, iteration),
-                         ctx.tp_rank, ctx.pp_rank, iteration)
+    with _gc_paused():
+        with steps("plan"):
+            plan = dp_zero.FilePlan(dp_zero.layout_of(opt))
+        with steps("finalize"):
+            dp_zero.finalize(path, plan, _num_shards(opt), staging_root(ctx.args.save, iteration),
+                             ctx.tp_rank, ctx.pp_rank, iteration)
     return f"{os.path.relpath(path, staging_root(ctx.args.save, iteration))} complete [{steps}]"
 
 
@@ -655,22 +657,27 @@ def commit(save_dir: str, iteration: int) -> str:
         shutil.rmtree(root, ignore_errors=True)
         leftovers.remove(aside)
         return f"{final} (already saved by a periodic checkpoint)"
+    steps = _Steps()
     try:
         parts = parts_root(save_dir, iteration)
-        if os.path.isdir(parts):  # torch_dist: one DCP checkpoint from the savers' parts
-            from mindspeed_ha.recovery import torch_dist as td
+        with _gc_paused():  # validation unpickles; a full collection here cost 0.2 s (measured)
+            if os.path.isdir(parts):  # torch_dist: one DCP checkpoint from the savers' parts
+                from mindspeed_ha.recovery import torch_dist as td
 
-            td.merge_parts([os.path.join(parts, n) for n in sorted(os.listdir(parts))], staged)
-            os.rmdir(parts)
-        mlm.commit_checkpoint(staged, save_dir, iteration)
+                with steps("merge"):
+                    td.merge_parts([os.path.join(parts, n) for n in sorted(os.listdir(parts))], staged)
+                    os.rmdir(parts)
+            with steps("publish"):
+                mlm.commit_checkpoint(staged, save_dir, iteration)
     except BaseException:
         renamed = os.path.isdir(final) and not os.path.exists(staged)
         if renamed and mlm.read_tracker_iteration(save_dir) != iteration:
             os.rename(final, staged)  # not published: a loader never sees a half-committed dir
         raise
-    shutil.rmtree(root, ignore_errors=True)
-    leftovers.remove(aside)
-    return final
+    with steps("cleanup"):
+        shutil.rmtree(root, ignore_errors=True)
+        leftovers.remove(aside)
+    return f"{final} [{steps}]"
 
 
 def discard(save_dir: str, iteration: int) -> str:
