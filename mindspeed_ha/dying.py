@@ -520,27 +520,34 @@ def _dump(ctx: DyingContext, iteration: int, snapshot: IterationSnapshot, write_
         with steps("write"):
             out = _dump_torch_dist(ctx, iteration, snapshot, write_shard, write_model)
         return f"{out} [{steps}]"
-    written = []
     opt = _unwrap_distributed_optimizer(ctx.optimizer)
+    written = []
     if write_shard and opt is not None:
         written.append(_dump_dp_zero_shard(ctx, opt, iteration, shard_digest, steps))
     if write_model:
-        path = _model_path(ctx, iteration)
-        rel = os.path.relpath(path, staging_root(ctx.args.save, iteration))
-        with steps("model_state"):
-            state = _model_state(ctx, iteration, snapshot)
-        with steps("model_check"):
-            if model_digest:
-                _expect(f"model parameters of {rel}", model_state_digest(state, _param_names(ctx), False),
-                        model_digest)
-            if shard_digest and opt is None and "optimizer" in state:
-                d = _Digest(check_finite=False)
-                d.value("optimizer", state["optimizer"])
-                _expect(f"optimizer state of {rel}", d.result(), shard_digest)
-        with steps("model_write"):
-            _atomic_torch_save(state, path)
-        written.append(rel)
+        written.append(_dump_model(ctx, opt, iteration, snapshot, shard_digest, model_digest, steps))
     return f"{', '.join(written)} [{steps}]" if written else "nothing"
+
+
+def _dump_model(ctx: DyingContext, opt, iteration: int, snapshot: IterationSnapshot, shard_digest: str,
+                model_digest: str, steps: "_Steps") -> str:
+    """``model_optim_rng.pt``: state built, its parameters (and a non-distributed optimizer's
+    state) digested in memory against the trusted digests, then written."""
+    path = _model_path(ctx, iteration)
+    rel = os.path.relpath(path, staging_root(ctx.args.save, iteration))
+    with steps("model_state"):
+        state = _model_state(ctx, iteration, snapshot)
+    with steps("model_check"):
+        if model_digest:
+            _expect(f"model parameters of {rel}", model_state_digest(state, _param_names(ctx), False),
+                    model_digest)
+        if shard_digest and opt is None and "optimizer" in state:
+            d = _Digest(check_finite=False)
+            d.value("optimizer", state["optimizer"])
+            _expect(f"optimizer state of {rel}", d.result(), shard_digest)
+    with steps("model_write"):
+        _atomic_torch_save(state, path)
+    return rel
 
 
 def _dump_dp_zero_shard(ctx: DyingContext, opt, iteration: int, shard_digest: str, steps: _Steps) -> str:
@@ -555,10 +562,10 @@ def _dump_dp_zero_shard(ctx: DyingContext, opt, iteration: int, shard_digest: st
     with steps("plan"):
         plan = dp_zero.FilePlan(dp_zero.layout_of(opt))
     digest = _StreamingShardDigest(num_shards) if shard_digest else None
-    with steps("shard_write"):
-        nbytes = dp_zero.write_shard(
-            path, plan, ctx.shard_id, num_shards, _shard_buckets(opt, num_shards),
-            staging_root(ctx.args.save, iteration), ctx.tp_rank, ctx.pp_rank, iteration, digest)
+    nbytes = dp_zero.write_shard(
+        path, plan, ctx.shard_id, num_shards, _shard_buckets(opt, num_shards),
+        staging_root(ctx.args.save, iteration), ctx.tp_rank, ctx.pp_rank, iteration, digest,
+        timer=lambda step: steps(f"shard_{step}"))
     if digest is not None:
         _expect(f"shard {ctx.shard_id} written to {rel}", digest.result(), shard_digest)
     return f"{rel} shard {ctx.shard_id}/{num_shards} ({nbytes} B)"

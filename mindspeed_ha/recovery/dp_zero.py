@@ -27,11 +27,12 @@ Every byte of the file is written once; nothing is staged and copied.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import zlib
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Tuple
 
 from mindspeed_ha.recovery import torch_file
 
@@ -132,12 +133,12 @@ class ShardDigest(Protocol):
 def write_shard(path: str, plan: FilePlan, shard_id: int, num_shards: int,
                 buckets: Iterable[Tuple[int, Any, int, int, Dict[str, Any]]],
                 staging_root: str, tp: int, pp: int, iteration: int,
-                digest: Optional[ShardDigest] = None) -> int:
+                digest: Optional[ShardDigest] = None, timer: Optional[Callable[[str], Any]] = None) -> int:
     """Write shard ``shard_id`` of ``num_shards`` into ``path`` in place; returns bytes written.
 
-    Works through each tensor in chunks of ``CHUNK_BYTES``: digest, CRC-32, ``pwrite``,
-    start of the chunk's writeback (Linux ``sync_file_range``), so the disk writes while
-    the next chunk is digested; one fsync at the end.
+    Works through each tensor in chunks of ``CHUNK_BYTES`` (digest, CRC-32, ``pwrite``):
+    each chunk is digested right before it is written, from the same memory; one fsync at
+    the end.
 
     Args:
         buckets: this rank's shard, bucket by bucket, in layout order, as
@@ -146,11 +147,15 @@ def write_shard(path: str, plan: FilePlan, shard_id: int, num_shards: int,
             change until this returns.
         digest: fed every byte of every tensor, each chunk before it is written (the
             integrity digest: the bytes it sees are the bytes written).
+        timer: ``timer(step)`` is a context manager timing ``gather`` (the shard's
+            buckets produced), ``digest``, ``crc``, ``write``, ``fsync`` (for the benchmark's
+            breakdown).
 
     Raises:
         DPZeroError: a bucket does not match the plan.
         OSError: the write or fsync failed.
     """
+    timer = timer or _no_timer
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)  # no O_TRUNC: other savers write the same file
     ranges: List[Tuple[str, int, int, int]] = []  # (record key, offset in record, length, crc)
     written = 0
@@ -159,7 +164,12 @@ def write_shard(path: str, plan: FilePlan, shard_id: int, num_shards: int,
         if shard_id == 0:
             written += plan.file.write_skeleton(fd)
         groups = {(g.gbuf_idx, g.dtype_key): g for g in plan.groups}
-        for item in buckets:
+        items = iter(buckets)
+        while True:
+            with timer("gather"):
+                item = next(items, None)
+            if item is None:
+                break
             gbuf_idx, _, dtype_key, bucket_idx, shard = item
             if digest is not None:
                 digest.begin_bucket(item)
@@ -176,11 +186,12 @@ def write_shard(path: str, plan: FilePlan, shard_id: int, num_shards: int,
                 key, base = plan.place(gbuf_idx, dtype_key, k)
                 at = (b.offset + lo) * 4
                 n = max(0, hi - lo) * 4
-                crc = _write_chunks(fd, memoryview(t.numpy()).cast("B"), n, base + at, digest)
+                crc = _write_chunks(fd, memoryview(t.numpy()).cast("B"), n, base + at, digest, timer)
                 if n:
                     ranges.append((key, at, n, crc))
                     written += n
-        os.fsync(fd)
+        with timer("fsync"):
+            os.fsync(fd)
     finally:
         os.close(fd)
     _write_json(_ranges_path(staging_root, tp, pp, shard_id),
@@ -189,23 +200,32 @@ def write_shard(path: str, plan: FilePlan, shard_id: int, num_shards: int,
     return written
 
 
-#: bytes digested, checksummed and written per step (see :func:`write_shard`)
+#: bytes digested, checksummed and written per step (see :func:`write_shard`); a starting
+#: writeback per chunk (``sync_file_range``) was measured: no gain on the benchmark's disk
 CHUNK_BYTES = 16 << 20
 
 
-def _write_chunks(fd: int, whole: memoryview, n: int, offset: int, digest: Optional[ShardDigest]) -> int:
+def _write_chunks(fd: int, whole: memoryview, n: int, offset: int, digest: Optional[ShardDigest],
+                  timer: Callable[[str], Any]) -> int:
     """Digest all of ``whole``; write its first ``n`` bytes at ``offset``; returns their CRC-32."""
     crc = 0
     for pos in range(0, len(whole), CHUNK_BYTES):
         chunk = whole[pos:pos + CHUNK_BYTES]
         if digest is not None:
-            digest.update(chunk)
+            with timer("digest"):
+                digest.update(chunk)
         part = chunk[:max(0, min(len(chunk), n - pos))]
         if len(part):
-            torch_file._pwrite_all(fd, part, offset + pos)
-            crc = zlib.crc32(part, crc)
-            torch_file.start_writeback(fd, offset + pos, len(part))
+            with timer("crc"):
+                crc = zlib.crc32(part, crc)
+            with timer("write"):
+                torch_file._pwrite_all(fd, part, offset + pos)
     return crc & 0xFFFFFFFF
+
+
+@contextlib.contextmanager
+def _no_timer(_step: str):
+    yield
 
 
 def finalize(path: str, plan: FilePlan, num_shards: int, staging_root: str, tp: int, pp: int,

@@ -134,20 +134,6 @@ def _pwrite_all(fd: int, data, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Ask the kernel to start writing ``[offset, offset + nbytes)`` of ``fd`` to disk now,
-    without waiting (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``; elsewhere nothing):
-    the disk works while the caller prepares the next bytes; durability still needs fsync."""
-    if _SYNC_FILE_RANGE is not None:
-        try:
-            _SYNC_FILE_RANGE(fd, offset, nbytes, os.SYNC_FILE_RANGE_WRITE)
-        except OSError:
-            pass  # e.g. not supported by the filesystem: fsync does it all later
-
-
-_SYNC_FILE_RANGE = getattr(os, "sync_file_range", None)
-
-
 def plan(obj: Any) -> TorchFileLayout:
     """The layout ``torch.save(obj)`` has, without touching the tensors' bytes.
 
@@ -227,7 +213,6 @@ def save(obj: Any, path: str) -> int:
             if rec.nbytes:
                 data = memoryview(torch.empty(0, dtype=torch.uint8).set_(storage).numpy())
                 _pwrite_all(fd, data, rec.data_offset)
-                start_writeback(fd, rec.data_offset, rec.nbytes)
                 layout.patch_crc(fd, key, crc32(data))
                 written += rec.nbytes
         os.fsync(fd)
