@@ -174,3 +174,16 @@ def test_save_writes_what_torch_save_writes(tmp_path):
     assert torch.equal(got["l"][0], obj["l"][0]) and torch.equal(got["l"][1][0], obj["l"][1][0])
     with zipfile.ZipFile(path) as z:
         assert z.testzip() is None
+
+
+def test_layout_without_skip_data_is_the_same(monkeypatch):
+    """torch < 2.5 has no ``torch.serialization.skip_data``: the storages' writes are
+    recognised by address; same records and offsets, and no storage byte is kept."""
+    groups = _groups(2)
+    with_skip = dp_zero.FilePlan(groups).file
+    monkeypatch.delattr(torch.serialization, "skip_data")
+    without = dp_zero.FilePlan(groups).file
+    assert without.size == with_skip.size
+    assert {k: (r.data_offset, r.nbytes) for k, r in without.records.items()} == \
+        {k: (r.data_offset, r.nbytes) for k, r in with_skip.records.items()}
+    assert sum(len(b) for _, b in without.chunks) == sum(len(b) for _, b in with_skip.chunks)

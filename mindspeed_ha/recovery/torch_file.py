@@ -7,16 +7,18 @@ central directory. Its layout depends only on the object's structure and the sto
 sizes, never on their bytes. So:
 
 1. :func:`plan` runs ``torch.save`` under ``torch.serialization.skip_data()`` (PyTorch's
-   own "write everything but the storage bytes" mode, torch >= 2.6) into memory: the
-   *skeleton* (every byte but the storages') and where each tensor's bytes go.
-   Deterministic: every process that plans the same structure gets the same bytes.
+   own "write everything but the storage bytes" mode, torch >= 2.5; before, the storage
+   writes are recognised by their address and skipped) into memory: the *skeleton*
+   (every byte but the storages') and where each tensor's bytes go. Its storage bytes
+   do not matter: every process that plans the same structure gets the same layout.
 2. Each writer opens the same file (no truncation), one of them writes the skeleton
    (:meth:`TorchFileLayout.write_skeleton`), each ``pwrite`` s its ranges of the
    storages (:meth:`TorchFileLayout.storage_offset`) and fsyncs. Nothing is written twice.
 3. The storage records' CRC-32 fields (0 in a ``skip_data`` skeleton, as with
    ``torch.serialization.set_crc32_options(False)``; ``torch.load`` does not check
    them) are set afterwards from the writers' per-range CRCs (:func:`crc32_combine`,
-   :meth:`TorchFileLayout.patch_crc`), so ``unzip -t`` / ``zipfile.testzip`` pass too.
+   :meth:`TorchFileLayout.patch_crc`), so ``zipfile.testzip`` passes too. :func:`save`
+   is the one-writer case (``model_optim_rng.pt``).
 
 Zip facts used (PKWARE APPNOTE.TXT 6.3: local file header 4.3.7, central directory
 header 4.3.12, end of central directory 4.3.16, zip64 end record and locator
@@ -54,14 +56,26 @@ class Record:
 
 
 class _Recorder:
-    """A write-only, seekable sink that keeps what is written and skips holes (``skip_data``)."""
+    """A write-only, seekable sink that keeps what is written and skips holes (``skip_data``).
 
-    def __init__(self):
+    ``skip``: ``{address: nbytes}`` of storages whose bytes, when ``torch.save`` hands
+    them over (one write, from the storage's own memory), are skipped too: the same
+    skeleton on a torch without ``skip_data``.
+    """
+
+    def __init__(self, skip: Dict[int, int] = None):
         self.pos = 0
         self.size = 0
         self.chunks: List[Tuple[int, bytes]] = []
+        self.skip = skip or {}
 
     def write(self, b) -> int:
+        if self.skip:
+            view = memoryview(b)
+            if view.nbytes and self.skip.get(_address(view)) == view.nbytes:
+                self.pos += view.nbytes
+                self.size = max(self.size, self.pos)
+                return view.nbytes
         b = bytes(b)
         if self.chunks and self.chunks[-1][0] + len(self.chunks[-1][1]) == self.pos:
             off, prev = self.chunks[-1]
@@ -127,6 +141,12 @@ class TorchFileLayout:
             _pwrite_all(fd, raw, off)
 
 
+def _address(view: memoryview) -> int:
+    import numpy as np
+
+    return np.frombuffer(view.cast("B"), dtype=np.uint8).__array_interface__["data"][0]
+
+
 def _pwrite_all(fd: int, data, offset: int) -> None:
     view = memoryview(data).cast("B")
     while view:
@@ -145,8 +165,12 @@ def plan(obj: Any) -> TorchFileLayout:
     """
     import torch
 
-    rec = _Recorder()
-    with torch.serialization.skip_data():
+    if hasattr(torch.serialization, "skip_data"):
+        rec = _Recorder()
+        with torch.serialization.skip_data():
+            torch.save(obj, rec)
+    else:  # torch < 2.5: the same skeleton, storage bytes recognised by their address
+        rec = _Recorder({s.data_ptr(): s.nbytes() for s in _storages(obj) if s.device.type == "cpu"})
         torch.save(obj, rec)
     entries = _central_directory(rec)
     prefix = {name.split("/", 1)[0] for name in entries}
@@ -303,6 +327,23 @@ class _TensorRefs(pickle.Unpickler):
         return super().find_class(module, name)
 
 
+def _storages(obj):
+    """The storages of the tensors in ``obj`` (dicts, lists, tuples, objects' ``__dict__``)."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        yield obj.untyped_storage()
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _storages(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _storages(v)
+    elif isinstance(getattr(obj, "__dict__", None), dict):
+        for v in vars(obj).values():
+            yield from _storages(v)
+
+
 def _pair(obj, refs):
     """``(tensor, (storage key, element offset))`` for each tensor of ``obj``."""
     import torch
@@ -372,7 +413,8 @@ def combine_ranges(nbytes: int, ranges: List[Tuple[int, int, int]]) -> int:
     crc, pos = 0, 0
     for off, length, part in sorted(ranges):
         if off != pos:
-            raise TorchFileError(f"bytes [{min(off, pos)}, {max(off, pos)}) {'missing' if off > pos else 'written twice'}")
+            what = "missing" if off > pos else "written twice"
+            raise TorchFileError(f"bytes [{min(off, pos)}, {max(off, pos)}) {what}")
         crc = crc32_combine(crc, part, length)
         pos += length
     if pos != nbytes:
