@@ -486,8 +486,8 @@ def _model_path(ctx: DyingContext, iteration: int) -> str:
 
 def dump(ctx: DyingContext, iteration: int, snapshot: Optional[IterationSnapshot],
          write_shard: bool, write_model: bool, shard_digest: str = "", model_digest: str = "") -> str:
-    """Phase 1 on one rank (garbage collection paused). Returns a one-line description of what was written, with the
-    seconds of each step in brackets.
+    """Phase 1 on one rank (garbage collection paused). Returns a one-line description of
+    what was written, with the seconds of each step in brackets.
 
     ``shard_digest`` / ``model_digest``: the digests the policy trusted for this rank's
     shard / model (DumpPlan; "" = not verified). The bytes written are digested in memory,
