@@ -21,6 +21,7 @@ HOG_TESTS = (
     "tests/test_dying_checkpoint.py::test_kill_rank_dying_checkpoint[tp_peer-forward]",
     "tests/test_dying_checkpoint.py::test_plain_torchrun_rank0_killed",
     "tests/test_replica_equivalence.py::test_replicas_bitwise_equal_to_no_ha[pp2-dp2-bf16]",
+    "tests/test_preemption.py::test_sigterm_to_workers_stops_the_job_gracefully[one_worker]",
 )
 
 
