@@ -2,6 +2,9 @@
 
 * The embedded corpus is built into a temporary cache, so the suite leaves nothing in
   ``~/.cache`` (every launched rank inherits the variable).
+* ``shared_path`` / fixtures ``megatron_lm_tarball``, ``corpus_text_file``: files of the project's read-only
+  ``shared/`` folder (beside the checkout, or beside its parent), the one place tests
+  look for them.
 * Marker ``hog``: the representative multi-process tests that ``.ci/run`` runs a second
   time beside two CPU hogs (``pytest -m hog``). They are listed here, in one place
   (a test file may also mark its own with ``@pytest.mark.hog``).
@@ -10,6 +13,34 @@
 import os
 
 import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV_TARBALL = "MINDSPEED_HA_MEGATRON_LM_TARBALL"
+
+
+def shared_path(*parts: str) -> str:
+    """A file of the project's shared/ folder, beside the checkout (or its parent)."""
+    for base in (os.path.join(REPO, ".."), os.path.join(REPO, "..", "..")):
+        path = os.path.join(base, "shared", *parts)
+        if os.path.exists(path):
+            return os.path.abspath(path)
+    return os.path.abspath(os.path.join(REPO, "..", "shared", *parts))
+
+
+@pytest.fixture(scope="session")
+def megatron_lm_tarball() -> str:
+    """Megatron-LM core_v0.12.1, pinned and unmodified (``$MINDSPEED_HA_MEGATRON_LM_TARBALL`` wins)."""
+    path = os.environ.get(ENV_TARBALL) or shared_path("third_party", "Megatron-LM-core_v0.12.1.tar.gz")
+    assert os.path.exists(path), f"Megatron-LM tarball not found: {path} ({ENV_TARBALL})"
+    return path
+
+
+@pytest.fixture(scope="session")
+def corpus_text_file() -> str:
+    """A real text corpus (tinyshakespeare) for building an indexed dataset with Megatron-LM's tools."""
+    path = shared_path("data", "tinyshakespeare.txt")
+    assert os.path.exists(path), f"corpus not found: {path}"
+    return path
 
 #: One of each failure-path family, chosen to stay within a few minutes beside the hogs:
 #: a rank killed mid-backward, dying checkpoint compared bitwise and resumed (PP2); a TP

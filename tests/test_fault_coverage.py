@@ -28,20 +28,6 @@ from mindspeed_ha.recovery import leftovers
 from mindspeed_ha.testing import megatron_lm as mlm
 from mindspeed_ha.testing.compare import compare_checkpoint_dirs
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _shared(*parts):
-    """A file of the project's shared/ folder, beside the checkout (or its parent)."""
-    for base in (os.path.join(REPO, ".."), os.path.join(REPO, "..", "..")):
-        path = os.path.join(base, "shared", *parts)
-        if os.path.exists(path):
-            return os.path.abspath(path)
-    return os.path.join(REPO, "..", "shared", *parts)
-
-
-TARBALL = os.environ.get("MINDSPEED_HA_MEGATRON_LM_TARBALL") or _shared(
-    "third_party", "Megatron-LM-core_v0.12.1.tar.gz")
 ITERS = 6
 #: periodic save at 4, the final save at 6 (6 % 4 != 0); evaluation (1 batch) at 2, 4, 6
 FLAGS = dict(save_interval=4, eval_interval=2, eval_iters=1)
@@ -51,9 +37,8 @@ pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")
-def tree(tmp_path_factory):
-    assert os.path.exists(TARBALL), f"Megatron-LM tarball not found: {TARBALL} (MINDSPEED_HA_MEGATRON_LM_TARBALL)"
-    return mlm.unpack(TARBALL, str(tmp_path_factory.mktemp("megatron_lm")))
+def tree(tmp_path_factory, megatron_lm_tarball):
+    return mlm.unpack(megatron_lm_tarball, str(tmp_path_factory.mktemp("megatron_lm")))
 
 
 def _args(fmt, save, ha=True, load=True):

@@ -38,21 +38,8 @@ import torch
 from mindspeed_ha import faults
 from mindspeed_ha.testing import megatron_lm as mlm
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 pytestmark = pytest.mark.timeout(1200)
 
-
-def _shared(*parts):
-    for base in (os.path.join(REPO, ".."), os.path.join(REPO, "..", "..")):
-        path = os.path.join(base, "shared", *parts)
-        if os.path.exists(path):
-            return os.path.abspath(path)
-    return os.path.join(REPO, "..", "shared", *parts)
-
-
-TARBALL = os.environ.get("MINDSPEED_HA_MEGATRON_LM_TARBALL") or _shared(
-    "third_party", "Megatron-LM-core_v0.12.1.tar.gz")
 
 #: Args that differ between the two runs by construction, and why.
 RUN_ARGS = {
@@ -73,9 +60,8 @@ K = 6
 
 
 @pytest.fixture(scope="module")
-def tree(tmp_path_factory):
-    assert os.path.exists(TARBALL), f"Megatron-LM tarball not found: {TARBALL} (MINDSPEED_HA_MEGATRON_LM_TARBALL)"
-    return mlm.unpack(TARBALL, str(tmp_path_factory.mktemp("megatron_lm")))
+def tree(tmp_path_factory, megatron_lm_tarball):
+    return mlm.unpack(megatron_lm_tarball, str(tmp_path_factory.mktemp("megatron_lm")))
 
 
 def _argv(tp=1, pp=1, ha=False, rampup=None, override_scheduler=False, **flags):

@@ -214,29 +214,13 @@ def test_controller_and_a_rank_lost_exit_78_without_waiting(tmp_path, no_stray_w
 
 # ----------------------------------------------------------------------------- stock Megatron-LM
 STOCK_ITERS = 8
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _tarball():
-    """Megatron-LM core_v0.12.1's tarball in the project's shared/ folder (as test_stock_megatron_lm)."""
-    if os.environ.get("MINDSPEED_HA_MEGATRON_LM_TARBALL"):
-        return os.environ["MINDSPEED_HA_MEGATRON_LM_TARBALL"]
-    for base in (os.path.join(REPO, ".."), os.path.join(REPO, "..", "..")):
-        path = os.path.join(base, "shared", "third_party", "Megatron-LM-core_v0.12.1.tar.gz")
-        if os.path.exists(path):
-            return os.path.abspath(path)
-    return os.path.join(REPO, "..", "shared", "third_party", "Megatron-LM-core_v0.12.1.tar.gz")
-
-
-TARBALL = _tarball()
-
-
-def test_stock_pretrain_gpt_sigterm_to_the_launcher(tmp_path_factory, tmp_path):
+def test_stock_pretrain_gpt_sigterm_to_the_launcher(tmp_path_factory, tmp_path, megatron_lm_tarball):
     """Megatron-LM's own pretrain_gpt.py (core_v0.12.1, unmodified, torch_dist): SIGTERM to
     mindspeed-ha-run -> exit 75, checkpoint of the last completed iteration, stock --load
     resumes with losses and grad norms bitwise equal to the uninterrupted run."""
-    assert os.path.exists(TARBALL), f"Megatron-LM tarball not found: {TARBALL} (MINDSPEED_HA_MEGATRON_LM_TARBALL)"
-    root = mlm.unpack(TARBALL, str(tmp_path_factory.mktemp("megatron_lm")))
+    root = mlm.unpack(megatron_lm_tarball, str(tmp_path_factory.mktemp("megatron_lm")))
 
     def args(**kw):
         return mlm.stock_gpt_args(pp=2, train_iters=STOCK_ITERS, ckpt_format="torch_dist",

@@ -20,20 +20,6 @@ from mindspeed_ha import faults
 from mindspeed_ha.testing import megatron_lm as mlm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _shared(*parts):
-    """A file of the project's shared/ folder, beside the checkout (or its parent)."""
-    for base in (os.path.join(REPO, ".."), os.path.join(REPO, "..", "..")):
-        path = os.path.join(base, "shared", *parts)
-        if os.path.exists(path):
-            return os.path.abspath(path)
-    return os.path.join(REPO, "..", "shared", *parts)
-
-
-TARBALL = os.environ.get("MINDSPEED_HA_MEGATRON_LM_TARBALL") or _shared(
-    "third_party", "Megatron-LM-core_v0.12.1.tar.gz")
-CORPUS = _shared("data", "tinyshakespeare.txt")
 ITERS = 8
 KILL_AT = 6
 LAYOUTS = {"pp2": (1, 2), "tp2": (2, 1)}  # (TP, PP) on 4 ranks: DP 2, 2 optimizer replicas
@@ -42,16 +28,15 @@ pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")
-def tree(tmp_path_factory):
-    assert os.path.exists(TARBALL), f"Megatron-LM tarball not found: {TARBALL} (MINDSPEED_HA_MEGATRON_LM_TARBALL)"
-    root = mlm.unpack(TARBALL, str(tmp_path_factory.mktemp("megatron_lm")))
+def tree(tmp_path_factory, megatron_lm_tarball):
+    root = mlm.unpack(megatron_lm_tarball, str(tmp_path_factory.mktemp("megatron_lm")))
     return {"root": root, "digest": mlm.tree_digest(root)}
 
 
 @pytest.fixture(scope="module")
-def real_data(tree, tmp_path_factory):
+def real_data(tree, tmp_path_factory, corpus_text_file):
     """A real indexed dataset, made by the stock tools/preprocess_data.py."""
-    return mlm.build_indexed_dataset(tree["root"], CORPUS, str(tmp_path_factory.mktemp("indexed")))
+    return mlm.build_indexed_dataset(tree["root"], corpus_text_file, str(tmp_path_factory.mktemp("indexed")))
 
 
 def _args(layout, fmt="torch", data=None, ha=True, iters=ITERS, **overrides):
