@@ -80,6 +80,9 @@ DEFAULT_CONNECT_TIMEOUT_S = 60.0
 #: terminationGracePeriodSeconds default; Slurm's KillWait default is 30 s too).
 DEFAULT_PREEMPTION_DEADLINE_S = 20.0
 MAX_PREEMPTION_DEADLINE_S = 3600.0
+#: in-place retries of one iteration after network faults (``--ha-network-retries``), then the dying checkpoint
+DEFAULT_NETWORK_RETRIES = 3
+MAX_NETWORK_RETRIES = 100
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
 MIN_AUTH_KEY_BYTES = 16
 
@@ -175,6 +178,7 @@ class HAConfig:
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     preemption_deadline_s: float = DEFAULT_PREEMPTION_DEADLINE_S
+    network_retries: int = DEFAULT_NETWORK_RETRIES
     auth_key: Optional[bytes] = dataclasses.field(default=None, repr=False)
     save_dir: Optional[str] = None
 
@@ -187,6 +191,9 @@ class HAConfig:
             ):
                 if on:
                     raise ConfigError(f"{flag} requires --enable-high-availability")
+        if not isinstance(self.network_retries, int) or not 0 <= self.network_retries <= MAX_NETWORK_RETRIES:
+            raise ConfigError(f"--ha-network-retries={self.network_retries!r}: accepted range 0..{MAX_NETWORK_RETRIES} "
+                              f"(default {DEFAULT_NETWORK_RETRIES}; 0: a network fault ends in the dying checkpoint)")
         if not isinstance(self.replica_count, int) or self.replica_count < 1:
             raise ConfigError(f"--ha-replica-count={self.replica_count!r}: accepted values are integers >= 1")
         if self.no_replica and self.replica_count != 1:
@@ -277,6 +284,7 @@ class HAConfig:
                 _arg(args, "ha_connect_timeout"), DEFAULT_CONNECT_TIMEOUT_S),
             max_message_bytes=_int_env(env, ENV_MAX_MESSAGE_BYTES, DEFAULT_MAX_MESSAGE_BYTES),
             preemption_deadline_s=_preemption_deadline(args, env),
+            network_retries=_network_retries(args),
             auth_key=auth_key_from(env),
             save_dir=_arg(args, "save", None) or None,
         )
@@ -308,6 +316,16 @@ class HAConfig:
         if ":" in host:
             host = f"[{host}]"
         return f"tcp://{host}:{self.controller_port}"
+
+
+def _network_retries(args: Any) -> int:
+    """``--ha-network-retries``: in-place retries of one iteration after network faults."""
+    raw = _arg(args, "ha_network_retries", None)
+    if raw is None:
+        return DEFAULT_NETWORK_RETRIES
+    if isinstance(raw, bool) or not isinstance(raw, int):
+        raise ConfigError(f"--ha-network-retries={raw!r}: accepted range 0..{MAX_NETWORK_RETRIES}")
+    return raw
 
 
 def _preemption_deadline(args: Any, env: Mapping[str, str]) -> float:
@@ -416,6 +434,9 @@ def add_ha_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="Repair device memory uncorrectable errors (UCE) online. Needs the master switch.")
     g.add_argument("--enable-worker-reboot", action="store_true",
                    help="Restart only failed workers and continue (ARF). Needs the master switch.")
+    g.add_argument("--ha-network-retries", type=int, default=None,
+                   help=f"In-place retries of one iteration after network faults, 0..{MAX_NETWORK_RETRIES} (default "
+                        f"{DEFAULT_NETWORK_RETRIES}); past them, or with 0, the dying checkpoint.")
     g.add_argument("--distributed-optimizer-no-replica", action="store_true",
                    help="No optimizer replicas (N = 1); repairs reload the latest periodic checkpoint.")
     g.add_argument("--ha-replica-count", type=int, default=None,

@@ -58,6 +58,10 @@ class FaultKind(str, enum.Enum):
     """A peer process died (observed by a collective or reported by the agent)."""
     UNKNOWN = "unknown"
     """Anything else (a bug, a data error): not recoverable by retry."""
+    ABORTED = "aborted"
+    """This rank's step was interrupted by the controller's recovery (its collective was
+    aborted, see :mod:`mindspeed_ha.recovery.comm`): a consequence of another rank's
+    fault, its own state is intact."""
 
 
 # --------------------------------------------------------------------------- errors
@@ -192,13 +196,16 @@ def classify(exc: Optional[BaseException]) -> FaultKind:
         exc: the exception caught around the training step; None -> UNKNOWN.
 
     Returns:
-        The kind of the first table row (UCE, then PROCESS, then NETWORK) matching
-        any exception of the chain by an ``HAError.kind``, a class name in its MRO or
-        its message; otherwise UNKNOWN.
+        ABORTED when ``exc`` itself was raised by the recovery's abort (it has
+        ``aborted = True``); else the kind of the first table row (UCE, then PROCESS,
+        then NETWORK) matching any exception of the chain by an ``HAError.kind``, a
+        class name in its MRO or its message; otherwise UNKNOWN.
     """
     if exc is None:
         return FaultKind.UNKNOWN
     links = list(_chain(exc))
+    if getattr(links[0], "aborted", False) is True:  # recovery.comm.CollectiveAborted, raised by us
+        return FaultKind.ABORTED
     for kind, names, patterns in _ROWS:
         for e in links:
             if isinstance(e, HAError) and type(e).kind is kind and kind is not FaultKind.UNKNOWN:

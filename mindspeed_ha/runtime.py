@@ -155,6 +155,11 @@ class HARuntime:
         self.ctx: Optional[dying.DyingContext] = None
         self.staged: Optional[int] = None  # iteration of the dying checkpoint this rank writes
         self._update_depth = 0
+        # in-place recovery: RNG state at the entry of the step in progress, the data
+        # iterators' replay wrappers (id of the wrapped iterator -> wrapper), recoveries done
+        self._entry_rng: Optional[dict] = None
+        self._replays: dict = {}
+        self.recoveries = 0
 
     # ---- start-up -------------------------------------------------------------------
     def on_model_parallel_initialized(self) -> None:
@@ -319,6 +324,8 @@ class HARuntime:
         snap.consumed_before = getattr(args, "consumed_train_samples", None)  # the loop counts k after this
         snap.returned = True
         self.completed = k
+        for wrapper in self._replays.values():  # its batches are consumed for good
+            wrapper.mark(k)
         if megatron_lm.needs_rng_gather(args):
             # --data-parallel-random-init: a regular save holds every DP rank's RNG state;
             # gathered now, while every rank is here (a dying checkpoint cannot gather).
@@ -360,7 +367,104 @@ class HARuntime:
             iteration = self.completed if self.completed is not None else int(getattr(self.args, "iteration", 0) or 0)
             log.error("rank %d: fault during %s after iteration %s: %s", self.rank, _WHERE.get(where, where),
                       iteration, exc)
-        return self.processor.report_fault(exc, iteration)
+        return self.processor.report_fault(exc, iteration, where=where)
+
+    # ---- in-place recovery (training thread) ---------------------------------------------
+    def begin_attempt(self) -> None:
+        """An attempt at the step in progress starts: remember its RNG state (a re-run
+        after a rollback draws the same dropout masks). ~10 us."""
+        self._entry_rng = megatron_lm.collect_rng_state()
+
+    def replay_iterator(self, data_iterator):
+        """The replay wrapper of ``data_iterator`` (made once per iterator; a list, as with
+        virtual pipeline stages, gets one per element). None stays None."""
+        if data_iterator is None:
+            return None
+        if isinstance(data_iterator, list):
+            return [self.replay_iterator(it) for it in data_iterator]
+        from mindspeed_ha.recovery.rollback import ReplayIterator
+
+        if isinstance(data_iterator, ReplayIterator):
+            return data_iterator
+        wrapper = self._replays.get(id(data_iterator))
+        if wrapper is None or wrapper.inner is not data_iterator:
+            wrapper = self._replays[id(data_iterator)] = ReplayIterator(data_iterator)
+        return wrapper
+
+    def recover(self, action) -> dict:
+        """Carry out RETRY(plan) (:class:`~mindspeed_ha.control.recovery_plan.RecoveryPlan`)
+        in the training thread, then let the caller re-run the step.
+
+        Stages (every rank, the same order): clean (pending communication handles, grad
+        buckets and their flags, gradients, timers: :func:`recovery.rollback.clean`);
+        rebuild every process group (:func:`recovery.groups.rebuild_process_groups`,
+        generation ``plan.generation``; the start-up fallback group is kept); repair (a
+        damaged rank receives its parameters and optimizer shard from its replica holder,
+        point to point over the new world group: :mod:`recovery.transfer`); roll back (the
+        data iterators replay the batches of the aborted attempt, the RNG returns to the
+        attempt's entry). Model and optimizer are still those of ``plan.iteration``: the
+        plan is only made when no rank started the optimizer update.
+
+        Returns:
+            Seconds per stage (``clean``, ``rebuild``, ``repair``, ``rollback``), also sent
+            to the controller as the RETRY result.
+
+        Raises:
+            Whatever a stage raised (after the failure was sent as the RETRY result): the
+            caller reports it as a fault during recovery, and the controller falls back
+            to the dying checkpoint.
+        """
+        import json
+        import time
+
+        from mindspeed_ha.control.recovery_plan import RecoveryPlan
+        from mindspeed_ha.faults import describe
+        from mindspeed_ha.recovery import comm, groups, rollback, transfer
+
+        plan = RecoveryPlan.from_params(action.params)
+        times = {}
+        t = time.perf_counter()
+
+        def lap(name):
+            nonlocal t
+            now = time.perf_counter()
+            times[name] = round(now - t, 6)
+            t = now
+
+        try:
+            comm.reset()
+            self._update_depth = 0
+            model = self.ctx.model if self.ctx is not None else None
+            optimizer = self.ctx.optimizer if self.ctx is not None else None
+            rollback.clean(model, optimizer)
+            lap("clean")
+            exclude = [g for g in (getattr(self, "_fallback_group", None),) if g is not None]
+            groups.rebuild_process_groups(plan.generation, exclude=exclude)
+            lap("rebuild")
+            repaired = 0
+            for dst, src in sorted(plan.repairs.items()):
+                if self.rank == dst:
+                    transfer.recv_state(model, optimizer, src, None)
+                    repaired += 1
+                elif self.rank == src:
+                    transfer.send_state(model, optimizer, dst, None)
+            lap("repair")
+            for wrapper in self._replays.values():
+                wrapper.rewind()
+            if self._entry_rng is not None:
+                megatron_lm.set_rng_state(self._entry_rng)
+            lap("rollback")
+        except Exception as exc:
+            log.exception("rank %d: in-place recovery failed", self.rank)
+            self.processor.action_result(action.action_id, False, describe(exc))
+            raise
+        self.recoveries += 1
+        detail = dict(times, rank=self.rank, iteration=plan.iteration, generation=plan.generation,
+                      repaired=bool(repaired))
+        log.warning("rank %d: recovered in place (%s, generation %d): re-running iteration %d; seconds %s",
+                    self.rank, plan.kind.value, plan.generation, plan.iteration + 1, times)
+        self.processor.action_result(action.action_id, True, json.dumps(detail, sort_keys=True))
+        return times
 
     # ---- action handlers (processor action thread) -------------------------------------
     def _roles(self, params: dict):

@@ -79,14 +79,31 @@ def _train_step(wrapped, instance, args, kwargs):
     bound = _signature(wrapped).bind(*args, **kwargs)  # once per function, not per iteration
     call = bound.arguments
     rt.attach(call.get("model"), call.get("optimizer"), call.get("opt_param_scheduler"))
-    iteration = rt.enter_iteration()
-    if "forward_step_func" in call:
-        call["forward_step_func"] = _with_injection(call["forward_step_func"], rt, iteration)
-    try:
-        result = wrapped(*bound.args, **bound.kwargs)
-    except Exception as exc:  # SystemExit / KeyboardInterrupt pass through
-        rt.handle_fault(exc)
-        raise
+    if "data_iterator" in call:  # a re-run of the step reads the same batches again
+        call["data_iterator"] = rt.replay_iterator(call["data_iterator"])
+    forward_step_func = call.get("forward_step_func")
+    iteration = None
+    while True:
+        try:
+            if iteration is None:
+                iteration = rt.enter_iteration()
+                if forward_step_func is not None:
+                    call["forward_step_func"] = _with_injection(forward_step_func, rt, iteration)
+            rt.begin_attempt()
+            result = wrapped(*bound.args, **bound.kwargs)
+            break
+        except Exception as exc:  # SystemExit / KeyboardInterrupt pass through
+            action = rt.handle_fault(exc)
+            if action is None or getattr(action, "kind", None) != "retry":
+                raise
+        # RETRY (in-place recovery): clean, rebuild groups, repair, roll back; then re-run
+        # the step. A failure here is reported as a new fault (the controller then falls
+        # back to the dying checkpoint and this rank waits for its EXIT).
+        try:
+            rt.recover(action)
+        except Exception as exc:
+            rt.handle_fault(exc)
+            raise
     rt.iteration_done()
     return result
 

@@ -98,6 +98,10 @@ class Outcome:
     timings: Dict[str, float]
     events: Tuple[Event, ...]
     stop_request: Optional[StopRequest] = None
+    #: in-place recoveries, oldest first (see ClusterState.recoveries): iteration, kind, rank,
+    #: generation, repairs, controller times (evidence_at, stop_at, retry_at, done_at) and each
+    #: rank's RETRY result (JSON: its per-phase seconds)
+    recoveries: Tuple[Dict[str, Any], ...] = ()
 
 
 class Controller:
@@ -314,6 +318,7 @@ class Controller:
             plan = st.plan
             fault = st.fault
             req = st.stop_request
+            recoveries = tuple(dict(r, ranks=dict(r["ranks"])) for r in st.recoveries)
         first = {}
         for e in events:
             first.setdefault(e.action, e.t)
@@ -338,7 +343,8 @@ class Controller:
             if t_exit is not None:
                 timings["total"] = t_exit - req.at
         return Outcome(st.phase, st.exit_code, st.exit_reason, plan.iteration if plan else None, plan,
-                       fault.rank if fault else None, fault.kind if fault else None, timings, events, req)
+                       fault.rank if fault else None, fault.kind if fault else None, timings, events, req,
+                       recoveries)
 
     # ------------------------------------------------------------------ I/O thread
     def _run(self) -> None:
@@ -522,6 +528,9 @@ class Controller:
         elif t is wire.MsgType.FAULT:
             info.fault = FaultKind(body.kind) if body.kind in FaultKind._value2member_map_ else FaultKind.UNKNOWN
             info.fault_message = body.message
+            info.fault_where = body.where
+            info.fault_iteration = body.iteration
+            info.fault_at = now
             # body.iteration is the iteration being computed, not the optimizer status's:
             # STATUS / STOPPED messages stay the only source of (status, iteration).
             if info.failed_at is None:
@@ -612,6 +621,27 @@ class Controller:
         elif ok and st.phase is Phase.DRAINING:
             self._send(body.rank, wire.Drain("graceful stop", -1 if st.drain_until is None else st.drain_until))
 
+    def _recovered(self, now: float, d: Decision) -> None:
+        """RESUME: every rank recovered in place. Keep the record (per-rank phase seconds
+        from the RETRY results), forget the fault, so the next one starts afresh."""
+        st = self.state
+        pending = st.pending
+        if st.recoveries:
+            rec = st.recoveries[-1]
+            rec["done_at"] = now
+            for r, (_, detail) in sorted((pending.results if pending is not None else {}).items()):
+                rec["ranks"][r] = detail
+            log.warning("controller: recovered in place from the %s fault of rank %s in %.3f s (evidence -> every "
+                        "rank ready to re-run iteration %d)", rec["kind"], rec["rank"], now - rec["evidence_at"],
+                        rec["iteration"] + 1)
+        st.fault = None
+        st.pending = None
+        for info in st.ranks.values():
+            info.fault, info.fault_message, info.fault_where = None, "", ""
+            info.failed_at = info.fault_at = None
+            info.fault_iteration = -1
+            info.stopped = False
+
     # ------------------------------------------------------------------ decisions
     def _step(self, now: float) -> None:
         for _ in range(8):  # chain decisions that need no new input (e.g. DONE right after EXIT)
@@ -640,7 +670,9 @@ class Controller:
             for r in d.targets:
                 st.ranks[r].stopped = False
                 st.ranks[r].integrity = None  # a report describes the state frozen by this STOP only
-                self._send(r, wire.Stop(d.reason))
+                self._send(r, wire.Stop(d.reason, bool(d.params.get("recover"))))
+        elif d.action is ActionKind.RESUME:
+            self._recovered(now, d)
         elif d.action is not ActionKind.NOOP:
             aid = next(self._action_ids)
             st.pending = PendingAction(aid, d.action.value, tuple(d.targets), now, dict(d.params))
@@ -649,6 +681,13 @@ class Controller:
             if d.action is ActionKind.EXIT:
                 st.exit_code = int(d.params["code"])
                 st.exit_reason = d.reason
+            if d.action is ActionKind.RETRY:
+                fault = st.fault
+                st.recoveries.append({"iteration": int(d.params["iteration"]), "kind": d.params["kind"],
+                                      "rank": int(d.params["fault_rank"]), "generation": int(d.params["generation"]),
+                                      "repairs": d.params.get("repairs", []),
+                                      "evidence_at": fault.at if fault is not None else now,
+                                      "stop_at": st.phase_since, "retry_at": now, "done_at": None, "ranks": {}})
             for r in d.targets:
                 self._send(r, wire.Action(aid, d.action.value, dict(d.params)))
         if d.next_phase is not None and d.next_phase is not old:

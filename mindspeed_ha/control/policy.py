@@ -40,9 +40,16 @@ Without a controller (it was lost and no standby took over) every rank runs the 
 pure functions on the statuses all ranks exchanged: :func:`agree_pause`, then
 :func:`plan_without_controller`.
 
-Recovery instead of a dying checkpoint (UCE repair, network retry, ARF, pause) hooks
-in at :func:`_recovery_for`; the actions REPAIR, RETRY, PAUSE, RESUME are declared
-but not yet chosen: every fault currently leads to the dying checkpoint.
+In-place recovery (UCE repair, network retry; see :mod:`.recovery_plan`)::
+
+    RUNNING     a UCE (--enable-hbmfault-repair) or network fault (--ha-network-retries > 0)
+                reported by a live rank                  -> STOP_ALL(recover), RECOVERING
+    RECOVERING  every rank parked in its fault handler -> plan_recovery: RETRY(plan) to all;
+                every RETRY result ok                    -> RESUME (no message), RUNNING;
+                no plan, a failure, a lost rank, a new fault, a timeout
+                                                         -> STOP_ALL(recover), STOPPING (dying checkpoint)
+
+ARF (worker restart) and PAUSE are declared but not chosen yet.
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ from mindspeed_ha.faults import (
     FaultKind,
 )
 from mindspeed_ha.control import integrity
+from mindspeed_ha.control.recovery_plan import NoRecovery, in_place_possible, plan_recovery
 from mindspeed_ha.control.state import ClusterState, OptimizerStatus, Phase, RankInfo
 
 ShardKey = Tuple[int, int, int]  # (tp_rank, pp_rank, shard_id)
@@ -396,10 +404,68 @@ def detect_fault(now: float, state: ClusterState, config: HAConfig) -> Optional[
     return r, kind, reason, at
 
 
-def _recovery_for(kind: FaultKind, config: HAConfig) -> ActionKind:
-    """Which recovery a fault gets. Extension point: UCE -> REPAIR (hbm_repair),
-    NETWORK -> RETRY, PROCESS -> ARF (worker_reboot). For now: the dying checkpoint."""
-    return ActionKind.STOP_ALL
+def _recover_in_place(state: ClusterState, rank: int, kind: FaultKind, config: HAConfig) -> bool:
+    """Whether a fault reported by ``rank`` starts an in-place recovery (see
+    :mod:`.recovery_plan`): a UCE or network error the flags allow, reported by a rank
+    that is still alive. The full rules are checked once every rank is parked."""
+    info = state.ranks.get(rank)
+    return (info is not None and info.alive and info.exit_code is None and info.fault is kind
+            and in_place_possible(kind, config) is None)
+
+
+def _fall_back(state: ClusterState, gone: Mapping[int, str], now: float, why: str) -> Decision:
+    """In-place recovery is impossible or failed: abort every step again (a rank may be
+    inside a recovery collective) and take the dying-checkpoint path (STOPPING)."""
+    fault = state.fault
+    targets = tuple(r for r in state.alive_ranks() if r not in gone)
+    rank = fault.rank if fault is not None else -1
+    kind = fault.kind.value if fault is not None else FaultKind.UNKNOWN.value
+    return Decision(ActionKind.STOP_ALL, f"in-place recovery not possible: {why}; stopping all ranks for a dying "
+                    "checkpoint", {"rank": rank, "kind": kind, "at": now, "recover": True}, targets, Phase.STOPPING)
+
+
+def _recovering(now: float, state: ClusterState, config: HAConfig, gone: Mapping[int, str]) -> Decision:
+    """RECOVERING: wait until every rank is parked, send RETRY(plan), collect the results.
+
+    RETRY's result comes from each rank's training thread once it has cleaned, rebuilt its
+    process groups, been repaired and rolled back (just before it re-runs the step). All
+    ok: RESUME (no message: the phase goes back to RUNNING). A failure, a lost rank, a new
+    fault during recovery, or ``action_timeout_s``: the dying checkpoint (nothing loops).
+    """
+    pending = state.pending
+    if gone:
+        r = sorted(gone)[0]
+        return _fall_back(state, gone, now, f"rank {r} is gone ({gone[r]})")
+    if pending is None or pending.kind != ActionKind.RETRY.value:
+        live = state.alive_ranks()
+        waiting = [r for r in live if state.ranks[r].fault is None or not state.ranks[r].stopped]
+        elapsed = now - state.phase_since
+        if waiting and elapsed < config.stop_timeout_s:
+            return Decision(ActionKind.NOOP, f"recovering: waiting for ranks {waiting} to leave their step")
+        if waiting:
+            return _fall_back(state, gone, now, f"ranks {waiting} did not leave their step within "
+                              f"{config.stop_timeout_s} s")
+        fault_rank = state.fault.rank if state.fault is not None else -1
+        plan = plan_recovery(state.ranks, state.world_size, fault_rank, config, state.recoveries)
+        if isinstance(plan, NoRecovery):
+            return _fall_back(state, gone, now, plan.reason)
+        return Decision(ActionKind.RETRY, plan.reason, plan.to_params(), tuple(live))
+    if pending.failures:
+        r, detail = sorted(pending.failures.items())[0]
+        return _fall_back(state, gone, now, f"rank {r} failed to recover: {detail}")
+    again = sorted(r for r, i in state.ranks.items() if i.fault_at is not None and i.fault_at > pending.sent_at
+                   and r not in pending.results)
+    if again:
+        return _fall_back(state, gone, now, f"rank {again[0]} reported a fault during recovery: "
+                          f"{state.ranks[again[0]].fault_message}")
+    if not pending.complete:
+        if now - pending.sent_at > config.action_timeout_s:
+            missing = [t for t in pending.targets if t not in pending.results]
+            return _fall_back(state, gone, now, f"ranks {missing} did not recover within {config.action_timeout_s} s")
+        return Decision(ActionKind.NOOP, f"recovering: waiting for ranks "
+                        f"{[t for t in pending.targets if t not in pending.results]}")
+    return Decision(ActionKind.RESUME, f"every rank recovered in place and re-runs iteration "
+                    f"{int(pending.params['iteration']) + 1}", dict(pending.params), (), Phase.RUNNING)
 
 
 def _exit(state: ClusterState, gone: Mapping[int, str], code: int, reason: str) -> Decision:
@@ -644,10 +710,16 @@ def decide(now: float, state: ClusterState, config: HAConfig) -> Decision:
         if fault is None:
             return Decision(ActionKind.NOOP, "running")
         rank, kind, reason, at = fault
-        action = _recovery_for(kind, config)
         targets = tuple(r for r in state.alive_ranks() if r not in gone)
-        return Decision(action, reason + "; stopping all ranks for a dying checkpoint",
+        if _recover_in_place(state, rank, kind, config) and not gone:
+            return Decision(ActionKind.STOP_ALL, reason + "; recovering in place: aborting every rank's step",
+                            {"rank": rank, "kind": kind.value, "at": at, "recover": True}, targets,
+                            Phase.RECOVERING)
+        return Decision(ActionKind.STOP_ALL, reason + "; stopping all ranks for a dying checkpoint",
                         {"rank": rank, "kind": kind.value, "at": at}, targets, Phase.STOPPING)
+
+    if phase is Phase.RECOVERING:
+        return _recovering(now, state, config, gone)
 
     if phase is Phase.DRAINING:
         return _draining(now, state, config, gone)

@@ -181,6 +181,7 @@ class Processor:
         self._paused_at: Optional[int] = None
         self._completed: Optional[int] = None
         self._in_fault = False
+        self._recovering = False  # STOP(recover) until RETRY: the step must not go on (guarded by _cond)
         self._exit_returned = False  # the exit handler returned (test doubles; normally it ends the process)
         # a termination signal asked for a graceful stop: (reason, exit code if nobody acts, when)
         self._stop_request: Optional[Tuple[str, int, float]] = None
@@ -351,6 +352,7 @@ class Processor:
         """
         timed_out = False
         with self._cond:
+            self._raise_if_recovering_locked()
             self._completed = int(iteration)
             if self._limit is None or iteration < self._limit or self._exited is not None:
                 return
@@ -404,9 +406,11 @@ class Processor:
             IllegalTransition: out-of-order call.
         """
         with self._cond:
+            self._raise_if_recovering_locked()
             if self._frozen and self._exited is None:
                 deadline = time.monotonic() + self.freeze_deadline_s
                 while self._frozen and self._exited is None:
+                    self._raise_if_recovering_locked()
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise ControllerLostError(
@@ -424,12 +428,14 @@ class Processor:
             self._status_dirty = True
 
     def report_fault(self, exc_or_kind: Union[BaseException, FaultKind, str], iteration: int,
-                     timeout: Optional[float] = None) -> wire.Action:
+                     timeout: Optional[float] = None, where: str = "train_step") -> wire.Action:
         """Report a fault of the training step and wait for the main thread's action.
 
         Args:
             exc_or_kind: the caught exception (classified) or a FaultKind.
             iteration: the iteration being computed.
+            where: what raised (``train_step``, or the fault guard outside it: ``train``,
+                ``save``, ``final_save``, ``eval``); only a step can be re-run in place.
             timeout: deadline, seconds (default ``freeze_deadline_s``).
 
         Returns:
@@ -446,7 +452,7 @@ class Processor:
             self._in_fault = True
             self._main_action = None
             status, _ = self._state.snapshot()
-            self._queue_locked(wire.Fault(self.rank, int(iteration), kind.value, message, status.value))
+            self._queue_locked(wire.Fault(self.rank, int(iteration), kind.value, message, status.value, where))
             log.error("rank %d: %s fault at iteration %d reported: %s", self.rank, kind.value, iteration, message)
             try:
                 while self._main_action is None:
@@ -777,6 +783,8 @@ class Processor:
                 self._register_error = body.detail
                 self._registered.set()
         elif t is wire.MsgType.STOP:
+            if body.recover:
+                self._abort_step(body.reason)
             with self._cond:
                 self._frozen = True
                 self.stop_received_at = time.monotonic()
@@ -793,6 +801,32 @@ class Processor:
                 self._actions_cv.notify()
         else:
             self.codec.rejected["unexpected_type"] += 1
+
+    def _abort_step(self, reason: str) -> None:
+        """STOP(recover): the training thread must leave its step and park in
+        :meth:`report_fault` (in-place recovery). Every collective it is blocked in or
+        starts raises (:func:`mindspeed_ha.recovery.comm.abort`), and so do
+        :meth:`begin_update` and :meth:`pause_point` until RETRY arrives."""
+        with self._cond:
+            self._recovering = True
+            self._cond.notify_all()
+        try:
+            from mindspeed_ha.recovery import comm
+
+            comm.abort(reason)
+        except Exception:  # noqa: BLE001 - the I/O thread must go on; begin_update still raises
+            log.exception("rank %d: aborting the collectives failed", self.rank)
+
+    def _raise_if_recovering_locked(self) -> None:
+        if self._recovering and self._exited is None:
+            from mindspeed_ha.recovery.comm import CollectiveAborted
+
+            raise CollectiveAborted(f"rank {self.rank}: step aborted for in-place recovery")
+
+    def action_result(self, action_id: int, ok: bool, detail: str) -> None:
+        """Send the result of a main-thread action (RETRY: after the rank recovered)."""
+        with self._cond:
+            self._queue_locked(wire.ActionResult(int(action_id), self.rank, bool(ok), str(detail)))
 
     def _drain(self, body: wire.Drain) -> None:
         """DRAIN(-1): set the pause limit at the iteration in progress, announce it (DRAINING).
@@ -838,10 +872,12 @@ class Processor:
                     log.exception("rank %d: action %s failed", self.rank, action.kind)
                     ok, detail = False, describe(exc)
             with self._cond:
-                self._queue_locked(wire.ActionResult(action.action_id, self.rank, bool(ok), str(detail)))
+                if action.kind != ActionKind.RETRY.value:  # RETRY: the training thread answers once recovered
+                    self._queue_locked(wire.ActionResult(action.action_id, self.rank, bool(ok), str(detail)))
                 if action.kind in MAIN_THREAD_KINDS:
                     if action.kind in (ActionKind.RESUME.value, ActionKind.RETRY.value):
                         self._frozen = False
+                        self._recovering = False
                     self._main_action = action
                     self._cond.notify_all()
 

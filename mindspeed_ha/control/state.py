@@ -23,6 +23,9 @@ Job phase (``Phase``), driven by :func:`mindspeed_ha.control.policy.decide`::
     STOPPING -> DUMPING  (no usable rank can verify its state: test doubles)
     STOPPING / VERIFYING / DUMPING / ASSEMBLING -> EXITING  (no save dir, no complete data, failure)
     RUNNING -> EXITING (unrecoverable before a stop round), RUNNING -> DONE (all said goodbye)
+    RUNNING -> RECOVERING (a UCE or network fault recoverable in place: abort, park, RETRY(plan))
+        -> RUNNING (every rank recovered) | STOPPING / VERIFYING / DUMPING / EXITING (the
+        plan is impossible or a rank failed during recovery: the dying checkpoint)
 """
 
 from __future__ import annotations
@@ -109,6 +112,7 @@ class Phase(str, enum.Enum):
     """Phase of the whole job as the controller sees it."""
 
     RUNNING = "running"
+    RECOVERING = "recovering"
     DRAINING = "draining"
     STOPPING = "stopping"
     VERIFYING = "verifying"
@@ -120,7 +124,8 @@ class Phase(str, enum.Enum):
 
 
 PHASE_MOVES: Dict[Phase, FrozenSet[Phase]] = {
-    Phase.RUNNING: frozenset({Phase.STOPPING, Phase.DRAINING, Phase.EXITING, Phase.DONE}),
+    Phase.RUNNING: frozenset({Phase.STOPPING, Phase.DRAINING, Phase.RECOVERING, Phase.EXITING, Phase.DONE}),
+    Phase.RECOVERING: frozenset({Phase.RUNNING, Phase.STOPPING, Phase.VERIFYING, Phase.DUMPING, Phase.EXITING}),
     Phase.DRAINING: frozenset({Phase.STOPPING, Phase.VERIFYING, Phase.DUMPING, Phase.EXITING, Phase.DONE}),
     Phase.STOPPING: frozenset({Phase.VERIFYING, Phase.DUMPING, Phase.EXITING}),
     Phase.VERIFYING: frozenset({Phase.DUMPING, Phase.EXITING}),
@@ -191,6 +196,9 @@ class RankInfo:
     verifies: bool = False  # answers VERIFY with an integrity report (REGISTER)
     integrity: Any = None  # integrity.IntegrityReport of the frozen state, once reported
     pause_at: Optional[int] = None  # graceful stop, first round: where the rank said it pauses (-1: not started)
+    fault_where: str = ""  # what raised the reported fault (wire.Fault.where)
+    fault_iteration: int = -1  # the iteration being computed when it raised
+    fault_at: Optional[float] = None  # when its latest FAULT arrived (controller clock)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,6 +260,8 @@ class ClusterState:
     unregistered_exits: Dict[int, Tuple[Optional[int], str, float]] = dataclasses.field(default_factory=dict)
     stop_request: Optional[StopRequest] = None  # graceful stop (preemption), the first request
     drain_until: Optional[int] = None  # graceful stop: the iteration every rank pauses after
+    #: in-place recoveries so far, oldest first: dicts with iteration, kind, rank, generation, times
+    recoveries: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def set_phase(self, new: Phase, now: float, why: str = "") -> None:
         """Move the job to ``new`` or raise IllegalTransition (logged)."""

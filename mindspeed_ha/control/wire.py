@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 #: 2: REGISTER says whether the rank verifies its state; INTEGRITY answers VERIFY
 #: 3: graceful stop: STOP_REQUEST (a rank got SIGTERM/SIGINT), DRAIN / DRAINING (finish the
 #:    current iteration, pause at an agreed one), STOPPED.pause_at
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 TAG_BYTES = 32
 DEFAULT_MAX_BYTES = 1 << 20
 #: what CURVE adds to a frame on the wire (MESSAGE command, nonce, MAC: 33 bytes), rounded up
@@ -130,20 +130,31 @@ class Status:
 
 @dataclasses.dataclass(frozen=True)
 class Fault:
-    """processor -> controller: the training step raised; ``kind`` is FaultKind."""
+    """processor -> controller: the training step raised; ``kind`` is FaultKind.
+
+    ``where``: what raised: ``train_step`` (in-place recovery can re-run it) or a fault
+    guard outside it (``train``, ``save``, ``final_save``, ``eval``).
+    """
 
     rank: int
     iteration: int
     kind: str
     message: str
     status: str
+    where: str = "train_step"
 
 
 @dataclasses.dataclass(frozen=True)
 class Stop:
-    """controller -> processor: freeze (no new optimizer update) and report status."""
+    """controller -> processor: freeze (no new optimizer update) and report status.
+
+    ``recover``: an in-place recovery starts: also abort every collective this rank is
+    blocked in or starts (see :mod:`mindspeed_ha.recovery.comm`), so that its training
+    thread leaves the step and waits for the recovery plan (RETRY).
+    """
 
     reason: str
+    recover: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,166 @@
+"""Pure policy of the in-place recovery: plan_recovery's table and decide() in RECOVERING."""
+
+import pytest
+
+from mindspeed_ha.config import HAConfig
+from mindspeed_ha.control.policy import ActionKind, decide
+from mindspeed_ha.control.recovery_plan import NoRecovery, RecoveryPlan, plan_recovery
+from mindspeed_ha.control.state import ClusterState, OptimizerStatus, PendingAction, Phase
+from mindspeed_ha.faults import FaultKind
+
+from test_policy import cluster, kill
+
+U, UP = OptimizerStatus.UPDATED, OptimizerStatus.UPDATING
+A, UCE, NET = FaultKind.ABORTED, FaultKind.UCE, FaultKind.NETWORK
+CFG = HAConfig(enabled=True, hbm_repair=True, distributed_optimizer=True)
+
+
+def parked(ranks, faults, where=None):
+    """Every rank parked: the given ones with their own fault, the others ABORTED."""
+    for r, info in ranks.items():
+        info.fault = faults.get(r, A)
+        info.fault_where = (where or {}).get(r, "train_step")
+    return ranks
+
+
+# (name, (tp, pp, dp, n, distributed), faults, config changes, expected repairs or NoRecovery text)
+CASES = [
+    ("network, DP4 N=2", (1, 1, 4, 2, True), {1: NET}, {}, {}),
+    ("UCE on a DP rank, TP1 PP2 DP2 N=2", (1, 2, 2, 2, True), {0: UCE}, {}, {0: 1}),
+    ("UCE on the PP-last rank", (1, 2, 2, 2, True), {3: UCE}, {}, {3: 2}),
+    ("UCE on a TP peer, TP2 DP2 N=2", (2, 1, 2, 2, True), {1: UCE}, {}, {1: 3}),
+    ("UCE in DP4 N=2: the other instance's holder", (1, 1, 4, 2, True), {2: UCE}, {}, {2: 0}),
+    ("UCE + network in one round", (1, 1, 4, 2, True), {0: UCE, 3: NET}, {}, {0: 2}),
+    ("two UCEs in different shards", (1, 1, 4, 2, True), {0: UCE, 3: UCE}, {}, {0: 2, 3: 1}),
+    ("non-distributed optimizer: any DP peer", (1, 2, 2, 2, False), {2: UCE}, {}, {2: 3}),
+    ("UCE without --enable-hbmfault-repair", (1, 1, 4, 2, True), {1: UCE}, {"hbm_repair": False},
+     "--enable-hbmfault-repair"),
+    ("network with --ha-network-retries 0", (1, 1, 4, 2, True), {1: NET}, {"network_retries": 0},
+     "--ha-network-retries 0"),
+    ("no replica (N=1)", (1, 2, 2, 1, True), {0: UCE}, {}, "no healthy replica"),
+    ("both holders of a shard damaged", (1, 1, 4, 2, True), {0: UCE, 2: UCE}, {}, "no healthy replica"),
+    ("an unknown error", (1, 1, 4, 2, True), {1: FaultKind.UNKNOWN}, {}, "not recovered in place"),
+    ("a dead process", (1, 1, 4, 2, True), {1: FaultKind.PROCESS}, {}, "not recovered in place"),
+]
+
+
+@pytest.mark.parametrize("name,shape,faults,changes,expect", CASES, ids=[c[0] for c in CASES])
+def test_plan_table(name, shape, faults, changes, expect):
+    tp, pp, dp, n, dist = shape
+    ranks = parked(cluster(tp, pp, dp, n, it=5, distributed=dist), faults)
+    cfg = CFG.replace(**changes) if changes else CFG
+    plan = plan_recovery(ranks, tp * pp * dp, min(faults), cfg)
+    if isinstance(expect, str):
+        assert isinstance(plan, NoRecovery), plan
+        assert expect in plan.reason
+        return
+    assert isinstance(plan, RecoveryPlan), plan
+    assert plan.iteration == 5 and plan.generation == 1
+    assert plan.repairs == expect
+    for d, s in plan.repairs.items():
+        assert ranks[d].layout.shard_key == ranks[s].layout.shard_key and faults.get(s) is not UCE
+    assert plan.kind is (UCE if UCE in faults.values() else NET)
+    assert RecoveryPlan.from_params(plan.to_params()) == plan
+
+
+def test_fault_inside_the_optimizer_update_falls_back():
+    ranks = parked(cluster(1, 2, 2, 2), {0: UCE})
+    ranks[0].status, ranks[0].iteration = UP, 6  # raised inside update 6; the others finished it
+    for r in (1, 2, 3):
+        ranks[r].iteration = 6
+    plan = plan_recovery(ranks, 4, 0, CFG)
+    assert isinstance(plan, NoRecovery) and "optimizer update of iteration 6" in plan.reason
+
+
+def test_ranks_at_different_iterations_fall_back():
+    ranks = parked(cluster(1, 1, 4, 2), {1: NET})
+    ranks[3].iteration = 6
+    assert isinstance(plan_recovery(ranks, 4, 1, CFG), NoRecovery)
+
+
+def test_fault_outside_train_step_falls_back():
+    ranks = parked(cluster(1, 1, 4, 2), {1: NET}, where={1: "save"})
+    plan = plan_recovery(ranks, 4, 1, CFG)
+    assert isinstance(plan, NoRecovery) and "outside train_step (save)" in plan.reason
+
+
+def test_dead_or_unparked_rank_falls_back():
+    ranks = kill(parked(cluster(1, 1, 4, 2), {1: NET}), 2)
+    assert "gone" in plan_recovery(ranks, 4, 1, CFG).reason
+    ranks = parked(cluster(1, 1, 4, 2), {1: NET})
+    ranks[3].fault = None
+    assert "did not leave their step" in plan_recovery(ranks, 4, 1, CFG).reason
+
+
+def test_retries_are_bounded_per_iteration():
+    ranks = parked(cluster(1, 1, 4, 2), {1: NET})
+    cfg = CFG.replace(network_retries=2)
+    history = [{"iteration": 3}, {"iteration": 5}]
+    plan = plan_recovery(ranks, 4, 1, cfg, history)
+    assert isinstance(plan, RecoveryPlan) and plan.generation == 3
+    history.append({"iteration": 5})
+    plan = plan_recovery(ranks, 4, 1, cfg, history)
+    assert isinstance(plan, NoRecovery) and "re-run 2 times in a row" in plan.reason
+
+
+# --------------------------------------------------------------------------- decide()
+def _state(ranks, phase=Phase.RUNNING):
+    st = ClusterState(world_size=len(ranks), ranks=ranks, phase=phase, phase_since=0.0)
+    return st
+
+
+def test_decide_runs_the_recovery_round():
+    ranks = cluster(1, 1, 4, 2)
+    for info in ranks.values():
+        info.stopped = False
+    ranks[1].fault, ranks[1].fault_where, ranks[1].failed_at = NET, "train_step", 0.5
+    st = _state(ranks)
+    d = decide(1.0, st, CFG)
+    assert d.action is ActionKind.STOP_ALL and d.next_phase is Phase.RECOVERING and d.params["recover"]
+    st.phase, st.phase_since = Phase.RECOVERING, 1.0
+    assert decide(1.1, st, CFG).action is ActionKind.NOOP  # nobody parked yet
+    parked(ranks, {1: NET})
+    for info in ranks.values():
+        info.stopped = True
+    d = decide(1.2, st, CFG)
+    assert d.action is ActionKind.RETRY and d.targets == (0, 1, 2, 3) and d.params["iteration"] == 5
+    st.pending = PendingAction(1, "retry", d.targets, 1.2, dict(d.params))
+    assert decide(1.3, st, CFG).action is ActionKind.NOOP
+    for r in (0, 1, 2, 3):
+        st.pending.results[r] = (True, "{}")
+    d = decide(1.4, st, CFG)
+    assert d.action is ActionKind.RESUME and d.next_phase is Phase.RUNNING
+
+
+@pytest.mark.parametrize("what", ["failure", "new fault", "timeout", "death", "no plan", "not parked"])
+def test_decide_falls_back_to_the_dying_checkpoint(what):
+    ranks = parked(cluster(1, 1, 4, 2), {1: NET})
+    st = _state(ranks, Phase.RECOVERING)
+    cfg = CFG
+    now = 1.0
+    if what == "no plan":
+        cfg = CFG.replace(network_retries=1)
+        st.recoveries.append({"iteration": 5})
+    elif what == "not parked":
+        ranks[2].fault = None
+        now = CFG.stop_timeout_s + 1
+    elif what == "death":
+        kill(ranks, 3)
+    else:
+        st.pending = PendingAction(1, "retry", (0, 1, 2, 3), 0.5, {"iteration": 5})
+        if what == "failure":
+            st.pending.results[2] = (False, "recv failed")
+        elif what == "new fault":
+            ranks[0].fault_at, ranks[0].fault_message = 0.8, "again"
+        else:
+            now = 0.5 + CFG.action_timeout_s + 1
+    d = decide(now, st, cfg)
+    assert d.action is ActionKind.STOP_ALL and d.next_phase is Phase.STOPPING, d
+    assert d.params["recover"] and "in-place recovery not possible" in d.reason
+
+
+def test_uce_without_repair_flag_goes_straight_to_the_dying_checkpoint():
+    ranks = cluster(1, 1, 4, 2)
+    ranks[1].fault, ranks[1].failed_at = UCE, 0.5
+    d = decide(1.0, _state(ranks), CFG.replace(hbm_repair=False))
+    assert d.action is ActionKind.STOP_ALL and d.next_phase is Phase.STOPPING and not d.params.get("recover")
