@@ -65,9 +65,18 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     d = sub.add_parser("demo", help="fault-tolerant Megatron run with a killed rank, on 4 CPU ranks")
-    d.add_argument("--kill-rank", type=int, default=1, help="global rank to SIGKILL (default 1)")
-    d.add_argument("--kill-iteration", type=int, default=6, help="iteration during which it dies (default 6)")
-    d.add_argument("--kill-point", default="backward", choices=["forward", "backward", "optimizer", "between"])
+    d.add_argument("--fault", default="kill", choices=["kill", "uce", "network"],
+                   help="kill: SIGKILL a rank, dying checkpoint, resume with --load (default); uce: a device "
+                        "memory error (memory really damaged), repaired in place from a replica; network: a link "
+                        "error inside a real collective, the step re-run in place")
+    d.add_argument("--kill-rank", "--fault-rank", dest="kill_rank", type=int, default=1,
+                   help="global rank the fault hits (default 1)")
+    d.add_argument("--kill-iteration", "--fault-iteration", dest="kill_iteration", type=int, default=6,
+                   help="iteration the fault hits (default 6)")
+    d.add_argument("--kill-point", "--fault-point", dest="kill_point", default=None,
+                   choices=["forward", "backward", "optimizer", "between", "grad_sync", "pp", "tp"],
+                   help="where: kill and uce: forward|backward|optimizer|between (default backward); "
+                        "network: grad_sync|pp|tp (default grad_sync)")
     d.add_argument("--tensor-model-parallel-size", type=int, default=1)
     d.add_argument("--pipeline-model-parallel-size", type=int, default=2)
     d.add_argument("--train-iters", type=int, default=12)

@@ -1,4 +1,6 @@
-"""The main job: prove a fault-tolerant Megatron run survives a killed rank.
+"""The main job: prove a fault-tolerant Megatron run survives a killed rank (``--fault kill``,
+below), a device memory error or a network error (``--fault uce|network``: recovered in
+the running processes, see :func:`run_in_place`).
 
 Three real runs of megatron-core's GPT on CPU ranks (gloo) through ``mindspeed-ha-run``,
 all with ``--enable-high-availability`` and the same seed:
@@ -73,9 +75,121 @@ def _phase_seconds(report: Optional[dict], kill_wall: Optional[float]) -> Dict[s
     return out
 
 
+#: where each demo fault may fire (``--fault-point``), the first is the default
+FAULT_POINTS = {"kill": ("backward", "forward", "optimizer", "between"),
+                "uce": ("backward", "forward", "optimizer", "between"),
+                "network": ("grad_sync", "pp", "tp")}
+
+
+def _in_place_phases(report: Optional[dict], fault_wall: Optional[float],
+                     first_after_wall: Optional[float]) -> Dict[str, Optional[float]]:
+    """Seconds per phase of an in-place recovery (the first one in the controller's report).
+
+    detect: fault raised -> the controller has the report; stop: -> every rank left its
+    step and is parked (the plan is sent); clean / rebuild / repair / rollback: the slowest
+    rank's stage (its RETRY result); first_iteration_after: plan sent -> the re-run
+    iteration done on every rank; total: fault -> that.
+    """
+    out: Dict[str, Optional[float]] = {k: None for k in ("detect", "stop", "clean", "rebuild", "repair", "rollback",
+                                                         "first_iteration_after", "total")}
+    recs = (report or {}).get("recoveries") or []
+    if not recs:
+        return out
+    rec = recs[0]
+    if fault_wall is not None and rec.get("evidence_wall") is not None:
+        out["detect"] = max(0.0, rec["evidence_wall"] - fault_wall)
+    if rec.get("evidence_wall") is not None and rec.get("retry_wall") is not None:
+        out["stop"] = rec["retry_wall"] - rec["evidence_wall"]
+    ranks = [d for d in (rec.get("ranks") or {}).values() if isinstance(d, dict)]
+    for stage in ("clean", "rebuild", "repair", "rollback"):
+        vals = [d[stage] for d in ranks if isinstance(d.get(stage), (int, float))]
+        out[stage] = max(vals) if vals else None
+    if first_after_wall is not None and rec.get("retry_wall") is not None:
+        out["first_iteration_after"] = first_after_wall - rec["retry_wall"]
+    if first_after_wall is not None and fault_wall is not None:
+        out["total"] = first_after_wall - fault_wall
+    return out
+
+
+def _read_jsonl(path: str) -> list:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def run_in_place(ns, workdir: str, launcher, args, summary: dict) -> int:
+    """--fault uce|network: baseline, then the same run with the fault, recovered in place."""
+    from mindspeed_ha.testing.harness import launch
+
+    point = ns.kill_point
+    extra = ["--enable-hbmfault-repair"] if ns.fault == "uce" else []
+    inject = f"rank={ns.kill_rank},iteration={ns.kill_iteration},point={point},fault={ns.fault}"
+    report_path = os.path.join(workdir, "controller_report.json")
+    inject_log = os.path.join(workdir, "injected.jsonl")
+    recovery_log = os.path.join(workdir, "recovered.jsonl")
+    print(f"[1/2] baseline: {ns.nproc} ranks, TP{summary['tensor_model_parallel_size']} "
+          f"PP{summary['pipeline_model_parallel_size']}, {ns.train_iters} iterations, no fault", flush=True)
+    t0 = time.monotonic()
+    base = launch(ns.nproc, args(extra), launcher=launcher, timeout_s=900)
+    summary["baseline_seconds"] = round(time.monotonic() - t0, 2)
+    if base.returncode != 0:
+        print(base.stdout[-3000:], base.stderr[-3000:], sep="\n", file=sys.stderr)
+        print("baseline run failed", file=sys.stderr)
+        return 1
+    print(f"[2/2] faulty: {ns.fault} on rank {ns.kill_rank} at {point} of iteration {ns.kill_iteration}, "
+          "recovered in place", flush=True)
+    t0 = time.monotonic()
+    faulty = launch(ns.nproc, args(extra), launcher=launcher, timeout_s=900,
+                    env={"MINDSPEED_HA_INJECT": inject, "MINDSPEED_HA_REPORT": report_path,
+                         "MINDSPEED_HA_INJECT_LOG": inject_log, "MINDSPEED_HA_RECOVERY_LOG": recovery_log})
+    summary["faulty_seconds"] = round(time.monotonic() - t0, 2)
+    summary["faulty_exit_code"] = faulty.returncode
+    report = None
+    if os.path.exists(report_path):
+        with open(report_path) as f:
+            report = json.load(f)
+    recs = (report or {}).get("recoveries") or []
+    fired = _read_jsonl(inject_log)
+    after = _read_jsonl(recovery_log)
+    pids_after = {int(e["rank"]): int(e["pid"]) for e in after}
+    fault_pid = next((int(e["pid"]) for e in fired), None)
+    summary["recovered_in_process"] = bool(faulty.returncode == 0 and recs and fault_pid is not None
+                                           and pids_after.get(ns.kill_rank) == fault_pid)
+    summary["restarts"] = 0 if summary["recovered_in_process"] else None
+    summary["recoveries"] = len(recs)
+    summary["repairs"] = recs[0].get("repairs") if recs else None
+    first_after = max((e["wall"] for e in after), default=None) if len(after) >= ns.nproc else None
+    summary["phase_seconds"] = _in_place_phases(report, fired[0]["wall"] if fired else None, first_after)
+    rows, verdict, max_diff = _compare(base.losses, faulty.losses)
+    summary.update(loss_match=verdict, max_abs_loss_diff=max_diff, steps_lost=0 if verdict == "bitwise" else None)
+    if faulty.returncode != 0:
+        print(faulty.stdout[-4000:], faulty.stderr[-4000:], sep="\n", file=sys.stderr)
+        print(f"the faulty run did not recover in place (exit code {faulty.returncode})", file=sys.stderr)
+        return 1
+    print(f"\n{'iter':>5} {'baseline loss':>22} {'faulty-run loss':>22}  match")
+    for it, b, r, m in rows:
+        rs = f"{r:22.17f}" if r is not None else f"{'-':>22}"
+        print(f"{it:5d} {b:22.17f} {rs}  {m}")
+    ps = summary["phase_seconds"]
+    fmt = lambda v: "n/a" if v is None else f"{v:.3f}s"  # noqa: E731
+    print(f"\nfault: {ns.fault} on rank {ns.kill_rank} at {point} of iteration {ns.kill_iteration}; recovered in "
+          f"process: {summary['recovered_in_process']} (same PIDs, 0 restarts)")
+    print("recovery phases: " + ", ".join(f"{k} {fmt(v)}" for k, v in ps.items()))
+    print(f"loss match: {verdict} (max |diff| {max_diff:.3g})")
+    return 0 if summary["recovered_in_process"] and verdict == "bitwise" else 1
+
+
 def run_demo(ns) -> int:
     from mindspeed_ha.testing.harness import launch, launcher_command, tiny_gpt_args
 
+    fault = getattr(ns, "fault", "kill")
+    if ns.kill_point is None:
+        ns.kill_point = FAULT_POINTS[fault][0]
+    if ns.kill_point not in FAULT_POINTS[fault]:
+        print(f"--fault-point={ns.kill_point} does not go with --fault {fault}: accepted "
+              f"{'|'.join(FAULT_POINTS[fault])}", file=sys.stderr)
+        return 2
     tp, pp, iters = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size, ns.train_iters
     if not 1 <= ns.kill_iteration <= iters:
         print(f"--kill-iteration={ns.kill_iteration} must be in [1, --train-iters={iters}]", file=sys.stderr)
@@ -96,10 +210,24 @@ def run_demo(ns) -> int:
             a += ["--data-path", ns.data_path]
         return a + extra
 
+    if fault != "kill":
+        summary = {"fault": f"{fault} at {ns.kill_point}", "fault_rank": ns.kill_rank,
+                   "fault_iteration": ns.kill_iteration, "fault_point": ns.kill_point,
+                   "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                   "nproc": ns.nproc, "train_iters": iters}
+        try:
+            return run_in_place(ns, workdir, launcher, args, summary)
+        finally:
+            if ns.report:
+                with open(ns.report, "w") as f:
+                    json.dump(summary, f, indent=1)
+            if not keep:
+                shutil.rmtree(workdir, ignore_errors=True)
     inject = f"rank={ns.kill_rank},iteration={ns.kill_iteration},point={ns.kill_point},fault=kill"
     report_path = os.path.join(workdir, "controller_report.json")
     inject_log = os.path.join(workdir, "injected.jsonl")
     summary: dict = {"fault": f"SIGKILL at {ns.kill_point}", "killed_rank": ns.kill_rank,
+                     "recovered_in_process": False, "restarts": 1,
                      "kill_iteration": ns.kill_iteration, "kill_point": ns.kill_point,
                      "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                      "nproc": ns.nproc, "train_iters": iters}

@@ -397,6 +397,13 @@ def _outcome_text(controller, code: int) -> str:
     return f"workers failed (exit {code}); controller: {o.reason or o.phase.value}"
 
 
+def _json_or_text(detail: str):
+    try:
+        return json.loads(detail)
+    except ValueError:
+        return detail
+
+
 def _write_report(controller) -> None:
     """``MINDSPEED_HA_REPORT``: the controller's outcome as JSON (times in seconds)."""
     path = os.environ.get(ENV_REPORT)
@@ -418,6 +425,12 @@ def _write_report(controller) -> None:
         "exit_wall": None if "exit" not in first else first["exit"] + to_wall,
         "events": [{"t_wall": e.t + to_wall, "phase": e.phase.value, "action": e.action.value, "reason": e.reason}
                    for e in o.events],
+        # in-place recoveries: controller times as wall clock, each rank's RETRY result (its stage seconds)
+        "recoveries": [dict({k: v for k, v in r.items() if not k.endswith("_at")},
+                            **{k.replace("_at", "_wall"): (None if v is None else v + to_wall)
+                               for k, v in r.items() if k.endswith("_at")},
+                            ranks={str(rank): _json_or_text(d) for rank, d in r["ranks"].items()})
+                       for r in o.recoveries],
     }
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:

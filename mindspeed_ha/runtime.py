@@ -34,6 +34,7 @@ log = logging.getLogger("mindspeed_ha.runtime")
 
 ENV_CONTROLLER_HOSTED = "MINDSPEED_HA_CONTROLLER_HOSTED"
 ENV_AUTH_KEY = "MINDSPEED_HA_AUTH_KEY"
+ENV_RECOVERY_LOG = "MINDSPEED_HA_RECOVERY_LOG"
 
 #: bytes per rank and exchange over the fallback group (a JSON record: status, layout, digests)
 EXCHANGE_BYTES = 4096
@@ -160,6 +161,7 @@ class HARuntime:
         self._entry_rng: Optional[dict] = None
         self._replays: dict = {}
         self.recoveries = 0
+        self._just_recovered = False
 
     # ---- start-up -------------------------------------------------------------------
     def on_model_parallel_initialized(self) -> None:
@@ -326,6 +328,9 @@ class HARuntime:
         self.completed = k
         for wrapper in self._replays.values():  # its batches are consumed for good
             wrapper.mark(k)
+        if self._just_recovered:
+            self._just_recovered = False
+            self._log_first_iteration_after(k)
         if megatron_lm.needs_rng_gather(args):
             # --data-parallel-random-init: a regular save holds every DP rank's RNG state;
             # gathered now, while every rank is here (a dying checkpoint cannot gather).
@@ -370,6 +375,19 @@ class HARuntime:
         return self.processor.report_fault(exc, iteration, where=where)
 
     # ---- in-place recovery (training thread) ---------------------------------------------
+    def _log_first_iteration_after(self, k: int) -> None:
+        """``MINDSPEED_HA_RECOVERY_LOG``: one JSON line when the re-run iteration is done
+        (rank, pid, iteration, wall clock seconds): for recovery-time measurements."""
+        import json
+        import time
+
+        log.warning("rank %d (pid %d): iteration %d done after the in-place recovery", self.rank, os.getpid(), k)
+        path = os.environ.get(ENV_RECOVERY_LOG)
+        if path:
+            with open(path, "a") as f:
+                f.write(json.dumps({"rank": self.rank, "pid": os.getpid(), "iteration": k,
+                                    "wall": time.time()}) + "\n")
+
     def begin_attempt(self) -> None:
         """An attempt at the step in progress starts: remember its RNG state (a re-run
         after a rollback draws the same dropout masks). ~10 us."""
@@ -459,6 +477,7 @@ class HARuntime:
             self.processor.action_result(action.action_id, False, describe(exc))
             raise
         self.recoveries += 1
+        self._just_recovered = True
         detail = dict(times, rank=self.rank, iteration=plan.iteration, generation=plan.generation,
                       repaired=bool(repaired))
         log.warning("rank %d: recovered in place (%s, generation %d): re-running iteration %d; seconds %s",
