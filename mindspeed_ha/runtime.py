@@ -162,6 +162,7 @@ class HARuntime:
         self._replays: dict = {}
         self.recoveries = 0
         self._just_recovered = False
+        self._rerun_state: Optional[dict] = None  # Megatron's rerun state machine between iterations
 
     # ---- start-up -------------------------------------------------------------------
     def on_model_parallel_initialized(self) -> None:
@@ -281,6 +282,7 @@ class HARuntime:
                 snap.rng_states = megatron_lm.gather_rng_states(snap.rng_state, args)
             if self.processor is not None:
                 self.processor.end_update(self.completed)
+            self._capture_rerun_machine()
         elif self.snapshot is not None and self.snapshot.iteration == self.completed:
             # The training loop counted the iteration (consumed samples...): a no-op when
             # Megatron-LM's checkpoint_and_decide_exit already took them (patches/megatron_state.py).
@@ -326,8 +328,9 @@ class HARuntime:
         snap.consumed_before = getattr(args, "consumed_train_samples", None)  # the loop counts k after this
         snap.returned = True
         self.completed = k
-        for wrapper in self._replays.values():  # its batches are consumed for good
+        for _, wrapper in self._replays.values():  # its batches are consumed for good
             wrapper.mark(k)
+        self._capture_rerun_machine()
         if self._just_recovered:
             self._just_recovered = False
             self._log_first_iteration_after(k)
@@ -375,6 +378,14 @@ class HARuntime:
         return self.processor.report_fault(exc, iteration, where=where)
 
     # ---- in-place recovery (training thread) ---------------------------------------------
+    def _capture_rerun_machine(self) -> None:
+        try:
+            from mindspeed_ha.recovery.rollback import capture_rerun_machine
+
+            self._rerun_state = capture_rerun_machine()
+        except ImportError:  # a megatron-core without the rerun state machine
+            self._rerun_state = None
+
     def _log_first_iteration_after(self, k: int) -> None:
         """``MINDSPEED_HA_RECOVERY_LOG``: one JSON line when the re-run iteration is done
         (rank, pid, iteration, wall clock seconds): for recovery-time measurements."""
@@ -404,10 +415,10 @@ class HARuntime:
 
         if isinstance(data_iterator, ReplayIterator):
             return data_iterator
-        wrapper = self._replays.get(id(data_iterator))
-        if wrapper is None or wrapper.inner is not data_iterator:
-            wrapper = self._replays[id(data_iterator)] = ReplayIterator(data_iterator)
-        return wrapper
+        known = self._replays.get(id(data_iterator))
+        if known is None or known[0] is not data_iterator:
+            known = self._replays[id(data_iterator)] = (data_iterator, ReplayIterator(data_iterator))
+        return known[1]
 
     def recover(self, action) -> dict:
         """Carry out RETRY(plan) (:class:`~mindspeed_ha.control.recovery_plan.RecoveryPlan`)
@@ -454,7 +465,7 @@ class HARuntime:
             self._update_depth = 0
             model = self.ctx.model if self.ctx is not None else None
             optimizer = self.ctx.optimizer if self.ctx is not None else None
-            rollback.clean(model, optimizer)
+            rollback.clean(model, optimizer, rerun_state=self._rerun_state)
             lap("clean")
             exclude = [g for g in (getattr(self, "_fallback_group", None),) if g is not None]
             groups.rebuild_process_groups(plan.generation, exclude=exclude)
@@ -467,7 +478,7 @@ class HARuntime:
                 elif self.rank == src:
                     transfer.send_state(model, optimizer, dst, None)
             lap("repair")
-            for wrapper in self._replays.values():
+            for _, wrapper in self._replays.values():
                 wrapper.rewind()
             if self._entry_rng is not None:
                 megatron_lm.set_rng_state(self._entry_rng)
