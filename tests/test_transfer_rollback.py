@@ -223,6 +223,8 @@ def _prepare(model, optimizer):
     config = get_model_config(model[0])
     config.grad_scale_func = optimizer.scale_loss
     config.finalize_model_grads_func = finalize_model_grads
+    if model[0].ddp_config.overlap_grad_reduce:  # Megatron-LM's setup for --overlap-grad-reduce
+        config.no_sync_func = model[0].no_sync
     for chunk in model:
         chunk.train()
     return config
