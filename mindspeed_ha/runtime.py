@@ -35,6 +35,8 @@ log = logging.getLogger("mindspeed_ha.runtime")
 ENV_CONTROLLER_HOSTED = "MINDSPEED_HA_CONTROLLER_HOSTED"
 ENV_AUTH_KEY = "MINDSPEED_HA_AUTH_KEY"
 ENV_RECOVERY_LOG = "MINDSPEED_HA_RECOVERY_LOG"
+#: testing only: "1" skips the UCE repair (tests/test_in_place_recovery.py proves the damage is real)
+ENV_TESTING_SKIP_REPAIR = "MINDSPEED_HA_TESTING_SKIP_REPAIR"
 
 #: bytes per rank and exchange over the fallback group (a JSON record: status, layout, digests)
 EXCHANGE_BYTES = 4096
@@ -471,7 +473,12 @@ class HARuntime:
             groups.rebuild_process_groups(plan.generation, exclude=exclude)
             lap("rebuild")
             repaired = 0
-            for dst, src in sorted(plan.repairs.items()):
+            repairs = plan.repairs
+            if repairs and os.environ.get(ENV_TESTING_SKIP_REPAIR) == "1":
+                log.error("rank %d: %s=1: the repair is SKIPPED (testing only): the damaged state stays",
+                          self.rank, ENV_TESTING_SKIP_REPAIR)
+                repairs = {}
+            for dst, src in sorted(repairs.items()):
                 if self.rank == dst:
                     transfer.recv_state(model, optimizer, src, None)
                     repaired += 1
