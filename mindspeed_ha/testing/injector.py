@@ -17,6 +17,10 @@ Points (where in iteration ``k`` the fault fires):
                     this rank's files are written, the tracker is not (a half-written save)
     ``final_save``  the same inside the final save at the end of training (iteration k)
     ``dying``       while this rank writes its part of a dying checkpoint
+    ``pp``          the first pipeline send/recv this rank launches in iteration k
+                    (``fault=network`` only)
+    ``tp``          the first tensor-parallel collective this rank launches in iteration k
+                    (``fault=network`` only)
 Faults: ``kill`` (SIGKILL to itself: the process vanishes, nothing runs after),
 ``raise`` (raise :class:`InjectedFault`, a RuntimeError carrying a gloo-like message),
 ``stop`` (SIGSTOP to itself: a hang; every thread stops, heartbeats included, the
@@ -34,6 +38,30 @@ fp32 main parameter / Adam state of the first parameter this rank's distributed-
 shard holds); ``how``: ``nan`` (one value becomes NaN, default) or ``bitflip`` (the lowest
 bit of one value flips: still finite, only a checksum sees it). The value changed is the
 first element of the tensor.
+
+``uce`` (an uncorrectable device-memory error, at ``forward``, ``backward``, ``optimizer``,
+``between``): the WHOLE tensor ``what`` is overwritten with a fixed finite garbage value
+(:data:`UCE_GARBAGE`; integer tensors :data:`UCE_GARBAGE_INT`), so a recovery that skips
+the repair computes different numbers; then :class:`InjectedFault` is raised with CUDA's
+text for ``cudaErrorECCUncorrectable`` (:data:`UCE_MESSAGE`, classified UCE).
+``what``: ``param`` (default), ``grad`` (the DDP gradient buffer of the first parameter,
+its ``main_grad``), ``main_param``, ``exp_avg``, ``exp_avg_sq`` (as for ``corrupt``). The
+state comes from the runtime (its ``DyingContext``) where the point fires without it::
+
+    MINDSPEED_HA_INJECT="rank=1,iteration=4,point=forward,fault=uce,what=exp_avg"
+
+``network`` (a failed link, at ``grad_sync``, ``pp``, ``tp``): the first matching collective
+this rank launches in iteration k raises :class:`InjectedFault` with gloo's text for a
+reset connection (:data:`NETWORK_MESSAGE`, classified NETWORK) right after it was
+launched, so its peers stay blocked inside it (hook: ``mindspeed_ha.recovery.comm
+.set_fault_hook``, installed when the injector is created). Matching: ``grad_sync`` an
+``all_reduce`` / ``reduce_scatter`` on a data-parallel group issued by DDP's
+``start_grad_sync``; ``pp`` a ``send`` / ``recv`` / ``isend`` / ``irecv`` /
+``batch_isend_irecv``; ``tp`` any collective on megatron's tensor-parallel group (none
+with TP 1: then nothing fires).
+
+Every spec fires at most once per process (a step re-run after an in-process recovery
+does not fault again).
 Several specs may be joined with ``;``.
 """
 
@@ -47,8 +75,9 @@ from typing import Any, List, Optional
 ENV = "MINDSPEED_HA_INJECT"
 ENV_LOG = "MINDSPEED_HA_INJECT_LOG"  # optional: append a JSON line per fired fault
 POINTS = ("forward", "backward", "grad_sync", "optimizer", "between", "data", "eval", "save", "final_save",
-          "dying")
-FAULTS = ("kill", "raise", "stop", "corrupt", "term", "term_launcher", "int_launcher", "kill_launcher")
+          "dying", "pp", "tp")
+FAULTS = ("kill", "raise", "stop", "corrupt", "term", "term_launcher", "int_launcher", "kill_launcher", "uce",
+          "network")
 #: faults that signal a process and let this rank go on: SIGTERM to itself (a preempted
 #: worker), SIGTERM to its parent, the launcher (a preempted job), SIGKILL to the launcher
 #: (the controller's host lost; the workers stay)
@@ -57,6 +86,26 @@ _SIGNALS = {"term": ("self", "SIGTERM"), "term_launcher": ("parent", "SIGTERM"),
 CORRUPT_WHAT = ("param", "main_param", "exp_avg", "exp_avg_sq")
 CORRUPT_HOW = ("nan", "bitflip")
 CORRUPT_POINTS = ("optimizer", "between", "dying")  # fired by the runtime, with its state
+UCE_WHAT = ("param", "grad", "main_param", "exp_avg", "exp_avg_sq")
+UCE_POINTS = ("forward", "backward", "optimizer", "between")
+NETWORK_POINTS = ("grad_sync", "pp", "tp")
+#: points only ``fault=network`` fires at (through the communication hook)
+_NETWORK_ONLY_POINTS = ("pp", "tp")
+#: value every element of the tensor hit by ``fault=uce`` gets (finite, positive: Adam's
+#: ``exp_avg_sq`` stays a valid square, so training goes on with wrong numbers, not NaN)
+UCE_GARBAGE = 1234.5
+UCE_GARBAGE_INT = 12345
+#: CUDA runtime's text for cudaErrorECCUncorrectable as torch raises it ("CUDA error: " +
+#: cudaGetErrorString; CUDA Runtime API, error types), with torch's usual hint lines
+UCE_MESSAGE = ("CUDA error: uncorrectable ECC error encountered\n"
+               "CUDA kernel errors might be asynchronously reported at some other API call, so the "
+               "stacktrace below might be incorrect.\nFor debugging consider passing CUDA_LAUNCH_BLOCKING=1")
+#: gloo's text when the peer reset the TCP connection (gloo/transport/tcp/pair.cc, "Read
+#: error " + peer address + ": " + strerror(ECONNRESET)); classified NETWORK, not PROCESS
+NETWORK_MESSAGE = "[../third_party/gloo/gloo/transport/tcp/pair.cc:589] Read error [127.0.0.1]:{port}: Connection reset by peer"
+_P2P_OPS = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
+_GRAD_SYNC_OPS = ("all_reduce", "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base",
+                  "all_reduce_coalesced", "reduce_scatter_coalesced")
 
 
 class InjectedFault(RuntimeError):
@@ -105,9 +154,23 @@ class FaultSpec:
         if rank < 0 or iteration < 1:
             raise ValueError(f"{ENV}: rank must be >= 0 and iteration >= 1, got {text!r}")
         what, how = fields.get("what", ""), fields.get("how", "")
+        if fault == "uce":
+            if how:
+                raise ValueError(f"{ENV}: how= goes with fault=corrupt only, got {text!r}")
+            what = what or "param"
+            if what not in UCE_WHAT:
+                raise ValueError(f"{ENV}: fault=uce takes what= one of {UCE_WHAT}, got {what!r}")
+            if point not in UCE_POINTS:
+                raise ValueError(f"{ENV}: fault=uce fires only at points {UCE_POINTS}, got point={point!r}")
+            return cls(rank, iteration, point, fault, what)
+        if fault == "network" and point not in NETWORK_POINTS:
+            raise ValueError(f"{ENV}: fault=network fires only at points {NETWORK_POINTS}, got point={point!r}")
+        if point in _NETWORK_ONLY_POINTS and fault != "network":
+            raise ValueError(f"{ENV}: point={point!r} takes fault=network only, got fault={fault!r}")
         if fault != "corrupt":
             if what or how:
-                raise ValueError(f"{ENV}: what= and how= go with fault=corrupt only, got {text!r}")
+                raise ValueError(f"{ENV}: what= and how= go with fault=corrupt only (what= with fault=uce "
+                                 f"too), got {text!r}")
             return cls(rank, iteration, point, fault)
         how = how or "nan"
         if what not in CORRUPT_WHAT:
@@ -131,6 +194,9 @@ class Injector:
     def __init__(self, rank: int, specs: List[FaultSpec]):
         self.rank = rank
         self.specs = [s for s in specs if s.rank == rank]
+        self._fired: set = set()  # specs that fired (each fires once per process)
+        if any(s.fault == "network" for s in self.specs):
+            self.install_comm_hook()
 
     @classmethod
     def from_env(cls, rank: int) -> "Injector":
@@ -138,7 +204,7 @@ class Injector:
 
     def armed(self, point: str, iteration: int) -> Optional[FaultSpec]:
         for s in self.specs:
-            if s.point == point and s.iteration == iteration:
+            if s.point == point and s.iteration == iteration and s not in self._fired:
                 return s
         return None
 
@@ -146,23 +212,26 @@ class Injector:
         """Fire the fault armed for ``point`` of ``iteration``, if any.
 
         ``target``: the rank's state (an object with ``model`` and ``optimizer``, e.g. the
-        runtime's ``DyingContext``), needed by ``fault=corrupt``.
+        runtime's ``DyingContext``), needed by ``fault=corrupt`` and ``fault=uce``; when
+        None, the runtime's (``mindspeed_ha.runtime.get_runtime().ctx``). ``fault=network``
+        does nothing here: it fires from the communication hook (:meth:`on_collective`).
+
+        Raises:
+            InjectedFault: ``fault=raise``, ``fault=uce`` (after the damage).
+            RuntimeError: ``corrupt`` / ``uce`` with no model or optimizer to damage.
         """
         spec = self.armed(point, iteration)
-        if spec is None:
+        if spec is None or spec.fault == "network":
             return
+        self._fired.add(spec)
         msg = f"mindspeed-ha injector: {spec.fault} rank {self.rank} at {point} of iteration {iteration}"
+        if spec.fault in ("corrupt", "uce") and target is None:
+            target = _runtime_target()
         if spec.fault == "corrupt":
             msg += f": {corrupt(target, spec.what, spec.how)}"
-        print(msg, flush=True)
-        log_path = os.environ.get(ENV_LOG)
-        if log_path:  # when it happened, for recovery-time measurements (wall clock, seconds)
-            import json
-            import time
-
-            with open(log_path, "a") as f:
-                f.write(json.dumps({"rank": self.rank, "point": point, "iteration": iteration,
-                                    "fault": spec.fault, "pid": os.getpid(), "wall": time.time()}) + "\n")
+        if spec.fault == "uce":
+            msg += f": {damage(target, spec.what)}"
+        self._announce(msg, spec, point, iteration)
         if spec.fault == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if spec.fault == "stop":
@@ -174,13 +243,118 @@ class Injector:
             who, sig = _SIGNALS[spec.fault]
             os.kill(os.getpid() if who == "self" else os.getppid(), getattr(signal, sig))
             return  # the signal's receiver acts; this rank goes on
+        if spec.fault == "uce":
+            raise InjectedFault(UCE_MESSAGE)
         raise InjectedFault(f"{msg} (Connection closed by peer [injected])")
+
+    def _announce(self, msg: str, spec: FaultSpec, point: str, iteration: int) -> None:
+        print(msg, flush=True)
+        log_path = os.environ.get(ENV_LOG)
+        if log_path:  # when it happened, for recovery-time measurements (wall clock, seconds)
+            import json
+            import time
+
+            with open(log_path, "a") as f:
+                f.write(json.dumps({"rank": self.rank, "point": point, "iteration": iteration,
+                                    "fault": spec.fault, "pid": os.getpid(), "wall": time.time()}) + "\n")
+
+    # ---- fault=network ----------------------------------------------------------------
+    def install_comm_hook(self) -> None:
+        """Make :meth:`on_collective` the fault hook of ``mindspeed_ha.recovery.comm``."""
+        from mindspeed_ha.recovery import comm
+
+        comm.set_fault_hook(self.on_collective)
+
+    def on_collective(self, op_name: str, group) -> None:
+        """The communication hook: called on the launching thread right after collective
+        ``op_name`` on ``group`` was launched, before it is waited on. Raises the armed
+        ``fault=network`` of the runtime's current iteration at the first match.
+
+        Raises:
+            InjectedFault: :data:`NETWORK_MESSAGE` (the peers stay inside the collective).
+        """
+        from mindspeed_ha.runtime import get_runtime
+
+        rt = get_runtime()
+        iteration = getattr(rt, "current", None)
+        if iteration is None:
+            return
+        for spec in self.specs:
+            if (spec.fault != "network" or spec.iteration != iteration or spec in self._fired
+                    or not _matches(spec.point, op_name, group)):
+                continue
+            self._fired.add(spec)
+            self._announce(f"mindspeed-ha injector: network rank {self.rank} at {spec.point} of iteration "
+                           f"{iteration}: {op_name} failed", spec, spec.point, iteration)
+            raise InjectedFault(NETWORK_MESSAGE.format(port=os.environ.get("MASTER_PORT", "29500")))
+
+
+def _op(op_name: str) -> str:
+    return str(op_name).rsplit(".", 1)[-1]
+
+
+def _matches(point: str, op_name: str, group) -> bool:
+    """Whether collective ``op_name`` on ``group`` is one that ``point`` names (module docstring)."""
+    op = _op(op_name)
+    if point == "pp":
+        return op in _P2P_OPS
+    try:
+        from megatron.core import parallel_state as mpu
+    except ImportError:  # pragma: no cover - the injector runs with megatron-core
+        return False
+    if point == "tp":
+        tp = mpu.get_tensor_model_parallel_group(check_initialized=False)
+        return tp is not None and group is tp
+    if point == "grad_sync":
+        return op in _GRAD_SYNC_OPS and _is_dp_group(mpu, group) and _in_grad_sync()
+    return False
+
+
+def _is_dp_group(mpu, group) -> bool:
+    candidates = []
+    for kw in ({"with_context_parallel": True}, {"with_context_parallel": False},
+               {"with_context_parallel": True, "partial_data_parallel": True}):
+        try:
+            candidates.append(mpu.get_data_parallel_group(**kw))
+        except (AssertionError, TypeError, RuntimeError):
+            pass
+    for name in ("get_inter_partial_data_parallel_group", "get_expert_data_parallel_group"):
+        fn = getattr(mpu, name, None)
+        try:
+            candidates.append(fn(check_initialized=False) if name == "get_expert_data_parallel_group" else fn())
+        except (AssertionError, TypeError, RuntimeError):
+            pass
+    return any(group is g for g in candidates if g is not None)
+
+
+def _in_grad_sync() -> bool:
+    """Whether the caller runs inside DDP's gradient sync (a ``start_grad_sync`` frame):
+    tells the gradient all-reduce from the loss all-reduce on the same DP group."""
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "start_grad_sync":
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _runtime_target() -> Any:
+    """The runtime's ``DyingContext`` (model, optimizer), or None."""
+    try:
+        from mindspeed_ha.runtime import get_runtime
+    except ImportError:  # pragma: no cover
+        return None
+    rt = get_runtime()
+    return getattr(rt, "ctx", None) if rt is not None else None
 
 
 def _target_tensor(target: Any, what: str):
     """The tensor ``what`` names in ``target``'s model / optimizer (see the module docstring)."""
     if target is None:
-        raise RuntimeError("fault=corrupt: no model/optimizer to corrupt yet (fires after the first train_step)")
+        raise RuntimeError(f"fault=corrupt/uce,what={what}: no model/optimizer to damage (the runtime has none "
+                           "before the first train_step)")
     from mindspeed_ha.integrations import megatron_lm
 
     chunks = megatron_lm.unwrap_model(target.model)
@@ -188,12 +362,28 @@ def _target_tensor(target: Any, what: str):
     params = [p for chunk in chunks for _, p in sorted(chunk.named_parameters())]
     if what == "param":
         return params[0]
+    if what == "grad":
+        grad = getattr(params[0], "main_grad", None)
+        if grad is None:
+            raise RuntimeError("fault=uce,what=grad: the first parameter has no main_grad (megatron DDP's "
+                               "gradient buffer)")
+        return grad
     from mindspeed_ha.dying import _unwrap_distributed_optimizer
 
-    opt = _unwrap_distributed_optimizer(target.optimizer)
-    if opt is None:
-        raise RuntimeError(f"fault=corrupt,what={what} needs the distributed optimizer")
     key = "param" if what == "main_param" else what
+    opt = _unwrap_distributed_optimizer(target.optimizer)
+    if opt is None:  # every DP rank holds the whole state: the inner optimizer's first main param
+        opts = getattr(target.optimizer, "chained_optimizers", None) or [target.optimizer]
+        for o in opts:
+            inner = getattr(o, "optimizer", None)
+            for group in getattr(inner, "param_groups", []):
+                for p in group["params"]:
+                    if key == "param":
+                        return p
+                    if key in inner.state.get(p, {}):
+                        return inner.state[p][key]
+        raise RuntimeError(f"fault={'corrupt/uce'},what={what}: the optimizer holds no {key} yet "
+                           "(Adam's state appears at the first update)")
     for p in params:
         if p in opt.model_param_group_index_map:
             return opt._get_main_param_and_optimizer_states(p)[key]
@@ -214,3 +404,15 @@ def corrupt(target: Any, what: str, how: str) -> str:
             ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
             flat[:1].view(ints).bitwise_xor_(1)
     return f"{what} {tuple(t.shape)} {t.dtype}: element 0 {before!r} -> {float(flat[0])!r} ({how})"
+
+
+def damage(target: Any, what: str) -> str:
+    """Overwrite the WHOLE tensor ``what`` of ``target`` in place with :data:`UCE_GARBAGE`
+    (integers: :data:`UCE_GARBAGE_INT`); describe it. What a UCE leaves: nothing of the
+    tensor can be trusted."""
+    import torch
+
+    t = _target_tensor(target, what)
+    with torch.no_grad():
+        t.data.fill_(UCE_GARBAGE if t.is_floating_point() else UCE_GARBAGE_INT)
+    return f"{what} {tuple(t.shape)} {t.dtype}: all {t.numel()} elements overwritten"
