@@ -143,6 +143,13 @@ def test_network_fires_at_the_first_matching_collective_of_its_iteration(comm_st
     with pytest.raises(InjectedFault):
         start_grad_sync()
     start_grad_sync()  # once
+    inj2 = Injector(0, [specs[2]])
+
+    def start_grad_sync():  # on gloo: torch's coalescing manager launches the bucket's ops
+        inj2.on_collective("_coalescing_manager", groups.dp)
+
+    with pytest.raises(InjectedFault):
+        start_grad_sync()
     inj.fire("grad_sync", 4)  # the grad_sync point's own hook does nothing for network
 
 

@@ -50,14 +50,14 @@ state comes from the runtime (its ``DyingContext``) where the point fires withou
 
     MINDSPEED_HA_INJECT="rank=1,iteration=4,point=forward,fault=uce,what=exp_avg"
 
-``network`` (a failed link, at ``grad_sync``, ``pp``, ``tp``): the first matching collective
+``network`` (a failed link, at ``grad_sync``, ``pp``, ``tp``): the first matching op
 this rank launches in iteration k raises :class:`InjectedFault` with gloo's text for a
 reset connection (:data:`NETWORK_MESSAGE`, classified NETWORK) right after it was
 launched, so its peers stay blocked inside it (hook: ``mindspeed_ha.recovery.comm
 .set_fault_hook``, installed when the injector is created). Matching: ``grad_sync`` an
-``all_reduce`` / ``reduce_scatter`` on a data-parallel group issued by DDP's
-``start_grad_sync``; ``pp`` a ``send`` / ``recv`` / ``isend`` / ``irecv`` /
-``batch_isend_irecv``; ``tp`` any collective on megatron's tensor-parallel group (none
+``all_reduce`` / ``reduce_scatter`` (on gloo: the ``_coalescing_manager`` launching
+them) on a data-parallel group issued by DDP's ``start_grad_sync``; ``pp`` a ``send`` /
+``recv`` / ``isend`` / ``irecv`` / ``batch_isend_irecv``; ``tp`` any collective on megatron's tensor-parallel group (none
 with TP 1: then nothing fires).
 
 Every spec fires at most once per process (a step re-run after an in-process recovery
@@ -105,7 +105,10 @@ UCE_MESSAGE = ("CUDA error: uncorrectable ECC error encountered\n"
 NETWORK_MESSAGE = "[../third_party/gloo/gloo/transport/tcp/pair.cc:589] Read error [127.0.0.1]:{port}: Connection reset by peer"
 _P2P_OPS = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 _GRAD_SYNC_OPS = ("all_reduce", "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base",
-                  "all_reduce_coalesced", "reduce_scatter_coalesced")
+                  "all_reduce_coalesced", "reduce_scatter_coalesced",
+                  # gloo: DDP's bucket ops are recorded inside torch's coalescing manager
+                  # and launched as one at its exit, where comm's hook names the manager
+                  "_coalescing_manager")
 
 
 class InjectedFault(RuntimeError):
