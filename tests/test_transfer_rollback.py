@@ -145,13 +145,15 @@ def _run_ranks(scenario: str, nproc: int, out_dir, timeout_s: float):
 
 
 @pytest.mark.timeout(300)
-def test_transfer_repairs_every_tensor_of_a_replica_holder(tmp_path):
-    """DP4, distributed optimizer with 2 instances: ranks 2 and 3 hold the shards of 0 and 1.
+@pytest.mark.parametrize("scenario", ["transfer", "transfer_bf16"])
+def test_transfer_repairs_every_tensor_of_a_replica_holder(tmp_path, scenario):
+    """DP4, distributed optimizer with 2 instances: ranks 2 and 3 hold the shards of 0 and 1
+    (fp32; bf16: bf16 parameters in DDP's buffer, fp32 main parameters, two dtypes).
     After 2 steps ranks 2 and 3 overwrite every state tensor with garbage, receive their
     holder's state, and are bitwise equal to it; the next step keeps them equal (the in-place
     copies reached DDP's buffers and the optimizer's views). A mismatching state fails on
     both sides, naming the tensor."""
-    res = _run_ranks("transfer", 4, tmp_path, timeout_s=240)
+    res = _run_ranks(scenario, 4, tmp_path, timeout_s=240)
     by_rank = {r["rank"]: r for r in res}
     for recv, send in ((2, 0), (3, 1)):
         r, s = by_rank[recv], by_rank[send]
@@ -161,6 +163,7 @@ def test_transfer_repairs_every_tensor_of_a_replica_holder(tmp_path):
         assert r["after"] == s["before"], "the receiver is not bitwise equal to its holder"
         assert r["next_step"] == s["next_step"], "the repaired rank diverged on the next step"
         assert r["names"] == s["names"] and "exp_avg_sq" in " ".join(r["names"])
+        assert r["messages"] == (2 if scenario == "transfer_bf16" else 1)  # one per dtype
     assert by_rank[0]["after"] != by_rank[1]["after"]  # different shards: a real comparison
     assert "tensor 0 differs" in by_rank[1]["mismatch"] and "model0.param.bias (5,)" in by_rank[1]["mismatch"]
     assert "at tensor 0" in by_rank[0]["mismatch"]
@@ -230,7 +233,7 @@ def _prepare(model, optimizer):
     return config
 
 
-def _transfer_worker(out: dict) -> None:
+def _transfer_worker(out: dict, bf16: bool = False) -> None:
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
@@ -245,7 +248,7 @@ def _transfer_worker(out: dict) -> None:
     from mindspeed_ha.testing.trainer.initialize import initialize_megatron
 
     enable("replica")
-    args = initialize_megatron(argv=tiny_gpt_args(num_distributed_optimizer_instances=2))
+    args = initialize_megatron(argv=tiny_gpt_args(num_distributed_optimizer_instances=2, bf16=bf16))
     model, optimizer, sched = T.setup_model_and_optimizer(G.model_provider, ModelType.encoder_or_decoder)
     config = _prepare(model, optimizer)
     it = _batches(args, mpu.get_data_parallel_rank())
@@ -384,7 +387,8 @@ def _worker(scenario: str, out_dir: str) -> int:
     import mindspeed_ha  # noqa: F401  (patch registry, CPU backend)
 
     out = {"rank": int(os.environ["RANK"])}
-    {"transfer": _transfer_worker, "rollback": _rollback_worker}[scenario](out)
+    {"transfer": _transfer_worker, "transfer_bf16": lambda o: _transfer_worker(o, bf16=True),
+     "rollback": _rollback_worker}[scenario](out)
     import torch.distributed as dist
 
     dist.barrier()
