@@ -1,0 +1,449 @@
+"""Rebuild every process group of a running job in place, and re-point every holder.
+
+Why: on gloo an operation that one rank launched and a peer never joined leaves the
+group's tag counters out of step, so the group can never be used again; fresh groups work
+at once (shared/docs/CPU_BACKEND_FACTS.md, "In-process recovery on gloo", measured on
+torch 2.13). An in-place recovery (worker restart, hot switch, network recovery) therefore
+replaces *every* group this rank holds and swaps every reference to an old group for its
+new one, while the processes, the model and the optimizer stay alive.
+
+How the new groups are made (:func:`rebuild_process_groups`):
+
+* Which groups: every group of torch's registry (``distributed_c10d._world.pg_map``: the
+  groups this rank is a member of, the default one included), less the ``exclude`` ones
+  (e.g. the runtime's controller-lost fallback group, used concurrently by the processor
+  thread) and less the groups a previous generation already retired.
+* Same ranks (in the old group's rank order, from ``_world.pg_group_ranks``), same
+  backend name (``_world.pg_map[old][0]``, so the same ``cpu:gloo,cuda:...`` config), same
+  description (``group_desc``), same timeout (the old backend's ``options._timeout``;
+  NCCL's ``is_high_priority_stream`` is copied too).
+* Rendezvous: each new group is named ``<root>.ha<generation>`` where ``<root>`` is the
+  old group's torch name (``_world.pg_names``) without an earlier ``.ha<n>`` suffix, and
+  rendezvouses under that name in the default group's store (the store new_group uses,
+  ``_world.pg_map[default][1]``: torchrun's TCPStore under torch's prefixes). Only the
+  members take part (local synchronisation). Why not ``dist.new_group``: with
+  ``use_local_synchronization=True`` torch 2.13 names a group by the hash of its ranks
+  (``_process_group_name``), so two groups with the same ranks (DP and DP-with-CP when
+  CP=1, the gloo twins, WORLD and the fallback group) get the same name and the second
+  raises "The specified group name has already been created" -- and a second rebuild
+  would reuse the first's store keys; with global synchronisation every rank of the world
+  would have to create every group of the world, which a rank cannot list (torch only
+  registers the groups it is a member of) without an all-to-all exchange. The old name,
+  by contrast, is the same on every member (the old group's own rendezvous used it as
+  its store prefix) and distinct per rank for groups with equal ranks; with the
+  generation it gives fresh store keys and distinct new groups. The groups are created
+  through torch's own ``_new_process_group_helper`` (what ``new_group`` calls), then
+  ``_world.pg_group_ranks`` is filled as ``_new_group_with_tag`` does.
+* Order: every rank creates its groups sorted by new name, one total order for the whole
+  job, so no rank waits on a group whose members wait on each other (the earliest
+  incomplete group in that order has all its members at it).
+* The new WORLD becomes the default with torch's ``_update_default_pg`` (also sets the
+  C++ global rank), so ``group=None`` collectives and ``torch.distributed.barrier()``
+  use it.
+* The old groups stay registered in torch (never destroyed): ``destroy_process_group``
+  of a poisoned gloo group returned at once in a measurement here, but a gloo worker
+  thread may still be blocked in the abandoned op, NCCL's destroy can be collective, and
+  dropping the last reference runs the backend's destructor at an unknown point. They are
+  also kept in this module (:func:`successor` follows them to their replacement).
+
+How the references are swapped: one ``gc.get_referrers`` pass over all old groups, and
+each holder is changed in place: a dict's values and keys (order kept), a list's items, a
+set's members, a closure cell, a ``__slots__`` attribute; a tuple is rebuilt and swapped
+in *its* holders the same way (three levels deep). Left alone: torch.distributed's own
+registries (``_world`` and its dicts), this module's record of retired groups, and
+running functions' local variables (a frame cannot be written; on CPython >= 3.11 the gc
+does not even report them: code that keeps a group in a local across the rebuild keeps
+the old one -- call the getter again). Whatever holder could not be changed is listed in
+``RebuildReport.unswapped``. :func:`stale_holders` is the check that nothing but torch's
+registries still points at an old group.
+
+Holders in megatron-core 0.12 (.venv megatron/core, 0.12.3; line numbers there), all
+found and swapped by the generic pass (the test proves none is left):
+
+* ``parallel_state`` module globals (l.16-116): ``_TENSOR_MODEL_PARALLEL_GROUP``,
+  ``_PIPELINE_MODEL_PARALLEL_GROUP``, ``_MODEL_PARALLEL_GROUP``, ``_EMBEDDING_GROUP``,
+  ``_POSITION_EMBEDDING_GROUP``, ``_DATA_PARALLEL_GROUP`` and ``_GLOO``,
+  ``_TENSOR_AND_DATA_PARALLEL_GROUP``, the expert groups (``_EXPERT_MODEL_PARALLEL_GROUP``,
+  ``_EXPERT_TENSOR_PARALLEL_GROUP``, ``_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP``,
+  ``_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP``, ``_EXPERT_DATA_PARALLEL_GROUP`` and
+  ``_GLOO``), ``_CONTEXT_PARALLEL_GROUP``, the list ``_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS``,
+  ``_DATA_PARALLEL_GROUP_WITH_CP`` and ``_GLOO``, ``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP``
+  and ``_GLOO``, ``_INTER_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP``,
+  ``_TENSOR_AND_CONTEXT_PARALLEL_GROUP``, ``_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP``.
+* ``distributed/param_and_grad_buffer.py``: ``_ParamAndGradBucketGroup``
+  ``.intra_distributed_optimizer_instance_group`` (l.118) or ``.data_parallel_group``
+  (l.124), ``.inter_distributed_optimizer_instance_group`` (l.140, set by
+  ``distributed_data_parallel.py`` l.215); ``_ParamAndGradBuffer.data_parallel_group``
+  (l.487). ``DistributedDataParallel`` itself holds no group (it reaches them through
+  ``buffers``/``bucket_groups`` and ``parallel_state``).
+* ``optimizer/distrib_optimizer.py``: ``DistributedOptimizer.data_parallel_group`` and
+  ``.data_parallel_group_gloo`` (l.500-501); ``optimizer/__init__.py`` l.421/425 sets
+  ``grad_stats_parallel_group`` on every optimizer (``MegatronOptimizer`` reads it,
+  ``optimizer.py`` l.169); ``ChainedOptimizer`` holds only its sub-optimizers.
+* ``timers.py``: ``Timer._barrier_group`` (l.116/125; None, i.e. WORLD, unless
+  ``set_barrier_group`` was called); Megatron-LM's ``megatron.training.global_vars
+  ._GLOBAL_TIMERS`` is such a ``Timers``.
+* Elsewhere in megatron-core (not used by GPT training here, same generic pass):
+  ``token_dispatcher.py`` l.785, ``torch_fully_sharded_data_parallel.py`` l.76-78,
+  ``custom_fsdp`` (``param_and_grad_buffer.py`` l.418/881-882,
+  ``fully_sharded_data_parallel.py`` l.133-136), ``dist_checkpointing/strategies``
+  (``fully_parallel.py`` l.80/177, ``two_stage.py`` l.102-103/160).
+* mindspeed-ha: ``mindspeed_ha.patches.replica._INSTANCE_GROUP`` (module global).
+
+Not reachable by any Python walk: groups held only in C++ (e.g. a pending ``Work``, torch
+DDP's reducer). Untested on NCCL/HCCL (no device here): NCCL may split new communicators
+from the default group's when a device is bound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import re
+import sys
+import time
+import types
+from datetime import timedelta
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
+
+_SUFFIX = re.compile(r"\.ha\d+$")
+_TUPLE_DEPTH = 3
+
+#: (old, new, generation) of every group a rebuild replaced on this rank, oldest first.
+#: Keeps the old groups alive (their destructor is never run mid-training) and lets
+#: :func:`successor` map a stale reference to the live group.
+_RETIRED: List[Tuple[Any, Any, int]] = []
+
+
+@dataclasses.dataclass
+class RebuildReport:
+    """What :func:`rebuild_process_groups` did on this rank.
+
+    Attributes:
+        generation: the generation the new groups carry in their names.
+        groups_rebuilt: number of groups replaced (WORLD included).
+        seconds: wall time of the whole call (s); ``create_seconds`` of it making groups.
+        groups: ``"<old name> -> <new name> ranks [..] (<desc>)"`` per group.
+        swapped: every reference changed, e.g. ``megatron.core.parallel_state._DATA_PARALLEL_GROUP``.
+        unswapped: references to old groups that could not be changed (frames, tuples
+            without writable holders, C-level objects).
+    """
+
+    generation: int
+    groups_rebuilt: int
+    seconds: float
+    create_seconds: float
+    groups: List[str]
+    swapped: List[str]
+    unswapped: List[str]
+
+
+def rebuild_process_groups(generation: int, exclude: Iterable[Any] = (),
+                           timeout: Optional[timedelta] = None) -> RebuildReport:
+    """Replace every process group of this rank by a fresh one and swap every reference.
+
+    Call on every rank of the job at the same point (all ranks alive, the default store
+    alive), from the training thread while no collective is in flight on the groups.
+
+    Args:
+        generation: a number not used by an earlier rebuild of this job (it names the new
+            groups and their store keys); the same on every rank.
+        exclude: groups to leave alone (not rebuilt, references not swapped).
+        timeout: each new group's timeout, which also bounds its rendezvous (a member
+            that does not come); None keeps each old group's timeout.
+
+    Returns:
+        A :class:`RebuildReport`.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised, or a group could not be
+            created (a member did not join within the timeout); the groups created so far
+            stay registered, so a retry needs a new generation.
+        ValueError: ``generation`` was already used on this rank.
+    """
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_initialized():
+        raise RuntimeError("rebuild_process_groups: torch.distributed is not initialized")
+    t0 = time.perf_counter()
+    world = c10d._world
+    default = world.default_pg
+    me = default.rank()
+    skip = {id(g) for g in exclude} | {id(old) for old, _, _ in _RETIRED}
+    plan = []
+    for old in list(world.pg_map):
+        if id(old) in skip:
+            continue
+        name = f"{_SUFFIX.sub('', str(world.pg_names[old]))}.ha{generation}"
+        rank_of = world.pg_group_ranks[old]
+        plan.append((name, old, sorted(rank_of, key=rank_of.__getitem__)))
+    plan.sort(key=lambda item: item[0])
+    taken = set(map(str, world.pg_names.values()))
+    reused = [name for name, _, _ in plan if name in taken]
+    if reused:
+        raise ValueError(f"rebuild_process_groups: generation {generation} already used on rank "
+                         f"{me} (groups {reused[:3]} exist)")
+    store = world.pg_map[default][1]
+    pairs: List[Tuple[Any, Any]] = []
+    described = []
+    for name, old, ranks in plan:
+        try:
+            new = _create_like(old, name, ranks, me, store, timeout)
+        except Exception as exc:
+            raise RuntimeError(f"rebuild_process_groups: rank {me} could not create {name} "
+                               f"(ranks {ranks}) for {world.pg_names[old]}") from exc
+        pairs.append((old, new))
+        described.append(f"{world.pg_names[old]} -> {name} ranks {ranks} ({old.group_desc})")
+    create_s = time.perf_counter() - t0
+    del plan
+    for old, new in pairs:
+        if old is default:
+            c10d._update_default_pg(new)
+        _RETIRED.append((old, new, generation))
+    swapped, unswapped = _swap({id(old): (old, new) for old, new in pairs}, _internal_ids(), 0)
+    del pairs
+    return RebuildReport(generation=generation, groups_rebuilt=len(described),
+                         seconds=time.perf_counter() - t0, create_seconds=create_s,
+                         groups=described, swapped=sorted(swapped), unswapped=sorted(unswapped))
+
+
+def retired_groups() -> List[Any]:
+    """Every group a rebuild replaced on this rank, oldest first (a new list: not swapped later).
+
+    Note that a list of groups that a caller keeps *is* a holder: the next rebuild swaps
+    its items for the new groups.
+    """
+    return [old for old, _, _ in _RETIRED]
+
+
+def successor(group: Any) -> Any:
+    """The live group that replaced ``group`` (through every rebuild since), or ``group``."""
+    newer = {id(old): new for old, new, _ in _RETIRED}
+    while id(group) in newer:
+        group = newer[id(group)]
+    return group
+
+
+def stale_holders(old_groups: Iterable[Any]) -> List[str]:
+    """Every object that still references one of ``old_groups``, described.
+
+    Not counted: torch.distributed's own registries, this module's record of retired
+    groups, the ``old_groups`` container itself and this function's frame. Runs a full
+    garbage collection first (unreachable cycles are not holders).
+    """
+    olds = list(old_groups)
+    gc.collect()
+    skip = _internal_ids() | {id(olds), id(old_groups)}
+    holders = [h for h in gc.get_referrers(*olds) if id(h) not in skip and not _own_frame(h)]
+    oldids = {id(g) for g in olds}
+    where = _where(holders)
+    out = []
+    for h in holders:
+        for key in _keys_holding(h, oldids):
+            out.append(_name(h, key, where))
+    return sorted(out)
+
+
+# ---- group creation ----------------------------------------------------------------------
+
+def _timeout_of(pg, backend_name: str) -> timedelta:
+    import torch
+    from torch.distributed import distributed_c10d as c10d
+
+    for device in pg._device_types:
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return c10d._get_default_timeout(backend_name)
+
+
+def _options_like(pg) -> Any:
+    """NCCL options carrying the old group's stream priority; None for other backends."""
+    import torch
+
+    try:
+        from torch.distributed import ProcessGroupNCCL
+        old = pg._get_backend(torch.device("cuda")).options
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+    if not isinstance(old, ProcessGroupNCCL.Options):
+        return None
+    opts = ProcessGroupNCCL.Options()
+    opts.is_high_priority_stream = old.is_high_priority_stream
+    return opts
+
+
+def _create_like(old, name: str, ranks: List[int], me: int, store, timeout: Optional[timedelta]):
+    from torch.distributed import distributed_c10d as c10d
+
+    world = c10d._world
+    backend_name = world.pg_map[old][0]
+    keep = _timeout_of(old, backend_name)
+    new, _ = c10d._new_process_group_helper(
+        len(ranks), ranks.index(me), ranks, backend_name, store, name,
+        backend_options=_options_like(old), timeout=timeout or keep, group_desc=old.group_desc)
+    world.pg_group_ranks[new] = {g: i for i, g in enumerate(ranks)}
+    return new
+
+
+# ---- swapping references -----------------------------------------------------------------
+
+def _internal_ids() -> Set[int]:
+    """ids of torch.distributed's registries and of this module's records (never swapped)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    w = c10d._world
+    ids = {id(w.pg_map), id(w.pg_names), id(w.pg_group_ranks), id(w.pg_backend_config),
+           id(w.pg_to_tag), id(w.tags_to_pg), id(w.pg_coalesce_state), id(vars(w)), id(_RETIRED)}
+    ids |= {id(lst) for lst in w.tags_to_pg.values()}
+    ids |= {id(rec) for rec in _RETIRED}
+    return ids
+
+
+def _own_frame(obj) -> bool:
+    return isinstance(obj, types.FrameType) and obj.f_globals is globals()
+
+
+def _swap(mapping: Dict[int, Tuple[Any, Any]], skip: Set[int], depth: int) -> Tuple[List[str], List[str]]:
+    """Swap every reference to ``old`` for ``new`` (``mapping``: id(old) -> (old, new))."""
+    olds = [old for old, _ in mapping.values()]
+    skip = skip | {id(olds), id(mapping)} | {id(pair) for pair in mapping.values()}
+    holders = [h for h in gc.get_referrers(*olds) if id(h) not in skip and not _own_frame(h)]
+    where = _where(holders)
+    swapped: List[str] = []
+    unswapped: List[str] = []
+    tuples: Dict[int, Tuple[Any, Any]] = {}
+
+    def sub(x):
+        return mapping[id(x)][1] if id(x) in mapping else x
+
+    for h in holders:
+        keys = _keys_holding(h, mapping)
+        if not keys:
+            continue
+        names = [_name(h, k, where) for k in keys]
+        if isinstance(h, dict):
+            if any(k is not None and id(k) in mapping for k in h):
+                items = list(h.items())
+                h.clear()
+                h.update((sub(k), sub(v)) for k, v in items)
+                del items
+            else:
+                for k in keys:
+                    h[k] = sub(h[k])
+        elif isinstance(h, list):
+            for i in keys:
+                h[i] = sub(h[i])
+        elif isinstance(h, set):
+            for old in [x for x in h if id(x) in mapping]:
+                h.discard(old)
+                h.add(sub(old))
+        elif isinstance(h, types.CellType):
+            h.cell_contents = sub(h.cell_contents)
+        elif isinstance(h, tuple) and depth < _TUPLE_DEPTH:
+            tuples[id(h)] = (h, tuple(sub(x) for x in h))
+            continue  # reported by the recursion through the tuple's holders
+        elif isinstance(h, (tuple, frozenset, types.FrameType)) or keys == [None]:
+            unswapped += names
+            continue
+        else:  # an instance: its inline __dict__ values (CPython >= 3.11) or __slots__
+            attrs = _attrs(h)
+            for k in keys:
+                if k in attrs:
+                    attrs[k] = sub(attrs[k])
+                else:
+                    setattr(h, k, sub(getattr(h, k)))
+        swapped += names
+    if tuples:
+        s, u = _swap(tuples, skip | {id(holders), id(tuples)}, depth + 1)
+        swapped += [f"{n} (tuple rebuilt)" for n in s]
+        unswapped += [f"{n} (tuple)" for n in u]
+        if not s and not u:
+            unswapped += [f"tuple {_name(h, None, {})} with no holder seen" for h, _ in tuples.values()]
+    return swapped, unswapped
+
+
+def _slot_holder(obj) -> bool:
+    return any("__slots__" in vars(cls) for cls in type(obj).__mro__[:-1])
+
+
+def _slot_names(obj) -> List[str]:
+    names = []
+    for cls in type(obj).__mro__[:-1]:
+        slots = vars(cls).get("__slots__", ())
+        names += [slots] if isinstance(slots, str) else list(slots)
+    return names
+
+
+def _keys_holding(h, ids) -> List[Any]:
+    """Where ``h`` holds one of ``ids``: dict keys/values, list indexes, slot names..."""
+    if isinstance(h, dict):
+        return [k for k, v in list(h.items()) if id(v) in ids or id(k) in ids]
+    if isinstance(h, (list, tuple)):
+        return [i for i, x in enumerate(h) if id(x) in ids]
+    if isinstance(h, (set, frozenset)):
+        return [None] if any(id(x) in ids for x in h) else []
+    if isinstance(h, types.CellType):
+        try:
+            return [None] if id(h.cell_contents) in ids else []
+        except ValueError:  # empty cell
+            return []
+    if isinstance(h, types.FrameType):
+        return [k for k, v in h.f_locals.items() if id(v) in ids] or [None]
+    held = [k for k, v in _attrs(h).items() if id(v) in ids]
+    if _slot_holder(h):
+        held += [k for k in _slot_names(h) if id(getattr(h, k, None)) in ids]
+    return held or [None]
+
+
+def _attrs(obj) -> Dict[str, Any]:
+    """The instance's own ``__dict__`` (writable), or {} (none, or a class's mappingproxy)."""
+    try:
+        d = object.__getattribute__(obj, "__dict__")
+    except Exception:  # no __dict__, or a C type raising something else
+        return {}
+    return d if type(d) is dict else {}
+
+
+def _where(holders: List[Any]) -> Dict[int, str]:
+    """id(holder) -> where it lives: 'pkg.module', 'Class', or 'owner.attr' / 'owner[key]'."""
+    where = {id(m.__dict__): name for name, m in list(sys.modules.items()) if m is not None}
+    todo = [h for h in holders if id(h) not in where and isinstance(h, (dict, list, set, tuple))]
+    if not todo:
+        return where
+    targets = {id(h) for h in todo}
+    for owner in gc.get_referrers(*todo):
+        if owner is holders or owner is todo or isinstance(owner, types.FrameType):
+            continue
+        if isinstance(owner, dict):
+            base = where.get(id(owner))
+            for k, v in list(owner.items()):
+                if id(v) in targets:
+                    where.setdefault(id(v), f"{base}.{k}" if base else f"dict[{k!r}]")
+            continue
+        attrs = _attrs(owner)
+        if id(attrs) in targets:
+            where.setdefault(id(attrs), type(owner).__qualname__)
+        for k, v in list(attrs.items()):
+            if id(v) in targets:
+                where.setdefault(id(v), f"{type(owner).__qualname__}.{k}")
+    return where
+
+
+def _name(h, key, where: Dict[int, str]) -> str:
+    base = where.get(id(h))
+    if isinstance(h, dict):
+        base = base or "dict"
+        return f"{base}.{key}" if isinstance(key, str) and base != "dict" else f"{base}[{key!r}]"
+    if isinstance(h, (list, tuple)):
+        return f"{base or type(h).__name__}[{key}]"
+    if isinstance(h, types.FrameType):
+        code = h.f_code
+        return f"local {key!r} of {code.co_qualname} ({code.co_filename}:{h.f_lineno})"
+    if isinstance(h, types.CellType):
+        return "closure cell"
+    if key is not None:
+        return f"{type(h).__qualname__}.{key}"
+    return f"{base or type(h).__qualname__} at {id(h):#x}"
