@@ -165,6 +165,7 @@ def test_transfer_repairs_every_tensor_of_a_replica_holder(tmp_path, scenario):
         assert r["names"] == s["names"] and "exp_avg_sq" in " ".join(r["names"])
         assert r["messages"] == (2 if scenario == "transfer_bf16" else 1)  # one per dtype
     assert by_rank[0]["after"] != by_rank[1]["after"]  # different shards: a real comparison
+    assert by_rank[2]["big_digest"] == by_rank[0]["big_digest"] and by_rank[2]["big_messages"] == 4
     assert "tensor 0 differs" in by_rank[1]["mismatch"] and "model0.param.bias (5,)" in by_rank[1]["mismatch"]
     assert "at tensor 0" in by_rank[0]["mismatch"]
     print(json.dumps({r["rank"]: r.get("measured") for r in res}))
@@ -271,13 +272,13 @@ def _transfer_worker(out: dict, bf16: bool = False) -> None:
                after=transfer.state_digest(model, optimizer), stats=str(stats))
     _step(T, G, it, model, optimizer, sched, config)
     out["next_step"] = transfer.state_digest(model, optimizer)
-    # a bigger state, for a figure: 16 x 1024 x 1024 fp32 (64 MiB), 0 -> 2
+    # a bigger state, for a figure: 16 x 1024 x 1024 fp32 (64 MiB), 0 -> 2, in 16 MiB messages
     if dist.get_rank() in (0, 2):
         torch.manual_seed(dist.get_rank())
         big = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(16)])
         fn = transfer.send_state if dist.get_rank() == 0 else transfer.recv_state
-        s = fn(big, None, 2 - dist.get_rank())
-        out["measured"] = str(s)
+        s = fn(big, None, 2 - dist.get_rank(), max_message_bytes=16 * 2**20)
+        out.update(measured=str(s), big_messages=s.messages, big_digest=transfer.state_digest(big, None))
     # a mismatch: 0 sends a Linear(3, 4), 1 expects a Linear(3, 5)
     if dist.get_rank() in (0, 1):
         try:

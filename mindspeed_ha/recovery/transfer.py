@@ -51,8 +51,10 @@ import torch
 
 PROTOCOL_VERSION = 1
 
-#: largest packed message (bytes); bounds the extra memory a transfer needs on each side
-DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+#: largest packed message (bytes); bounds the extra memory a transfer needs on each side.
+#: Measured (gloo, 2 ranks on one 2-core host, 256 MiB of fp32, median of 3): 4 MiB
+#: messages 799 MiB/s, 16 MiB 912 MiB/s, 64 MiB 591 MiB/s, one 256 MiB message 551 MiB/s.
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
 class StateMismatch(RuntimeError):
