@@ -232,7 +232,12 @@ def clean_bucket_group(bucket_group) -> None:
     """Forget a ``_ParamAndGradBucketGroup``'s in-flight communication and per-step flags.
 
     The handles of collectives the aborted step launched are dropped, not waited on (a
-    wait on an aborted or failed collective raises or blocks).
+    wait on an aborted or failed collective raises or blocks): call this once those
+    collectives finished or were aborted (``recovery.comm.abort``, groups rebuilt), else
+    one still running could write into a gradient buffer after it was zeroed.
+    ``param_gather_dispatched = False``: with ``--overlap-param-gather`` the next forward
+    gathers the parameters again (``finish_param_sync`` dispatches an undispatched
+    gather), so a parameter all-gather cut short by the fault is redone.
     """
     bucket_group.grad_reduce_handle = None
     bucket_group.param_gather_handle = None
