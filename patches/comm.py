@@ -50,10 +50,10 @@ COPIES = {
 
 def _wrapper(name):
     def call(wrapped, instance, args, kwargs):
-        from mindspeed_ha.recovery import comm
-
         fn = _WRAPPERS.get(name)
         if fn is None:
+            from mindspeed_ha.recovery import comm
+
             fn = _WRAPPERS[name] = (comm.collective(name) if name in OPS else
                                     getattr(comm, name.lstrip("_")))
         return fn(wrapped, instance, args, kwargs)

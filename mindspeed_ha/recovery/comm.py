@@ -69,7 +69,6 @@ log = logging.getLogger("mindspeed_ha.recovery.comm")
 
 #: phase 1 of :func:`wait`: one C++ wait this long (seconds) before parking on a lock.
 FIRST_WAIT_S = 0.01
-_FIRST_WAIT = datetime.timedelta(seconds=FIRST_WAIT_S)
 
 #: how a group's ops are treated (cached per group object)
 _GLOO, _PASS, _EXEMPT = "gloo", "pass", "exempt"
@@ -161,10 +160,15 @@ def _check() -> None:
 
 
 # --------------------------------------------------------------------------- groups
-def _c10d():
-    import torch.distributed.distributed_c10d as c10d
+_c10d_module = []
 
-    return c10d
+
+def _c10d():
+    if not _c10d_module:
+        import torch.distributed.distributed_c10d as c10d
+
+        _c10d_module.append(c10d)
+    return _c10d_module[0]
 
 
 def _resolve(group):
@@ -286,6 +290,8 @@ def wait(work, timeout: Optional[datetime.timedelta] = None):
     """
     if isinstance(work, _work_class()):
         work = work._work
+    if timeout is not None and timeout.total_seconds() <= 0:
+        timeout = None  # c10d's default argument, timedelta(0), means "no timeout"
     _check()
     try:
         fut = work.get_future()
@@ -298,18 +304,19 @@ def wait(work, timeout: Optional[datetime.timedelta] = None):
 
 def _wait_future(work, fut, timeout):
     limit = None if timeout is None else timeout.total_seconds()
-    first = _FIRST_WAIT if limit is None or limit > FIRST_WAIT_S else timeout
-    try:
-        return work.wait(first)  # phase 1: no Python on the completion path
-    except RuntimeError:
-        if fut.done():
-            return work.wait()  # the real outcome (an error, or done just after the timeout)
-        if limit is not None and limit <= FIRST_WAIT_S:
-            raise
+    first = FIRST_WAIT_S if limit is None else min(FIRST_WAIT_S, limit)
+    if first > 0:  # (a zero timedelta means "no timeout" to c10d: never pass one)
+        try:
+            return work.wait(datetime.timedelta(seconds=first))  # phase 1: no Python on completion
+        except RuntimeError:
+            if fut.done():
+                return work.wait()  # the real outcome (an error, or done just after the timeout)
+            if limit is not None and limit <= first:
+                raise
     lk = _thread.allocate_lock()
     lk.acquire()
     fut.add_done_callback(lambda _f: _release(lk))
-    _park(lk, None if limit is None else limit - FIRST_WAIT_S)
+    _park(lk, None if limit is None else limit - max(first, 0.0))
     if not fut.done():
         _check()
         # the caller's timeout passed: let torch raise its own error (or return if done)
