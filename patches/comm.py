@@ -64,7 +64,7 @@ def _wrapper(name):
 _WRAPPERS: dict = {}
 
 
-def _ours(module: str, attr: str):
+def _ours(attr: str):
     """The layer of ours that distributed_c10d.<attr> is (applying c10d's patches first
     when torch was imported before mindspeed_ha), or None."""
     c10d = sys.modules.get(C10D)
@@ -82,7 +82,7 @@ def _copy_of(module: str, attr: str):
 
     def replace(original):
         for name in (attr,) if module == "torch.distributed" else _C10D_NAMES:
-            layer = _ours(module, name)
+            layer = _ours(name)
             if layer is not None and (original is layer or original is layer.__wrapped__):
                 return layer
         log.debug("%s.%s is not torch's function: left as it is", module, attr)

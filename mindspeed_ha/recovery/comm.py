@@ -20,11 +20,18 @@ around every ``torch.distributed`` communication function Megatron uses):
   :func:`reset`. The abandoned op stays pending in gloo's background thread: the old
   group is unusable, recovery makes new groups (they work at once, facts file).
 
-How :func:`wait` waits (measured on this machine, 2 gloo processes on 2 shared cores,
-medians of 400 interleaved 1 KB all-reduces; scratch script, numbers in the module's
-history): plain ``work.wait()`` 353 us; a loop of bounded ``work.wait(timeout=50 ms)``
-364 us; ``get_future()`` + done-callback releasing a lock the waiter blocks on 446 us
-(+~90 us: the completion thread takes the GIL to run the callback, then hands it back).
+How :func:`wait` waits: measured on this machine (2 gloo processes sharing 2 loaded CPU
+cores, torch 2.13.0; medians of 400 interleaved 1 KB all-reduces in a scratch script):
+plain ``work.wait()`` 353 us; a loop of bounded ``work.wait(timeout=50 ms)`` 364 us;
+``get_future()`` + a done-callback releasing a lock the waiter blocks on 446 us (+~90
+us: gloo's completion thread takes the GIL to run the callback and hands it back). The
+bounded loop costs nothing but answers an abort only at its next timeout; the callback
+answers at once but costs ~20% of a small op. The design below keeps both good parts:
+``scripts/bench_comm.py`` (median of 200, 4 runs at load average 3-17) gives wrapped /
+unwrapped 0.97-1.05 for 1 KB and 0.90-1.03 for 4 MB (noise: the wrapper's own Python
+work is ~4 us a call, measured on a one-rank group), callback-only ("no phase 1")
+1.04-1.18 for 1 KB; abort -> raise 0.19-0.24 ms (median) for a parked all_reduce,
+0.23-0.30 ms for a parked recv, 10.2-10.3 ms when the abort comes in phase 1.
 Facts per work kind (torch 2.13 gloo):
 
 * collective works (all_reduce, all_gather(_into_tensor), broadcast, reduce, barrier,
@@ -49,7 +56,10 @@ is in phase 1, otherwise the time to wake a thread (see ``scripts/bench_comm.py`
 
 Not covered: ops on mixed-backend groups (``"cpu:gloo,cuda:nccl"``) and on other
 backends (mpi, ucc) pass through unchanged; a ``work.get_future().wait()`` a caller
-makes itself is not interruptible; exempt groups (:func:`exempt`) are never aborted.
+makes itself is not interruptible; exempt groups (:func:`exempt`) are never aborted (a
+group the control plane itself uses while aborted, such as the runtime's fallback group,
+must be exempted by its owner). A helper thread waiting an abandoned p2p op stays
+blocked for the life of the process (daemon: it never holds up the exit).
 """
 
 from __future__ import annotations
@@ -94,6 +104,9 @@ class CollectiveAborted(CommunicationError):
         super().__init__(f"collective aborted by mindspeed-ha recovery: {reason}")
         self.reason = reason
 
+    def __reduce__(self):  # pickles back to the same message
+        return type(self), (self.reason,)
+
 
 # --------------------------------------------------------------------------- control
 def abort(reason: str) -> None:
@@ -102,16 +115,18 @@ def abort(reason: str) -> None:
     Sets the flag (every op raises :class:`CollectiveAborted` until :func:`reset`),
     releases every parked waiter, and aborts the NCCL/HCCL groups (``ProcessGroup.abort()``)
     on a daemon thread, since a communicator abort may take a while. Exempt groups are
-    left alone. Called again while aborted: keeps the first reason, wakes again.
+    left alone. Called again while aborted: keeps the first reason, wakes again (the
+    groups are aborted once).
     """
     global _reason
     with _lock:
-        if _reason is None:
+        first = _reason is None
+        if first:
             _reason = str(reason)
         waiters = list(_waiters)
     for lk in waiters:
         _release(lk)
-    groups = _accelerator_groups()
+    groups = _accelerator_groups() if first else []
     if groups:
         threading.Thread(target=_abort_groups, args=(groups,), name="mindspeed-ha-comm-abort",
                          daemon=True).start()
@@ -406,6 +421,8 @@ def _make_work_class():
             return self._work._get_duration()
 
         def __getattr__(self, name):
+            if name == "_work":  # not set yet: no recursion
+                raise AttributeError(name)
             return getattr(self._work, name)
 
         def __repr__(self):
