@@ -61,7 +61,7 @@ def _assert_ok(results):
         assert code == 0, f"rank {rank} exited {code}:\n{text}"
 
 
-BLOCKING = ("all_reduce_sync", "refused_until_reset", "async_handle_wait", "recv", "batch_isend_irecv",
+BLOCKING = ("all_reduce_sync", "refused_until_reset", "async_handle_wait", "recv", "send", "batch_isend_irecv",
             "barrier", "coalesced_reduce_scatter", "coalesced_all_reduce_async")
 
 
@@ -185,6 +185,7 @@ def _blocked(rank: int, port: int) -> None:
         ("all_reduce_sync", inside, lambda g: dist.all_reduce(torch.ones(4), group=g)),
         ("async_handle_wait", parked, lambda g: dist.all_reduce(torch.ones(4), group=g, async_op=True).wait()),
         ("recv", parked, lambda g: dist.recv(torch.zeros(4), src=1, group=g)),
+        ("send", parked, lambda g: dist.send(torch.ones(4), dst=1, group=g)),
         ("batch_isend_irecv", parked, lambda g: [r.wait() for r in dist.batch_isend_irecv(
             [dist.P2POp(dist.isend, torch.ones(4), 1, g), dist.P2POp(dist.irecv, torch.zeros(4), 1, g)])]),
         ("barrier", parked, lambda g: dist.barrier(group=g)),
