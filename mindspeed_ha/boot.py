@@ -15,6 +15,16 @@ import mindspeed_ha  # noqa: F401  (installs the post-import hooks)
 
 
 def main() -> None:
+    try:
+        _run()
+    except SystemExit as exc:  # the exit status, for the runtime's exit hook (after an in-place recovery)
+        from mindspeed_ha.runtime import record_exit_status
+
+        record_exit_status(exc.code)
+        raise
+
+
+def _run() -> None:
     argv = sys.argv[1:]
     if not argv:
         raise SystemExit("usage: python -m mindspeed_ha.boot (SCRIPT | -m MODULE) [ARGS...]")

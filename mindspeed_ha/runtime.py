@@ -85,6 +85,38 @@ def _reported(exc: BaseException) -> bool:
     return False
 
 
+def record_exit_status(code) -> None:
+    """The status the script is exiting with (``SystemExit.code``; the worker entry
+    :mod:`mindspeed_ha.boot` calls this), for the GOODBYE and for :func:`_exit_now`."""
+    if code is None:
+        code = 0
+    _uncaught["exit"] = code if isinstance(code, int) else 1
+
+
+def _exit_now(code: int) -> None:
+    """End the process now, skipping the interpreter's teardown.
+
+    After an in-place recovery the old process groups still hold the collectives the
+    recovery abandoned (gloo cannot cancel them, see :mod:`mindspeed_ha.recovery.comm`).
+    When the peers exit, those fail; during interpreter finalization the waiting thread
+    cannot take the GIL back and the C++ runtime calls ``std::terminate`` (measured: exit
+    -6 on every rank but the first to leave). Everything the job had to do is done here
+    (the atexit hook runs after the script ended, the GOODBYE was sent), so: flush the
+    streams and the logging handlers, then ``os._exit``.
+    """
+    for h in logging.getLogger().handlers:
+        try:
+            h.flush()
+        except Exception:  # noqa: BLE001 - best effort before _exit
+            pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    os._exit(code)
+
+
 def _install_exit_hooks() -> None:
     """Say GOODBYE at interpreter exit, so a finished rank is not taken for a dead one."""
     import atexit
@@ -99,8 +131,12 @@ def _install_exit_hooks() -> None:
 
     def goodbye():
         rt = get_runtime()
-        if rt is not None:
-            rt.close(_uncaught["code"])
+        if rt is None:
+            return
+        code = _uncaught["code"] if _uncaught.get("exit") is None else _uncaught["exit"]
+        rt.close(code)
+        if rt.recoveries:
+            _exit_now(code)
 
     atexit.register(goodbye)
     _install_sigterm_deferral()
@@ -330,7 +366,7 @@ class HARuntime:
         snap.consumed_before = getattr(args, "consumed_train_samples", None)  # the loop counts k after this
         snap.returned = True
         self.completed = k
-        for _, wrapper in self._replays.values():  # its batches are consumed for good
+        for wrapper in self._replay_wrappers():  # its batches are consumed for good
             wrapper.mark(k)
         self._capture_rerun_machine()
         if self._just_recovered:
@@ -407,20 +443,23 @@ class HARuntime:
         self._entry_rng = megatron_lm.collect_rng_state()
 
     def replay_iterator(self, data_iterator):
-        """The replay wrapper of ``data_iterator`` (made once per iterator; a list, as with
-        virtual pipeline stages, gets one per element). None stays None."""
+        """What ``train_step`` gets instead of ``data_iterator``: the same iterator made
+        replayable (:func:`mindspeed_ha.recovery.rollback.wrap_data_iterator`; made once
+        per iterator, a ``RerunDataIterator`` keeps its type). None stays None."""
         if data_iterator is None:
             return None
         if isinstance(data_iterator, list):
             return [self.replay_iterator(it) for it in data_iterator]
-        from mindspeed_ha.recovery.rollback import ReplayIterator
-
-        if isinstance(data_iterator, ReplayIterator):
-            return data_iterator
         known = self._replays.get(id(data_iterator))
         if known is None or known[0] is not data_iterator:
-            known = self._replays[id(data_iterator)] = (data_iterator, ReplayIterator(data_iterator))
+            from mindspeed_ha.recovery.rollback import wrap_data_iterator
+
+            wrapped, replays = wrap_data_iterator(data_iterator)
+            known = self._replays[id(data_iterator)] = (data_iterator, wrapped, replays)
         return known[1]
+
+    def _replay_wrappers(self):
+        return [r for _, _, replays in self._replays.values() for r in replays]
 
     def recover(self, action) -> dict:
         """Carry out RETRY(plan) (:class:`~mindspeed_ha.control.recovery_plan.RecoveryPlan`)
@@ -485,7 +524,7 @@ class HARuntime:
                 elif self.rank == src:
                     transfer.send_state(model, optimizer, dst, None)
             lap("repair")
-            for _, wrapper in self._replays.values():
+            for wrapper in self._replay_wrappers():
                 wrapper.rewind()
             if self._entry_rng is not None:
                 megatron_lm.set_rng_state(self._entry_rng)
@@ -596,6 +635,12 @@ class HARuntime:
 
         timeout = datetime.timedelta(seconds=self.config.action_timeout_s + self.config.heartbeat_timeout_s)
         self._fallback_group = dist.new_group(backend="gloo", timeout=timeout)
+        try:  # the processor thread uses it while a recovery has aborted the training collectives
+            from mindspeed_ha.recovery import comm
+
+            comm.exempt(self._fallback_group)
+        except ImportError:  # pragma: no cover - part of the package
+            pass
         self.processor.on_controller_lost(self._exchange)
 
     def _exchange(self, record: dict) -> list:
