@@ -9,7 +9,9 @@ Two gloo processes on this machine (TCPStore rendezvous):
   (``ha`` on) and wrapped without phase 1 (``comm.FIRST_WAIT_S = 0``: every wait parks on
   the future's done-callback, the design without a bounded first C++ wait), interleaved
   call by call so that load from elsewhere hits all alike; median microseconds per call
-  on rank 0 and the ratios to unwrapped;
+  on rank 0 and the ratios to unwrapped; and a 1 KB exchange as Megatron's pipeline
+  stages do it (``batch_isend_irecv`` of one isend and one irecv per rank, then
+  ``req.wait()`` each; a send/recv work has no future, so a helper thread waits it);
 * abort -> raise: rank 1 stays out of the op; rank 0 is blocked in it; another thread
   of rank 0 calls ``comm.abort()``; the time from that call to ``CollectiveAborted``
   reaching rank 0's caller, median of ``--repeats`` (a fresh group each time), for:
@@ -64,7 +66,22 @@ def _rank(rank: int, port: int, n: int, repeats: int) -> None:
                 dist.all_reduce(x)
                 times[m].append(time.perf_counter() - t0)
         if rank == 0:
-            print(f"OP {label} " + " ".join(f"{statistics.median(times[m]) * 1e6:.1f}" for m in modes), flush=True)
+            medians = " ".join(f"{statistics.median(times[m]) * 1e6:.1f}" for m in modes)
+            print(f"OP all_reduce {label.replace(' ', '')} {medians}", flush=True)
+    peer = 1 - rank
+    x, y = torch.ones(256), torch.empty(256)
+    times = {m: [] for m in modes}
+    for i in range(n + 1):  # the first round is a warm-up
+        for m in modes:
+            mode(m)
+            t0 = time.perf_counter()
+            for req in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, peer), dist.P2POp(dist.irecv, y, peer)]):
+                req.wait()
+            if i:
+                times[m].append(time.perf_counter() - t0)
+    if rank == 0:
+        medians = " ".join(f"{statistics.median(times[m]) * 1e6:.1f}" for m in modes)
+        print(f"OP p2p-exchange 1KB {medians}", flush=True)
     mode("wrapped")
 
     parked, inside = threading.Event(), threading.Event()
@@ -132,13 +149,14 @@ def main() -> None:
     if any(p.returncode for p in procs):
         sys.exit(f"a rank failed: {[p.returncode for p in procs]}\n{outs}")
     rows = [line.split() for line in outs[0].splitlines()]
-    print(f"per-op cost, synchronous all_reduce, 2 gloo processes, median of {args.n} (us)")
-    print(f"| {'size':<5} | {'unwrapped':>9} | {'wrapped':>9} | {'ratio':>5} | {'no phase 1':>10} | {'ratio':>5} |")
-    print(f"|{'-' * 7}|{'-' * 11}|{'-' * 11}|{'-' * 7}|{'-' * 12}|{'-' * 7}|")
+    print(f"per-call cost (synchronous all_reduce; p2p-exchange: batch_isend_irecv + waits), "
+          f"2 gloo processes, median of {args.n} (us)")
+    print(f"| {'op':<17} | {'unwrapped':>9} | {'wrapped':>9} | {'ratio':>5} | {'no phase 1':>10} | {'ratio':>5} |")
+    print(f"|{'-' * 19}|{'-' * 11}|{'-' * 11}|{'-' * 7}|{'-' * 12}|{'-' * 7}|")
     for r in rows:
         if r[0] == "OP":
             off, on, event = float(r[3]), float(r[4]), float(r[5])
-            print(f"| {r[1] + ' ' + r[2]:<5} | {off:>9.1f} | {on:>9.1f} | {on / off:>5.2f} | {event:>10.1f} "
+            print(f"| {r[1] + ' ' + r[2]:<17} | {off:>9.1f} | {on:>9.1f} | {on / off:>5.2f} | {event:>10.1f} "
                   f"| {event / off:>5.2f} |")
     print(f"\nabort() -> CollectiveAborted in the blocked caller, {args.repeats} aborts (ms)")
     print(f"| {'case':<20} | {'median':>7} | {'max':>7} |")
