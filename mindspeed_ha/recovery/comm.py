@@ -27,13 +27,13 @@ plain ``work.wait()`` 353 us; a loop of bounded ``work.wait(timeout=50 ms)`` 364
 us: gloo's completion thread takes the GIL to run the callback and hands it back). The
 bounded loop costs nothing but answers an abort only at its next timeout; the callback
 answers at once but costs ~20% of a small op. The design below keeps both good parts:
-``scripts/bench_comm.py`` (median of 200, 4 runs at load average 3-17) gives wrapped /
-unwrapped 0.97-1.05 for 1 KB and 0.90-1.03 for 4 MB (noise: the wrapper's own Python
+``scripts/bench_comm.py`` (median of 200, 6 runs at load average 3-17) gives wrapped /
+unwrapped 0.97-1.06 for 1 KB and 0.90-1.04 for 4 MB (noise: the wrapper's own Python
 work is ~4 us a call, measured on a one-rank group), callback-only ("no phase 1")
-1.04-1.18 for 1 KB; abort -> raise 0.18-0.24 ms (median) for a parked all_reduce,
-0.21-0.30 ms for a parked recv, 10.2-10.3 ms when the abort comes in phase 1. The
+1.04-1.18 for 1 KB; abort -> raise 0.16-0.24 ms (median) for a parked all_reduce,
+0.19-0.30 ms for a parked recv, 10.2-10.3 ms when the abort comes in phase 1. The
 price is on p2p (works without a future: a helper thread): a 1 KB
-``batch_isend_irecv`` exchange + waits took 1.6x unwrapped (+~170 us, two thread
+``batch_isend_irecv`` exchange + waits took 1.6-1.7x unwrapped (+~200 us, two thread
 hand-offs; gloo sets a p2p work's ``is_completed()`` only inside a wait, so there is
 no cheap shortcut).
 Facts per work kind (torch 2.13 gloo):
