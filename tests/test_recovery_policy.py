@@ -20,6 +20,7 @@ def parked(ranks, faults, where=None):
     for r, info in ranks.items():
         info.fault = faults.get(r, A)
         info.fault_where = (where or {}).get(r, "train_step")
+        info.fault_iteration = info.iteration + 1
     return ranks
 
 
@@ -84,6 +85,13 @@ def test_fault_outside_train_step_falls_back():
     assert isinstance(plan, NoRecovery) and "outside train_step (save)" in plan.reason
 
 
+def test_rank_stopped_after_its_update_falls_back():
+    ranks = parked(cluster(1, 2, 2, 2), {0: NET})
+    ranks[3].fault_iteration = 5  # aborted in the tail of step 5, after update 5
+    plan = plan_recovery(ranks, 4, 0, CFG)
+    assert isinstance(plan, NoRecovery) and "rank 3 was stopped in train_step of iteration 5" in plan.reason
+
+
 def test_dead_or_unparked_rank_falls_back():
     ranks = kill(parked(cluster(1, 1, 4, 2), {1: NET}), 2)
     assert "gone" in plan_recovery(ranks, 4, 1, CFG).reason
@@ -116,9 +124,22 @@ def test_decide_runs_the_recovery_round():
     ranks[1].fault, ranks[1].fault_where, ranks[1].failed_at = NET, "train_step", 0.5
     st = _state(ranks)
     d = decide(1.0, st, CFG)
-    assert d.action is ActionKind.STOP_ALL and d.next_phase is Phase.RECOVERING and d.params["recover"]
+    assert d.action is ActionKind.STOP_ALL and d.next_phase is Phase.RECOVERING and d.params["in_place"]
+    assert not d.params.get("recover")  # round 1 freezes only
     st.phase, st.phase_since = Phase.RECOVERING, 1.0
-    assert decide(1.1, st, CFG).action is ActionKind.NOOP  # nobody parked yet
+    st.record_fault(0.5, 1, NET, "net")
+    assert decide(1.1, st, CFG).action is ActionKind.NOOP  # nobody STOPPED yet
+    for info in ranks.values():
+        info.stopped = True
+    ranks[2].status, ranks[2].iteration = UP, 6  # inside its update: it finishes first
+    assert decide(1.15, st, CFG).action is ActionKind.NOOP
+    ranks[2].status, ranks[2].iteration = U, 5
+    d = decide(1.16, st, CFG)
+    assert d.action is ActionKind.STOP_ALL and d.params["recover"] and d.next_phase is None
+    st.abort_sent_at = 1.16
+    for info in ranks.values():
+        info.stopped = False
+    assert decide(1.17, st, CFG).action is ActionKind.NOOP  # nobody parked yet
     parked(ranks, {1: NET})
     for info in ranks.values():
         info.stopped = True
@@ -136,6 +157,7 @@ def test_decide_runs_the_recovery_round():
 def test_decide_falls_back_to_the_dying_checkpoint(what):
     ranks = parked(cluster(1, 1, 4, 2), {1: NET})
     st = _state(ranks, Phase.RECOVERING)
+    st.abort_sent_at = 0.1
     cfg = CFG
     now = 1.0
     if what == "no plan":

@@ -636,6 +636,7 @@ class Controller:
                         rec["iteration"] + 1)
         st.fault = None
         st.pending = None
+        st.abort_sent_at = None
         for info in st.ranks.values():
             info.fault, info.fault_message, info.fault_where = None, "", ""
             info.failed_at = info.fault_at = None
@@ -667,6 +668,8 @@ class Controller:
             if not d.params.get("graceful"):
                 st.record_fault(d.params.get("at", now), d.params.get("rank", -1),
                                 FaultKind(d.params.get("kind", "unknown")), d.reason)
+            if d.params.get("recover"):
+                st.abort_sent_at = now
             for r in d.targets:
                 st.ranks[r].stopped = False
                 st.ranks[r].integrity = None  # a report describes the state frozen by this STOP only
@@ -687,7 +690,8 @@ class Controller:
                                       "rank": int(d.params["fault_rank"]), "generation": int(d.params["generation"]),
                                       "repairs": d.params.get("repairs", []),
                                       "evidence_at": fault.at if fault is not None else now,
-                                      "stop_at": st.phase_since, "retry_at": now, "done_at": None, "ranks": {}})
+                                      "stop_at": st.phase_since, "abort_at": st.abort_sent_at, "retry_at": now,
+                                      "done_at": None, "ranks": {}})
             for r in d.targets:
                 self._send(r, wire.Action(aid, d.action.value, dict(d.params)))
         if d.next_phase is not None and d.next_phase is not old:

@@ -43,8 +43,10 @@ pure functions on the statuses all ranks exchanged: :func:`agree_pause`, then
 In-place recovery (UCE repair, network retry; see :mod:`.recovery_plan`)::
 
     RUNNING     a UCE (--enable-hbmfault-repair) or network fault (--ha-network-retries > 0)
-                reported by a live rank                  -> STOP_ALL(recover), RECOVERING
-    RECOVERING  every rank parked in its fault handler -> plan_recovery: RETRY(plan) to all;
+                reported by a live rank                  -> STOP_ALL (freeze), RECOVERING
+    RECOVERING  every rank STOPPED, none inside an optimizer update (or update_settle_s)
+                                                         -> STOP_ALL(recover): abort every step;
+                every rank parked in its fault handler -> plan_recovery: RETRY(plan) to all;
                 every RETRY result ok                    -> RESUME (no message), RUNNING;
                 no plan, a failure, a lost rank, a new fault, a timeout
                                                          -> STOP_ALL(recover), STOPPING (dying checkpoint)
@@ -438,8 +440,23 @@ def _recovering(now: float, state: ClusterState, config: HAConfig, gone: Mapping
         return _fall_back(state, gone, now, f"rank {r} is gone ({gone[r]})")
     if pending is None or pending.kind != ActionKind.RETRY.value:
         live = state.alive_ranks()
+        if state.abort_sent_at is None:
+            # round 1 (freeze): no rank starts an optimizer update; one already inside finishes
+            # it (its collectives stay inside its optimizer instance), so the abort that
+            # follows cannot leave a half-updated state behind
+            elapsed = now - state.phase_since
+            waiting = [r for r in live if not state.ranks[r].stopped]
+            if waiting and elapsed < config.stop_timeout_s:
+                return Decision(ActionKind.NOOP, f"recovering: waiting for STOPPED from ranks {waiting}")
+            settling = [r for r in live if state.ranks[r].status is OptimizerStatus.UPDATING]
+            if settling and elapsed < update_settle_s(config):
+                return Decision(ActionKind.NOOP, f"recovering: ranks {settling} are finishing their optimizer update")
+            fault = state.fault
+            return Decision(ActionKind.STOP_ALL, "recovering in place: every rank is frozen; aborting every step",
+                            {"rank": fault.rank if fault else -1, "kind": fault.kind.value if fault else "unknown",
+                             "at": fault.at if fault else now, "recover": True}, tuple(live))
         waiting = [r for r in live if state.ranks[r].fault is None or not state.ranks[r].stopped]
-        elapsed = now - state.phase_since
+        elapsed = now - state.abort_sent_at
         if waiting and elapsed < config.stop_timeout_s:
             return Decision(ActionKind.NOOP, f"recovering: waiting for ranks {waiting} to leave their step")
         if waiting:
@@ -712,8 +729,8 @@ def decide(now: float, state: ClusterState, config: HAConfig) -> Decision:
         rank, kind, reason, at = fault
         targets = tuple(r for r in state.alive_ranks() if r not in gone)
         if _recover_in_place(state, rank, kind, config) and not gone:
-            return Decision(ActionKind.STOP_ALL, reason + "; recovering in place: aborting every rank's step",
-                            {"rank": rank, "kind": kind.value, "at": at, "recover": True}, targets,
+            return Decision(ActionKind.STOP_ALL, reason + "; recovering in place: freezing every rank",
+                            {"rank": rank, "kind": kind.value, "at": at, "in_place": True}, targets,
                             Phase.RECOVERING)
         return Decision(ActionKind.STOP_ALL, reason + "; stopping all ranks for a dying checkpoint",
                         {"rank": rank, "kind": kind.value, "at": at}, targets, Phase.STOPPING)

@@ -14,8 +14,9 @@ Rules (in order; the first that fails gives :class:`NoRecovery`):
 1. Every fault is a UCE (needs ``hbm_repair``), a network error (needs
    ``network_retries`` > 0) or an abort caused by the recovery itself. A dead process,
    an unknown error: the dying checkpoint (worker restart is ARF's job).
-2. Every rank of the job is alive and parked inside ``train_step`` (a fault raised
-   between iterations, in a save or in evaluation cannot re-run the step).
+2. Every rank of the job is alive and parked inside ``train_step`` of iteration k+1 (a
+   fault raised between iterations, in a save, in evaluation, or in the part of step k
+   after its optimizer update cannot re-run a step).
 3. Every rank's optimizer status is UPDATED at the same iteration k: nobody started the
    update of k+1. A fault inside the update of k+1 (some rank UPDATING(k+1) or already
    UPDATED(k+1)) would need the step rolled forward on some ranks and back on others;
@@ -147,6 +148,11 @@ def plan_recovery(ranks: Mapping[int, RankInfo], world_size: int, fault_rank: in
     k = next(iter(states))[1]
     if k < 0:
         return NoRecovery("no rank has reached its first optimizer update")
+    behind = sorted(r for r, i in ranks.items() if i.fault_iteration not in (-1, k + 1))
+    if behind:
+        r = behind[0]
+        return NoRecovery(f"rank {r} was stopped in train_step of iteration {ranks[r].fault_iteration}, not "
+                          f"{k + 1}: after its update of {k} (a step cannot be re-run after its update)")
     done = consecutive_retries(history, k)
     limit = max(1, config.network_retries)
     if done >= limit:

@@ -262,6 +262,8 @@ class ClusterState:
     drain_until: Optional[int] = None  # graceful stop: the iteration every rank pauses after
     #: in-place recoveries so far, oldest first: dicts with iteration, kind, rank, generation, times
     recoveries: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
+    #: in-place recovery: when the abort (STOP with ``recover``) was sent; None before it
+    abort_sent_at: Optional[float] = None
 
     def set_phase(self, new: Phase, now: float, why: str = "") -> None:
         """Move the job to ``new`` or raise IllegalTransition (logged)."""
