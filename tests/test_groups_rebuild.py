@@ -34,18 +34,19 @@ WORLD = 4
 STEPS = 3
 
 
-def _run_ranks(tp: int, pp: int, out_dir, timeout_s: float):
+def _run_ranks(argv, world: int, out_dir, timeout_s: float):
+    """Run this file with ``argv`` as ``world`` ranks on the parent's TCPStore; their JSON results."""
     from torch.distributed import TCPStore
 
-    store = TCPStore("127.0.0.1", 0, WORLD + 1, is_master=True, wait_for_workers=False)
+    store = TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
     procs = []
     try:
-        for rank in range(WORLD):
-            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
+        for rank in range(world):
+            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), OMP_NUM_THREADS="1",
                        TORCHELASTIC_USE_AGENT_STORE="True")
             env.pop("MINDSPEED_HA_INJECT", None)
-            procs.append(subprocess.Popen([sys.executable, HERE, str(tp), str(pp), str(out_dir)], env=env,
+            procs.append(subprocess.Popen([sys.executable, HERE, *argv, str(out_dir)], env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         deadline = time.monotonic() + timeout_s  # one budget for all ranks
         outputs = [p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for p in procs]
@@ -58,7 +59,7 @@ def _run_ranks(tp: int, pp: int, out_dir, timeout_s: float):
     for rank, (p, out) in enumerate(zip(procs, outputs)):
         assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{out[-4000:]}"
     results = []
-    for rank in range(WORLD):
+    for rank in range(world):
         with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
             results.append(json.load(f))
     return results
@@ -67,7 +68,7 @@ def _run_ranks(tp: int, pp: int, out_dir, timeout_s: float):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("tp,pp", [(1, 2), (2, 1)], ids=["tp1-pp2-dp2", "tp2-pp1-dp2"])
 def test_rebuild_after_poisoned_dp_group_trains_bitwise_equal(tp, pp, tmp_path):
-    results = _run_ranks(tp, pp, tmp_path, timeout_s=200)
+    results = _run_ranks([str(tp), str(pp)], WORLD, tmp_path, timeout_s=200)
     for rank, r in enumerate(results):
         for gen, report in (("1", r["report1"]), ("2", r["report2"])):
             assert report["unswapped"] == [], (rank, gen, report["unswapped"])
@@ -96,6 +97,18 @@ def test_rebuild_after_poisoned_dp_group_trains_bitwise_equal(tp, pp, tmp_path):
              for k in ("report1", "report2")]
     print(f"\nrebuild TP{tp} PP{pp}, {results[0]['groups_before']} groups/rank, (total s, creating s) "
           f"per rank and generation: {times}; holders swapped on rank 0: {results[0]['report1']['swapped']}")
+
+
+@pytest.mark.timeout(120)
+def test_every_kind_of_holder_is_swapped(tmp_path):
+    """Dict keys (order kept), set members, __slots__, closure cells, tuples nested in a
+    gc-untracked dict, functools.partial keywords: one rank, megatron's groups beside."""
+    [r] = _run_ranks(["kinds"], 1, tmp_path, timeout_s=100)
+    assert r["unswapped"] == [] and r["stale"] == [], r
+    assert all(r["live"]), r["live"]
+    for holder in ("_KEEP.keyed[<group", "_KEEP.members (member)", "_Slotted.group", "closure cell",
+                   "_KEEP.nested.inner (tuple rebuilt)", "partial.group"):
+        assert any(holder in s for s in r["swapped"]), (holder, r["swapped"])
 
 
 # ------------------------------------------------------------------ one rank (script mode)
@@ -163,7 +176,8 @@ def _step(ddp, optimizer, step: int):
         loss = torch.cat([torch.sum(losses * mask).view(1), mask.sum().view(1)])
         reporting = loss.clone().detach()
         torch.distributed.all_reduce(reporting, group=mpu.get_data_parallel_group())
-        return loss[0].clone(), loss[1].clone().detach().to(torch.int), {"lm loss": (reporting[0], reporting[1])}
+        tokens = loss[1].clone().detach().to(torch.int)
+        return loss[0].clone(), tokens, {"lm loss": (reporting[0], reporting[1])}
 
     def forward_step(data_iterator, model):
         b = next(data_iterator)
@@ -268,5 +282,47 @@ def _worker(tp: int, pp: int, out_dir: str) -> None:
         json.dump(result, f)
 
 
+class _Slotted:
+    __slots__ = ("group",)
+
+
+def _kinds_worker(out_dir: str) -> None:
+    """One rank: every kind of holder the generic pass handles, beside megatron's groups."""
+    from datetime import timedelta
+    from functools import partial
+
+    import mindspeed_ha  # noqa: F401
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    from mindspeed_ha.recovery import groups
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    mpu.initialize_model_parallel(1, 1)
+    tp, dp, mp_ = (mpu.get_tensor_model_parallel_group(), mpu.get_data_parallel_group(),
+                   mpu.get_model_parallel_group())
+    slotted = _Slotted()
+    slotted.group = dp
+    closure = (lambda g: (lambda: g))(mp_)
+    _KEEP.update(keyed={tp: "key", "other": 1}, members={dp}, slotted=slotted, closure=closure,
+                 nested={"inner": (tp, ("deeper", dp))}, kw=partial(print, group=tp))
+    del tp, dp, mp_, slotted, closure
+    report = groups.rebuild_process_groups(1)
+    new_tp, new_dp = mpu.get_tensor_model_parallel_group(), mpu.get_data_parallel_group()
+    result = {
+        "swapped": report.swapped, "unswapped": report.unswapped,
+        "stale": groups.stale_holders(groups.retired_groups()),
+        "live": [list(_KEEP["keyed"])[0] is new_tp, list(_KEEP["members"])[0] is new_dp,
+                 _KEEP["slotted"].group is new_dp, _KEEP["closure"]() is mpu.get_model_parallel_group(),
+                 _KEEP["nested"]["inner"][0] is new_tp, _KEEP["nested"]["inner"][1][1] is new_dp,
+                 _KEEP["kw"].keywords["group"] is new_tp, list(_KEEP["keyed"]) == [new_tp, "other"]],
+    }
+    with open(os.path.join(out_dir, "rank0.json"), "w") as f:
+        json.dump(result, f)
+
+
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    if sys.argv[1] == "kinds":
+        _kinds_worker(sys.argv[2])
+    else:
+        _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

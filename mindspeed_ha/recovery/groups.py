@@ -89,7 +89,9 @@ found and swapped by the generic pass (the test proves none is left):
   ``optimizer.py`` l.169); ``ChainedOptimizer`` holds only its sub-optimizers.
 * ``timers.py``: ``Timer._barrier_group`` (l.116/125; None, i.e. WORLD, unless
   ``set_barrier_group`` was called); Megatron-LM's ``megatron.training.global_vars
-  ._GLOBAL_TIMERS`` is such a ``Timers``.
+  ._GLOBAL_TIMERS`` is such a ``Timers`` (core_v0.12.1 ``global_vars.py`` l.242).
+  Megatron-LM's training loop holds no group of its own (its legacy ``transformer.py``
+  l.225 does: ``tp_ep_group``).
 * Elsewhere in megatron-core (not used by GPT training here, same generic pass):
   ``token_dispatcher.py`` l.785, ``torch_fully_sharded_data_parallel.py`` l.76-78,
   ``custom_fsdp`` (``param_and_grad_buffer.py`` l.418/881-882,
@@ -106,6 +108,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import inspect
 import operator
 import re
 import sys
@@ -208,12 +211,12 @@ def rebuild_process_groups(generation: int, exclude: Iterable[Any] = (),
             raise RuntimeError(f"rebuild_process_groups: rank {me} could not create {name} "
                                f"(ranks {ranks}) for {world.pg_names[old]}") from exc
         mapping[id(old)] = (old, new)
-        described.append(f"{world.pg_names[old]} -> {name} ranks {ranks} ({old.group_desc})")
+        described.append(f"{world.pg_names[old]} -> {name} ranks {ranks} ({getattr(old, 'group_desc', '')})")
     create_s = time.perf_counter() - t0
     del plan  # its tuples hold old groups: not a holder to swap
     for old, new in mapping.values():
         if old is default:
-            c10d._update_default_pg(new)
+            _make_default(new)
         _RETIRED.append((old, new, generation))
     swapped, unswapped = _swap(mapping, _internal_ids(), _untracked_containers(), 0)
     return RebuildReport(generation=generation, groups_rebuilt=len(described),
@@ -256,6 +259,16 @@ def stale_holders(old_groups: Iterable[Any]) -> List[str]:
 
 # ---- group creation ----------------------------------------------------------------------
 
+def _make_default(pg) -> None:
+    """torch's own ``_update_default_pg`` (also sets the C++ global rank); else the field."""
+    from torch.distributed import distributed_c10d as c10d
+
+    update = getattr(c10d, "_update_default_pg", None)
+    if update is not None:
+        update(pg)
+    else:  # torch without it (< 2.1): the default group is this one field
+        c10d.GroupMember.WORLD = pg
+
 def _timeout_of(pg, backend_name: str) -> timedelta:
     import torch
     from torch.distributed import distributed_c10d as c10d
@@ -290,11 +303,15 @@ def _create_like(old, name: str, ranks: List[int], me: int, store, timeout: Opti
     world = c10d._world
     backend_name = world.pg_map[old][0]
     keep = _timeout_of(old, backend_name)
-    new, _ = c10d._new_process_group_helper(
-        len(ranks), ranks.index(me), ranks, backend_name, store, name,
-        backend_options=_options_like(old), timeout=timeout or keep, group_desc=old.group_desc)
+    helper = c10d._new_process_group_helper
+    params = inspect.signature(helper).parameters  # torch < 2.4: pg_options, no group_desc
+    kw: Dict[str, Any] = {"timeout": timeout or keep}
+    kw["backend_options" if "backend_options" in params else "pg_options"] = _options_like(old)
+    if "group_desc" in params:
+        kw["group_desc"] = getattr(old, "group_desc", None)
+    new, _ = helper(len(ranks), ranks.index(me), ranks, backend_name, store, name, **kw)
     world.pg_group_ranks[new] = {g: i for i, g in enumerate(ranks)}
-    if timeout is not None and timeout != keep:
+    if timeout is not None and timeout != keep and hasattr(new, "set_timeout"):
         new.set_timeout(keep)  # the rendezvous bound is not the collectives' timeout
     return new
 
@@ -414,8 +431,8 @@ def _swap(mapping: Dict[int, Tuple[Any, Any]], skip: Set[int], untracked: List[A
         swapped += names
     if tuples:
         s, u = _swap(tuples, skip | {id(holders), id(tuples)}, untracked, depth + 1)
-        swapped += [f"{n} (tuple rebuilt)" for n in s]
-        unswapped += [f"{n} (tuple)" for n in u]
+        swapped += [n if n.endswith(" (tuple rebuilt)") else f"{n} (tuple rebuilt)" for n in s]
+        unswapped += [n if n.endswith(" (tuple)") else f"{n} (tuple)" for n in u]
         if not s and not u:
             unswapped += [f"tuple {_name(h, None, {})} with no holder seen" for h, _ in tuples.values()]
     return swapped, unswapped
@@ -492,7 +509,8 @@ def _where(holders: List[Any], ignore: Set[int]) -> Dict[int, str]:
             label = type(owner).__qualname__
             if id(attrs) in targets:
                 where.setdefault(id(attrs), label)
-            named = [where.setdefault(id(v), f"{label}.{k}") for k, v in list(attrs.items()) if id(v) in targets]
+            named = [where.setdefault(id(v), f"{label}.{k}")
+                     for k, v in list(attrs.items()) if id(v) in targets]
             if not named and id(attrs) not in targets:  # e.g. functools.partial.keywords
                 for v in gc.get_referents(owner):
                     if id(v) in targets:
