@@ -164,10 +164,12 @@ def rebuild_process_groups(generation: int, exclude: Iterable[Any] = (),
     Args:
         generation: a number not used by an earlier rebuild of this job (it names the new
             groups and their store keys); the same on every rank.
-        exclude: groups to leave alone (not rebuilt, references not swapped).
+        exclude: groups to leave alone (not rebuilt, references not swapped); the same
+            groups on every rank (a group rebuilt on some members only never forms).
         timeout: bound on each new group's rendezvous (a member that does not come
-            raises after it: measured 2.0 s for 2 s); None: the old group's timeout. The
-            new groups' collectives keep the old groups' timeout either way.
+            raises after it: measured 2.0 s for 2 s); None: the old group's timeout
+            (Megatron's default is 10 minutes: pass one). The new groups' collectives keep
+            the old groups' timeout either way.
 
     Returns:
         A :class:`RebuildReport`.
