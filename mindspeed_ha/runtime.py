@@ -509,7 +509,12 @@ class HARuntime:
             rollback.clean(model, optimizer, rerun_state=self._rerun_state)
             lap("clean")
             exclude = [g for g in (getattr(self, "_fallback_group", None),) if g is not None]
-            groups.rebuild_process_groups(plan.generation, exclude=exclude)
+            import datetime
+
+            # bounded: a member that never comes fails the rebuild (-> the dying checkpoint)
+            # instead of waiting Megatron's --distributed-timeout-minutes
+            groups.rebuild_process_groups(plan.generation, exclude=exclude,
+                                          timeout=datetime.timedelta(seconds=self.config.action_timeout_s))
             lap("rebuild")
             repaired = 0
             repairs = plan.repairs

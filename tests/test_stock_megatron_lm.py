@@ -231,6 +231,35 @@ def test_llama2_tiny_example_survives_a_kill(tree, tmp_path):
     assert resumed_losses == {k: base_losses[k] for k in range(KILL_AT, 11)}
 
 
+IN_PLACE = [
+    ("uce-forward-pp_last", "pp2", f"rank=3,iteration={KILL_AT},point=forward,fault=uce,what=param"),
+    ("network-grad_sync", "pp2", f"rank=1,iteration={KILL_AT},point=grad_sync,fault=network"),
+]
+
+
+@pytest.mark.parametrize("name,layout,spec", IN_PLACE, ids=[c[0] for c in IN_PLACE])
+def test_recovered_in_place(tree, baselines, tmp_path, name, layout, spec):
+    """UCE (memory really damaged, repaired from the replica) and a network error inside a
+    real collective, on the stock script: the job finishes in the same processes (exit 0,
+    the faulty rank's PID unchanged, every rank re-ran iteration KILL_AT after the
+    recovery) and every loss and grad norm equals the uninterrupted run's bit for bit."""
+    fired, after = str(tmp_path / "fired.jsonl"), str(tmp_path / "after.jsonl")
+    args = _args(layout, enable_hbmfault_repair=name.startswith("uce"))
+    r = _run(tree, args, env={"MINDSPEED_HA_INJECT": spec, "MINDSPEED_HA_INJECT_LOG": fired,
+                              "MINDSPEED_HA_RECOVERY_LOG": after})
+    assert r.returncode == 0, (r.stdout + r.stderr)[-8000:]
+    with open(fired) as f:
+        shot = [json.loads(line) for line in f]
+    with open(after) as f:
+        again = [json.loads(line) for line in f]
+    assert len(shot) == 1
+    assert sorted(e["rank"] for e in again) == [0, 1, 2, 3] and {e["iteration"] for e in again} == {KILL_AT}
+    assert {e["pid"] for e in again if e["rank"] == shot[0]["rank"]} == {shot[0]["pid"]}
+    base = baselines[layout]
+    assert r.losses == base["losses"]
+    assert r.grad_norms == base["grad_norms"]
+
+
 def test_zz_megatron_lm_tree_unchanged(tree):
     """Runs last in this module: not one file of the user's Megatron-LM tree was written."""
     assert mlm.tree_digest(tree["root"]) == tree["digest"]

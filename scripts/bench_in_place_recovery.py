@@ -1,0 +1,120 @@
+"""In-place recovery vs a full job restart, side by side in one run (4 CPU ranks, gloo).
+
+For each fault (UCE at forward on rank 0 with --enable-hbmfault-repair; a network error
+inside the grad-sync collective of rank 1) the tiny GPT (TP1 PP2 DP2, 2 optimizer
+replicas) runs K+2 iterations with the fault in iteration K, through mindspeed-ha-run.
+Phases come from the injector's log (fault raised, wall clock), the controller's report
+(evidence, abort, plan sent, wall clock) and each rank's RETRY result (its stage seconds);
+"first iteration after" ends when the last rank finished the re-run iteration.
+
+The full restart it is compared with: the same job started again with ``--load`` of the
+periodic checkpoint of iteration K-1 (saved by a first run with --save-interval K-1) and
+``--train-iters K``: process start, imports, init, model build, checkpoint load and the
+one iteration, until the launcher returns (what a restart costs at the least, before the
+steps since the checkpoint are redone; measured as the launcher's wall time).
+
+    python scripts/bench_in_place_recovery.py [--repeat 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from mindspeed_ha.testing.harness import launch, launcher_command, tiny_gpt_args  # noqa: E402
+
+K = 4
+ITERS = K + 2
+FAULTS = {"uce": "rank=0,iteration={k},point=forward,fault=uce,what=param",
+          "network": "rank=1,iteration={k},point=grad_sync,fault=network"}
+
+
+def _args(*extra):
+    return tiny_gpt_args(tp=1, pp=2, train_iters=ITERS) + ["--enable-high-availability", "--enable-hbmfault-repair",
+                                                         "--ha-controller-port", "0", *extra]
+
+
+def _jsonl(path):
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def in_place(workdir: str, fault: str) -> dict:
+    fired, after, report = (os.path.join(workdir, f"{fault}-{n}") for n in ("fired.jsonl", "after.jsonl", "report.json"))
+    for p in (fired, after, report):
+        if os.path.exists(p):
+            os.remove(p)
+    r = launch(4, _args(), launcher=launcher_command(4), timeout_s=600,
+               env={"MINDSPEED_HA_INJECT": FAULTS[fault].format(k=K), "MINDSPEED_HA_INJECT_LOG": fired,
+                    "MINDSPEED_HA_RECOVERY_LOG": after, "MINDSPEED_HA_REPORT": report})
+    if r.returncode != 0:
+        raise SystemExit(f"{fault}: the run failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
+    with open(report) as f:
+        rec = json.load(f)["recoveries"][0]
+    t_fault = _jsonl(fired)[0]["wall"]
+    t_after = max(e["wall"] for e in _jsonl(after))
+    ranks = [d for d in rec["ranks"].values() if isinstance(d, dict)]
+    out = {"detect": rec["evidence_wall"] - t_fault,
+           "freeze": rec["abort_wall"] - rec["evidence_wall"],
+           "abort+park+plan": rec["retry_wall"] - rec["abort_wall"]}
+    for stage in ("clean", "rebuild", "repair", "rollback"):
+        out[stage] = max(d[stage] for d in ranks)
+    out["first_iteration_after"] = t_after - rec["retry_wall"]
+    out["total"] = t_after - t_fault
+    return out
+
+
+def restart(workdir: str) -> float:
+    ckpt = os.path.join(workdir, "periodic")
+    if not os.path.exists(os.path.join(ckpt, "latest_checkpointed_iteration.txt")):
+        r = launch(4, _args("--save", ckpt, "--save-interval", str(K - 1), "--exit-interval", str(K - 1)),
+                   launcher=launcher_command(4), timeout_s=600)
+        if r.returncode != 0:
+            raise SystemExit(f"periodic checkpoint run failed:\n{r.stderr[-3000:]}")
+    args = [a for a in _args("--load", ckpt)]
+    i = args.index("--train-iters")
+    args[i + 1] = str(K)
+    t0 = time.monotonic()
+    r = launch(4, args, launcher=launcher_command(4), timeout_s=600)
+    dt = time.monotonic() - t0
+    if r.returncode != 0 or sorted(r.losses) != [K]:
+        raise SystemExit(f"restart run failed ({r.returncode}, losses {sorted(r.losses)}):\n{r.stderr[-3000:]}")
+    return dt
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeat", type=int, default=2)
+    ns = p.parse_args()
+    rows = {f: [] for f in FAULTS}
+    restarts = []
+    with tempfile.TemporaryDirectory(prefix="bench_in_place_") as workdir:
+        for _ in range(ns.repeat):  # interleaved: the machine's load hits every kind alike
+            for fault in FAULTS:
+                rows[fault].append(in_place(workdir, fault))
+            restarts.append(restart(workdir))
+    med_restart = statistics.median(restarts)
+    phases = list(next(iter(rows.values()))[0])
+    print(f"\nIn-place recovery, TP1 PP2 DP2 (2 replicas), tiny GPT, 4 CPU ranks; medians of {ns.repeat} (seconds)")
+    print(f"{'phase':<24}" + "".join(f"{f:>12}" for f in FAULTS))
+    for ph in phases:
+        print(f"{ph:<24}" + "".join(f"{statistics.median(r[ph] for r in rows[f]):12.3f}" for f in FAULTS))
+    print(f"{'full restart (--load)':<24}" + "".join(f"{med_restart:12.3f}" for _ in FAULTS))
+    print(f"{'ratio total / restart':<24}" + "".join(
+        f"{statistics.median(r['total'] for r in rows[f]) / med_restart:12.3f}" for f in FAULTS))
+    print(f"\nfull restarts measured: {', '.join(f'{t:.2f}' for t in restarts)} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
