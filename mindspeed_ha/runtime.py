@@ -439,8 +439,12 @@ class HARuntime:
 
     def begin_attempt(self) -> None:
         """An attempt at the step in progress starts: remember its RNG state (a re-run
-        after a rollback draws the same dropout masks). ~10 us."""
+        after a rollback draws the same dropout masks) and the timers already running
+        (kept running by the clean-up). ~10 us."""
         self._entry_rng = megatron_lm.collect_rng_state()
+        from mindspeed_ha.recovery.rollback import started_timers
+
+        self._entry_timers = started_timers()
 
     def replay_iterator(self, data_iterator):
         """What ``train_step`` gets instead of ``data_iterator``: the same iterator made
@@ -506,7 +510,8 @@ class HARuntime:
             self._update_depth = 0
             model = self.ctx.model if self.ctx is not None else None
             optimizer = self.ctx.optimizer if self.ctx is not None else None
-            rollback.clean(model, optimizer, rerun_state=self._rerun_state)
+            rollback.clean(model, optimizer, rerun_state=self._rerun_state,
+                           keep_timers=getattr(self, "_entry_timers", ()))
             lap("clean")
             exclude = [g for g in (getattr(self, "_fallback_group", None),) if g is not None]
             import datetime

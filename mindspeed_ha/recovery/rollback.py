@@ -192,7 +192,15 @@ def megatron_lm_timers():
     return getattr(gv, "_GLOBAL_TIMERS", None) if gv is not None else None
 
 
-def stop_timers(timers=None) -> List[str]:
+def started_timers(timers=None) -> List[str]:
+    """Names of the timers of ``timers`` (default: Megatron-LM's) running now (a few us)."""
+    timers = timers if timers is not None else megatron_lm_timers()
+    if timers is None:
+        return []
+    return [name for name, t in getattr(timers, "_timers", {}).items() if getattr(t, "_started", False)]
+
+
+def stop_timers(timers=None, keep=()) -> List[str]:
     """Mark every started timer of ``timers`` stopped, keeping its elapsed total.
 
     An aborted step leaves the timers it started running; when the step runs again,
@@ -201,6 +209,9 @@ def stop_timers(timers=None) -> List[str]:
 
     Args:
         timers: a ``megatron.core.timers.Timers`` (default: :func:`megatron_lm_timers`).
+        keep: names of timers that were running when the step began (Megatron-LM's
+            ``interval-time`` runs across iterations and is read by ``training_log``:
+            stopping it would make the next log divide by a zero interval); left running.
 
     Returns:
         the names of the timers stopped.
@@ -209,8 +220,9 @@ def stop_timers(timers=None) -> List[str]:
     if timers is None:
         return []
     stopped = []
+    keep = set(keep)
     for name, timer in sorted(getattr(timers, "_timers", {}).items()):
-        if getattr(timer, "_started", False):
+        if getattr(timer, "_started", False) and name not in keep:
             timer._started = False
             stopped.append(name)
     return stopped
@@ -246,7 +258,7 @@ def clean_bucket_group(bucket_group) -> None:
     bucket_group.is_last_microbatch = True  # no_sync() exited by an exception leaves False
 
 
-def clean(model, optimizer, rerun_state: Optional[dict] = None, timers=None) -> List[str]:
+def clean(model, optimizer, rerun_state: Optional[dict] = None, timers=None, keep_timers=()) -> List[str]:
     """Clean the communication and gradient state an aborted training step left behind.
 
     After it, the step can run again from its start with the model and optimizer state
@@ -258,6 +270,7 @@ def clean(model, optimizer, rerun_state: Optional[dict] = None, timers=None) -> 
         rerun_state: :func:`capture_rerun_machine` taken when the last iteration ended
             (see :func:`reset_rerun_machine` for what happens without it).
         timers: Megatron-LM's ``Timers`` (default: the global ones, if any).
+        keep_timers: timers running when the step began (:func:`started_timers`): kept running.
 
     Does:
         every DDP chunk's bucket groups (expert ones too): :func:`clean_bucket_group`;
@@ -283,7 +296,7 @@ def clean(model, optimizer, rerun_state: Optional[dict] = None, timers=None) -> 
     if optimizer is not None:
         optimizer.zero_grad()
         done.append("optimizer grads zeroed")
-    stopped = stop_timers(timers)
+    stopped = stop_timers(timers, keep=keep_timers)
     if stopped:
         done.append(f"timers stopped: {', '.join(stopped)}")
     try:
