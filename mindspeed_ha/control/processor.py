@@ -878,6 +878,8 @@ class Processor:
                     if action.kind in (ActionKind.RESUME.value, ActionKind.RETRY.value):
                         self._frozen = False
                         self._recovering = False
+                        self.stop_received_at = None  # the job runs on: a later stop is news
+                        self.stop_event.clear()
                     self._main_action = action
                     self._cond.notify_all()
 
