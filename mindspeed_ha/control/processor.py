@@ -422,10 +422,14 @@ class Processor:
             self._status_dirty = True
 
     def end_update(self, iteration: int) -> None:
-        """Mark the optimizer UPDATED at ``iteration`` (never blocks)."""
+        """Mark the optimizer UPDATED at ``iteration`` (never blocks). While frozen the
+        controller waits for exactly this news (an update finishing after STOP): the I/O
+        thread is woken to send it now instead of at its next heartbeat."""
         with self._cond:
             self._state.transition(OptimizerStatus.UPDATED, iteration)
             self._status_dirty = True
+            if self._frozen:
+                self._poke()
 
     def report_fault(self, exc_or_kind: Union[BaseException, FaultKind, str], iteration: int,
                      timeout: Optional[float] = None, where: str = "train_step") -> wire.Action:
