@@ -111,6 +111,13 @@ def _in_place_phases(report: Optional[dict], fault_wall: Optional[float],
     return out
 
 
+def _read_json(path: str) -> Optional[dict]:
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
 def _read_jsonl(path: str) -> list:
     if not os.path.exists(path):
         return []
@@ -145,10 +152,7 @@ def run_in_place(ns, workdir: str, launcher, args, summary: dict) -> int:
                          "MINDSPEED_HA_INJECT_LOG": inject_log, "MINDSPEED_HA_RECOVERY_LOG": recovery_log})
     summary["faulty_seconds"] = round(time.monotonic() - t0, 2)
     summary["faulty_exit_code"] = faulty.returncode
-    report = None
-    if os.path.exists(report_path):
-        with open(report_path) as f:
-            report = json.load(f)
+    report = _read_json(report_path)
     recs = (report or {}).get("recoveries") or []
     fired = _read_jsonl(inject_log)
     after = _read_jsonl(recovery_log)
@@ -248,10 +252,7 @@ def run_demo(ns) -> int:
                              "MINDSPEED_HA_INJECT_LOG": inject_log})
         summary["faulty_seconds"] = round(time.monotonic() - t0, 2)
         summary["faulty_exit_code"] = faulty.returncode
-        controller_report = None
-        if os.path.exists(report_path):
-            with open(report_path) as f:
-                controller_report = json.load(f)
+        controller_report = _read_json(report_path)
         tracker = os.path.join(ckpt, "latest_checkpointed_iteration.txt")
         ckpt_iter = int(open(tracker).read().strip()) if os.path.exists(tracker) else None
         summary["checkpoint_iteration"] = ckpt_iter
