@@ -126,7 +126,13 @@ def _read_jsonl(path: str) -> list:
 
 
 def run_in_place(ns, workdir: str, launcher, args, summary: dict) -> int:
-    """--fault uce|network: baseline, then the same run with the fault, recovered in place."""
+    """--fault uce|network: baseline, then the same run with the fault, recovered in place.
+
+    Phase seconds (``summary["phase_seconds"]``, see :func:`_in_place_phases`): detect and
+    stop are consecutive; clean, rebuild, repair and rollback are each the slowest rank's
+    stage (ranks run them at the same time); first_iteration_after runs from the plan sent
+    to the re-run iteration done on every rank, so it contains those stages; total runs
+    from the fault to that."""
     from mindspeed_ha.testing.harness import launch
 
     point = ns.kill_point
@@ -147,8 +153,9 @@ def run_in_place(ns, workdir: str, launcher, args, summary: dict) -> int:
     print(f"[2/2] faulty: {ns.fault} on rank {ns.kill_rank} at {point} of iteration {ns.kill_iteration}, "
           "recovered in place", flush=True)
     t0 = time.monotonic()
-    faulty = launch(ns.nproc, args(extra), launcher=launcher, timeout_s=900,
-                    env={"MINDSPEED_HA_INJECT": inject, "MINDSPEED_HA_REPORT": report_path,
+    # --save: should the recovery not be possible in place, the dying checkpoint has somewhere to go
+    faulty = launch(ns.nproc, args(extra + ["--save", os.path.join(workdir, "checkpoints")]), launcher=launcher,
+                    timeout_s=900, env={"MINDSPEED_HA_INJECT": inject, "MINDSPEED_HA_REPORT": report_path,
                          "MINDSPEED_HA_INJECT_LOG": inject_log, "MINDSPEED_HA_RECOVERY_LOG": recovery_log})
     summary["faulty_seconds"] = round(time.monotonic() - t0, 2)
     summary["faulty_exit_code"] = faulty.returncode
@@ -167,9 +174,14 @@ def run_in_place(ns, workdir: str, launcher, args, summary: dict) -> int:
     summary["phase_seconds"] = _in_place_phases(report, fired[0]["wall"] if fired else None, first_after)
     rows, verdict, max_diff = _compare(base.losses, faulty.losses)
     summary.update(loss_match=verdict, max_abs_loss_diff=max_diff, steps_lost=0 if verdict == "bitwise" else None)
+    if not fired:
+        print(f"the fault never fired: no {point} point in iteration {ns.kill_iteration} on rank {ns.kill_rank}",
+              file=sys.stderr)
+        return 1
     if faulty.returncode != 0:
         print(faulty.stdout[-4000:], faulty.stderr[-4000:], sep="\n", file=sys.stderr)
-        print(f"the faulty run did not recover in place (exit code {faulty.returncode})", file=sys.stderr)
+        print(f"the faulty run did not recover in place (exit code {faulty.returncode}; 75: the dying checkpoint "
+              f"was written to {os.path.join(workdir, 'checkpoints')} instead)", file=sys.stderr)
         return 1
     print(f"\n{'iter':>5} {'baseline loss':>22} {'faulty-run loss':>22}  match")
     for it, b, r, m in rows:
@@ -184,6 +196,20 @@ def run_in_place(ns, workdir: str, launcher, args, summary: dict) -> int:
     return 0 if summary["recovered_in_process"] and verdict == "bitwise" else 1
 
 
+def _end_on_sigterm() -> None:
+    """SIGTERM ends the demo like Ctrl-C: the run in progress (its own process group) is
+    killed by the harness on the way out, nothing is left running."""
+    import signal
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    try:
+        signal.signal(signal.SIGTERM, on_term)
+    except ValueError:  # not the main thread (tests calling run_demo): leave the default
+        pass
+
+
 def run_demo(ns) -> int:
     from mindspeed_ha.testing.harness import launch, launcher_command, tiny_gpt_args
 
@@ -195,6 +221,12 @@ def run_demo(ns) -> int:
               f"{'|'.join(FAULT_POINTS[fault])}", file=sys.stderr)
         return 2
     tp, pp, iters = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size, ns.train_iters
+    for point, size, flag in (("tp", tp, "--tensor-model-parallel-size"), ("pp", pp, "--pipeline-model-parallel-size")):
+        if ns.kill_point == point and size < 2:
+            print(f"--fault-point {point} needs {flag} >= 2 (got {size}): there is no such collective to fail",
+                  file=sys.stderr)
+            return 2
+    _end_on_sigterm()
     if not 1 <= ns.kill_iteration <= iters:
         print(f"--kill-iteration={ns.kill_iteration} must be in [1, --train-iters={iters}]", file=sys.stderr)
         return 2

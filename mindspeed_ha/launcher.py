@@ -236,6 +236,13 @@ def _check_before_start(targs, ns) -> None:
         raise ConfigError(f"{ENV_GRACE}={raw!r}: expected seconds > 0 (default 600)")
     if ns.save:
         _check_save_writable(ns.save)
+    if os.environ.get("MINDSPEED_HA_INJECT"):  # a bad test spec: say so once, before 4 tracebacks
+        from mindspeed_ha.testing.injector import parse_env
+
+        try:
+            parse_env(os.environ["MINDSPEED_HA_INJECT"])
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 def _check_save_writable(save: str) -> None:

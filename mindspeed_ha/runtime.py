@@ -325,6 +325,9 @@ class HARuntime:
             # The training loop counted the iteration (consumed samples...): a no-op when
             # Megatron-LM's checkpoint_and_decide_exit already took them (patches/megatron_state.py).
             self.snapshot.take_args(args, final=True)
+        # the step about to start, until Megatron's own number is read below: a recovery's
+        # abort raised in pause_point is then reported for this step (it has not begun)
+        self.current = self.completed + 1
         if self.processor is not None:
             # graceful stop: every rank pauses after the same iteration, where a regular save
             # of it runs (Megatron-LM's loop counted it, saved and evaluated) and before the next

@@ -673,7 +673,7 @@ class Controller:
             for r in d.targets:
                 st.ranks[r].stopped = False
                 st.ranks[r].integrity = None  # a report describes the state frozen by this STOP only
-                self._send(r, wire.Stop(d.reason, bool(d.params.get("recover"))))
+                self._send(r, wire.Stop(d.reason, bool(d.params.get("recover")), not d.params.get("in_place")))
         elif d.action is ActionKind.RESUME:
             self._recovered(now, d)
         elif d.action is not ActionKind.NOOP:

@@ -43,8 +43,8 @@ pure functions on the statuses all ranks exchanged: :func:`agree_pause`, then
 In-place recovery (UCE repair, network retry; see :mod:`.recovery_plan`)::
 
     RUNNING     a UCE (--enable-hbmfault-repair) or network fault (--ha-network-retries > 0)
-                reported by a live rank                  -> STOP_ALL (freeze), RECOVERING
-    RECOVERING  every rank STOPPED, none inside an optimizer update (or update_settle_s)
+                reported by a live rank                  -> STOP_ALL (observe), RECOVERING
+    RECOVERING  every rank STOPPED, all UPDATED at one iteration (or update_settle_s)
                                                          -> STOP_ALL(recover): abort every step;
                 every rank parked in its fault handler -> plan_recovery: RETRY(plan) to all;
                 every RETRY result ok                    -> RESUME (no message), RUNNING;
@@ -385,8 +385,9 @@ def detect_fault(now: float, state: ClusterState, config: HAConfig) -> Optional[
     for r, info in sorted(state.ranks.items()):
         at = info.failed_at if info.failed_at is not None else info.last_heartbeat
         if info.fault is not None:
-            found.append((at, r, info.fault, f"rank {r} reported {info.fault.value} fault at "
-                          f"iteration {info.iteration}: {info.fault_message}"))
+            found.append((at, r, info.fault, f"rank {r} reported {info.fault.value} fault in iteration "
+                          f"{info.fault_iteration if info.fault_iteration >= 0 else info.iteration + 1}: "
+                          f"{info.fault_message}"))
         elif not info.alive and info.exit_code != 0:
             found.append((at, r, FaultKind.PROCESS, f"rank {r} died: {info.dead_reason}"))
         elif info.alive and info.exit_code not in (None, 0):
@@ -441,18 +442,23 @@ def _recovering(now: float, state: ClusterState, config: HAConfig, gone: Mapping
     if pending is None or pending.kind != ActionKind.RETRY.value:
         live = state.alive_ranks()
         if state.abort_sent_at is None:
-            # round 1 (freeze): no rank starts an optimizer update; one already inside finishes
-            # it (its collectives stay inside its optimizer instance), so the abort that
-            # follows cannot leave a half-updated state behind
+            # round 1 (observe, no freeze): ranks whose gradients are complete finish their
+            # optimizer update (it needs no rank that faulted later), so the abort that follows
+            # finds every rank at the end of the same iteration; a rank that cannot get there
+            # (blocked before it) ends the wait after update_settle_s and the plan falls back
             elapsed = now - state.phase_since
             waiting = [r for r in live if not state.ranks[r].stopped]
             if waiting and elapsed < config.stop_timeout_s:
                 return Decision(ActionKind.NOOP, f"recovering: waiting for STOPPED from ranks {waiting}")
-            settling = [r for r in live if state.ranks[r].status is OptimizerStatus.UPDATING]
-            if settling and elapsed < update_settle_s(config):
-                return Decision(ActionKind.NOOP, f"recovering: ranks {settling} are finishing their optimizer update")
+            at = {(state.ranks[r].status, state.ranks[r].iteration) for r in live}
+            settled = len(at) == 1 and next(iter(at))[0] is OptimizerStatus.UPDATED
+            if not settled and elapsed < update_settle_s(config):
+                behind = [r for r in live if (state.ranks[r].status, state.ranks[r].iteration) != max(
+                    at, key=lambda s: (s[1], s[0] is OptimizerStatus.UPDATED))]
+                return Decision(ActionKind.NOOP, f"recovering: waiting for ranks {behind} to finish the optimizer "
+                                f"update the others finished ({sorted(f'{s.value}@{k}' for s, k in at)})")
             fault = state.fault
-            return Decision(ActionKind.STOP_ALL, "recovering in place: every rank is frozen; aborting every step",
+            return Decision(ActionKind.STOP_ALL, "recovering in place: every rank reported; aborting every step",
                             {"rank": fault.rank if fault else -1, "kind": fault.kind.value if fault else "unknown",
                              "at": fault.at if fault else now, "recover": True}, tuple(live))
         waiting = [r for r in live if state.ranks[r].fault is None or not state.ranks[r].stopped]
@@ -729,7 +735,7 @@ def decide(now: float, state: ClusterState, config: HAConfig) -> Decision:
         rank, kind, reason, at = fault
         targets = tuple(r for r in state.alive_ranks() if r not in gone)
         if _recover_in_place(state, rank, kind, config) and not gone:
-            return Decision(ActionKind.STOP_ALL, reason + "; recovering in place: freezing every rank",
+            return Decision(ActionKind.STOP_ALL, reason + "; recovering in place: every rank reports its state",
                             {"rank": rank, "kind": kind.value, "at": at, "in_place": True}, targets,
                             Phase.RECOVERING)
         return Decision(ActionKind.STOP_ALL, reason + "; stopping all ranks for a dying checkpoint",

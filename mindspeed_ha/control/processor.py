@@ -182,6 +182,7 @@ class Processor:
         self._completed: Optional[int] = None
         self._in_fault = False
         self._recovering = False  # STOP(recover) until RETRY: the step must not go on (guarded by _cond)
+        self._observed = False  # STOP(freeze=False) until RETRY: send each status change at once
         self._exit_returned = False  # the exit handler returned (test doubles; normally it ends the process)
         # a termination signal asked for a graceful stop: (reason, exit code if nobody acts, when)
         self._stop_request: Optional[Tuple[str, int, float]] = None
@@ -428,7 +429,7 @@ class Processor:
         with self._cond:
             self._state.transition(OptimizerStatus.UPDATED, iteration)
             self._status_dirty = True
-            if self._frozen:
+            if self._frozen or self._observed:
                 self._poke()
 
     def report_fault(self, exc_or_kind: Union[BaseException, FaultKind, str], iteration: int,
@@ -790,13 +791,17 @@ class Processor:
             if body.recover:
                 self._abort_step(body.reason)
             with self._cond:
-                self._frozen = True
+                if body.freeze or body.recover:
+                    self._frozen = True
+                else:
+                    self._observed = True  # in-place recovery, round 1: status changes go out at once
                 self.stop_received_at = time.monotonic()
                 st, it = self._state.snapshot()
                 self._status_dirty = False  # STOPPED carries it
                 self._outbox.append(wire.Stopped(self.rank, st.value, it))
             self.stop_event.set()
-            log.warning("rank %d: STOP (%s); frozen at %s@%d", self.rank, body.reason, st.value, it)
+            log.warning("rank %d: STOP (%s); %s at %s@%d", self.rank, body.reason,
+                        "frozen" if (body.freeze or body.recover) else "observed", st.value, it)
         elif t is wire.MsgType.DRAIN:
             self._drain(body)
         elif t is wire.MsgType.ACTION:
@@ -882,6 +887,7 @@ class Processor:
                     if action.kind in (ActionKind.RESUME.value, ActionKind.RETRY.value):
                         self._frozen = False
                         self._recovering = False
+                        self._observed = False
                         self.stop_received_at = None  # the job runs on: a later stop is news
                         self.stop_event.clear()
                     self._main_action = action

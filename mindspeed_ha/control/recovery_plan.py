@@ -175,7 +175,7 @@ def plan_recovery(ranks: Mapping[int, RankInfo], world_size: int, fault_rank: in
             else "rebuild communication")
     return RecoveryPlan(iteration=k, generation=len(history) + 1, kind=kind, fault_rank=first, repairs=repairs,
                         reason=f"{kind.value} fault on rank {first}: every rank is at the end of iteration {k}; "
-                               f"{what}, roll back and re-run iteration {k + 1} (attempt {done + 1} of {limit})")
+                               f"{what}, roll back and re-run iteration {k + 1} (re-run {done + 1}; at most {limit} in a row)")
 
 
 __all__ = ["RecoveryPlan", "NoRecovery", "plan_recovery", "in_place_possible", "consecutive_retries",

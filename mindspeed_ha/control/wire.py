@@ -151,10 +151,14 @@ class Stop:
     ``recover``: an in-place recovery starts: also abort every collective this rank is
     blocked in or starts (see :mod:`mindspeed_ha.recovery.comm`), so that its training
     thread leaves the step and waits for the recovery plan (RETRY).
+    ``freeze`` False (an in-place recovery's first round): report the status (STOPPED, then
+    each change at once) without blocking the next update: a rank that computed its
+    gradients finishes its update, so every rank can end at the same iteration.
     """
 
     reason: str
     recover: bool = False
+    freeze: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
