@@ -516,6 +516,7 @@ class HARuntime:
             rollback.clean(model, optimizer, rerun_state=self._rerun_state,
                            keep_timers=getattr(self, "_entry_timers", ()))
             lap("clean")
+            self.injector.fire("recover", plan.iteration + 1, self.ctx)
             exclude = [g for g in (getattr(self, "_fallback_group", None),) if g is not None]
             import datetime
 

@@ -121,3 +121,18 @@ def test_uce_inside_the_optimizer_update_falls_back_to_the_dying_checkpoint(tmp_
     assert "in-place recovery not possible" in r.stdout + r.stderr
     with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as f:
         assert int(f.read()) >= K - 1
+
+
+def test_fault_during_recovery_falls_back_to_the_dying_checkpoint(tmp_path):
+    """A network fault starts a recovery; rank 2 fails inside it (after the clean-up, before
+    the rebuild). Nothing loops: the controller takes the dying-checkpoint path, which the
+    processor threads write while the other training threads wait in the rebuild."""
+    save = str(tmp_path / "ckpt")
+    spec = (f"rank=1,iteration={K},point=grad_sync,fault=network;"
+            f"rank=2,iteration={K},point=recover,fault=raise")
+    r = _run(_args("tp1pp2", "--save", save), env={"MINDSPEED_HA_INJECT": spec})
+    log = r.stdout + r.stderr
+    assert r.returncode == faults.EXIT_DYING_CHECKPOINT_SAVED, log[-6000:]
+    assert "rank 2 failed to recover" in log or "reported a fault during recovery" in log, log[-6000:]
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as f:
+        assert int(f.read()) == K - 1

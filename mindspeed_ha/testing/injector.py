@@ -17,6 +17,8 @@ Points (where in iteration ``k`` the fault fires):
                     this rank's files are written, the tracker is not (a half-written save)
     ``final_save``  the same inside the final save at the end of training (iteration k)
     ``dying``       while this rank writes its part of a dying checkpoint
+    ``recover``     during an in-place recovery that re-runs iteration k, after the clean-up,
+                    before the process groups are rebuilt (a fault during recovery)
     ``pp``          the first pipeline send/recv this rank launches in iteration k
                     (``fault=network`` only)
     ``tp``          the first tensor-parallel collective this rank launches in iteration k
@@ -75,7 +77,7 @@ from typing import Any, List, Optional
 ENV = "MINDSPEED_HA_INJECT"
 ENV_LOG = "MINDSPEED_HA_INJECT_LOG"  # optional: append a JSON line per fired fault
 POINTS = ("forward", "backward", "grad_sync", "optimizer", "between", "data", "eval", "save", "final_save",
-          "dying", "pp", "tp")
+          "dying", "pp", "tp", "recover")
 FAULTS = ("kill", "raise", "stop", "corrupt", "term", "term_launcher", "int_launcher", "kill_launcher", "uce",
           "network")
 #: faults that signal a process and let this rank go on: SIGTERM to itself (a preempted
