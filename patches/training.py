@@ -85,11 +85,13 @@ def _train_step(wrapped, instance, args, kwargs):
     iteration = None
     while True:
         try:
+            # first: the RNG and timers at the step's entry (a recovery's abort may already
+            # stop this rank in enter_iteration's pause point; the re-run starts from here)
+            rt.begin_attempt()
             if iteration is None:
                 iteration = rt.enter_iteration()
                 if forward_step_func is not None:
                     call["forward_step_func"] = _with_injection(forward_step_func, rt, iteration)
-            rt.begin_attempt()
             result = wrapped(*bound.args, **bound.kwargs)
             break
         except Exception as exc:  # SystemExit / KeyboardInterrupt pass through
