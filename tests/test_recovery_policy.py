@@ -134,6 +134,9 @@ def test_decide_runs_the_recovery_round():
     ranks[2].status, ranks[2].iteration = UP, 6  # inside its update: it finishes first
     assert decide(1.15, st, CFG).action is ActionKind.NOOP
     ranks[2].status, ranks[2].iteration = U, 5
+    ranks[3].step = 5  # still in the tail of step 5 (after its update): not yet
+    assert decide(1.155, st, CFG).action is ActionKind.NOOP
+    ranks[3].step = 6
     d = decide(1.16, st, CFG)
     assert d.action is ActionKind.STOP_ALL and d.params["recover"] and d.next_phase is None
     st.abort_sent_at = 1.16

@@ -525,6 +525,7 @@ class Controller:
             pass
         elif t is wire.MsgType.STATUS:
             info.status, info.iteration = OptimizerStatus(body.status), body.iteration
+            info.step = body.step
         elif t is wire.MsgType.FAULT:
             info.fault = FaultKind(body.kind) if body.kind in FaultKind._value2member_map_ else FaultKind.UNKNOWN
             info.fault_message = body.message
@@ -545,6 +546,7 @@ class Controller:
                 return
             info.stopped = True
             info.status, info.iteration = OptimizerStatus(body.status), body.iteration
+            info.step = body.step
             log.info("rank %d: stopped, optimizer %s@%d%s", rank, info.status.value, info.iteration,
                      f" (paused after iteration {body.pause_at})" if body.pause_at >= 0 else "")
         elif t is wire.MsgType.DRAINING:

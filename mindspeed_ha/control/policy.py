@@ -452,11 +452,15 @@ def _recovering(now: float, state: ClusterState, config: HAConfig, gone: Mapping
                 return Decision(ActionKind.NOOP, f"recovering: waiting for STOPPED from ranks {waiting}")
             at = {(state.ranks[r].status, state.ranks[r].iteration) for r in live}
             settled = len(at) == 1 and next(iter(at))[0] is OptimizerStatus.UPDATED
+            # ... and every rank out of step k (its tail after the update cannot be re-run),
+            # inside step k+1 (steps -1: a processor that does not say)
+            k = next(iter(at))[1]
+            settled = settled and all(state.ranks[r].step in (-1, k + 1) for r in live)
             if not settled and elapsed < update_settle_s(config):
-                behind = [r for r in live if (state.ranks[r].status, state.ranks[r].iteration) != max(
-                    at, key=lambda s: (s[1], s[0] is OptimizerStatus.UPDATED))]
-                return Decision(ActionKind.NOOP, f"recovering: waiting for ranks {behind} to finish the optimizer "
-                                f"update the others finished ({sorted(f'{s.value}@{k}' for s, k in at)})")
+                return Decision(ActionKind.NOOP, "recovering: waiting for every rank to finish the same optimizer "
+                                f"update and enter the next step (states "
+                                f"{sorted(f'{s.value}@{i}' for s, i in at)}, steps "
+                                f"{sorted({state.ranks[r].step for r in live})})")
             fault = state.fault
             return Decision(ActionKind.STOP_ALL, "recovering in place: every rank reported; aborting every step",
                             {"rank": fault.rank if fault else -1, "kind": fault.kind.value if fault else "unknown",

@@ -183,6 +183,7 @@ class Processor:
         self._in_fault = False
         self._recovering = False  # STOP(recover) until RETRY: the step must not go on (guarded by _cond)
         self._observed = False  # STOP(freeze=False) until RETRY: send each status change at once
+        self._step = -1  # the train_step the training thread entered (pause_point), -1 before
         self._exit_returned = False  # the exit handler returned (test doubles; normally it ends the process)
         # a termination signal asked for a graceful stop: (reason, exit code if nobody acts, when)
         self._stop_request: Optional[Tuple[str, int, float]] = None
@@ -355,6 +356,11 @@ class Processor:
         with self._cond:
             self._raise_if_recovering_locked()
             self._completed = int(iteration)
+            if self._step != self._completed + 1:
+                self._step = self._completed + 1
+                if self._observed:  # in-place recovery, round 1: the controller waits for this
+                    self._status_dirty = True
+                    self._poke()
             if self._limit is None or iteration < self._limit or self._exited is not None:
                 return
             self._paused_at = int(iteration)
@@ -523,7 +529,7 @@ class Processor:
             if self._status_dirty:
                 self._status_dirty = False
                 st, it = self._state.snapshot()
-                status = wire.Status(self.rank, st.value, it)
+                status = wire.Status(self.rank, st.value, it, self._step)
         if status is not None:
             self._send(status)
         while True:
@@ -798,7 +804,7 @@ class Processor:
                 self.stop_received_at = time.monotonic()
                 st, it = self._state.snapshot()
                 self._status_dirty = False  # STOPPED carries it
-                self._outbox.append(wire.Stopped(self.rank, st.value, it))
+                self._outbox.append(wire.Stopped(self.rank, st.value, it, -1, self._step))
             self.stop_event.set()
             log.warning("rank %d: STOP (%s); %s at %s@%d", self.rank, body.reason,
                         "frozen" if (body.freeze or body.recover) else "observed", st.value, it)

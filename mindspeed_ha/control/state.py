@@ -199,6 +199,7 @@ class RankInfo:
     fault_where: str = ""  # what raised the reported fault (wire.Fault.where)
     fault_iteration: int = -1  # the iteration being computed when it raised
     fault_at: Optional[float] = None  # when its latest FAULT arrived (controller clock)
+    step: int = -1  # the train_step the rank's training thread entered (STATUS / STOPPED), -1: unknown
 
 
 @dataclasses.dataclass(frozen=True)

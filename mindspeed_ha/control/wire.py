@@ -121,11 +121,15 @@ class Heartbeat:
 
 @dataclasses.dataclass(frozen=True)
 class Status:
-    """processor -> controller at optimizer begin/end update (``status`` is OptimizerStatus)."""
+    """processor -> controller at optimizer begin/end update (``status`` is OptimizerStatus).
+
+    ``step``: the train_step the training thread has entered (-1: none yet, or not known).
+    """
 
     rank: int
     status: str
     iteration: int
+    step: int = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +178,7 @@ class Stopped:
     status: str
     iteration: int
     pause_at: int = -1
+    step: int = -1
 
 
 @dataclasses.dataclass(frozen=True)
