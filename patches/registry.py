@@ -345,7 +345,10 @@ def report() -> List[dict]:
                 "name": p.name,
                 "target": f"{p.module}:{p.attribute}",
                 "feature": p.feature,
-                "active": (p.feature in _enabled or p.replace) and _applied.get(p.name) == "applied",
+                # a replacement stays in place with its feature off, but every replacement is
+                # either of the always-on ``core`` feature or a gated wrapper that then passes
+                # every call through (patches/comm.py): active means "changes behaviour now"
+                "active": p.feature in _enabled and _applied.get(p.name) == "applied",
                 "status": _applied.get(p.name, "pending import"),
                 "doc": p.doc,
             }
