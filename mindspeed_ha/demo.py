@@ -111,6 +111,18 @@ def _in_place_phases(report: Optional[dict], fault_wall: Optional[float],
     return out
 
 
+def _seconds(v: Optional[float]) -> str:
+    return "n/a" if v is None else f"{v:.3f}s"
+
+
+def _print_losses(rows, title: str, source=None) -> None:
+    """The per-iteration table: baseline vs the faulty (or recovered) run, with the source column if given."""
+    print(f"\n{'iter':>5} {'baseline loss':>22} {title:>22}  " + ("source   " if source else "") + "match")
+    for it, b, r, m in rows:
+        rs = f"{r:22.17f}" if r is not None else f"{'-':>22}"
+        print(f"{it:5d} {b:22.17f} {rs}  " + (f"{source(it):8} " if source else "") + m)
+
+
 def _read_json(path: str) -> Optional[dict]:
     if not os.path.exists(path):
         return None
@@ -183,12 +195,9 @@ def run_in_place(ns, workdir: str, launcher, args, summary: dict) -> int:
         print(f"the faulty run did not recover in place (exit code {faulty.returncode}; 75: the dying checkpoint "
               f"was written to {os.path.join(workdir, 'checkpoints')} instead)", file=sys.stderr)
         return 1
-    print(f"\n{'iter':>5} {'baseline loss':>22} {'faulty-run loss':>22}  match")
-    for it, b, r, m in rows:
-        rs = f"{r:22.17f}" if r is not None else f"{'-':>22}"
-        print(f"{it:5d} {b:22.17f} {rs}  {m}")
+    _print_losses(rows, "faulty-run loss")
     ps = summary["phase_seconds"]
-    fmt = lambda v: "n/a" if v is None else f"{v:.3f}s"  # noqa: E731
+    fmt = _seconds
     print(f"\nfault: {ns.fault} on rank {ns.kill_rank} at {point} of iteration {ns.kill_iteration}; recovered in "
           f"process: {summary['recovered_in_process']} (same PIDs, 0 restarts)")
     print("recovery phases: " + ", ".join(f"{k} {fmt(v)}" for k, v in ps.items()))
@@ -324,13 +333,9 @@ def run_demo(ns) -> int:
         rows, verdict, max_diff = _compare(base.losses, recovered)
         summary.update(loss_match=verdict, max_abs_loss_diff=max_diff, recovered=True)
 
-        print(f"\n{'iter':>5} {'baseline loss':>22} {'recovered loss':>22}  source   match")
-        for it, b, r, m in rows:
-            src = "faulty" if it <= ckpt_iter else "resumed"
-            rs = f"{r:22.17f}" if r is not None else f"{'-':>22}"
-            print(f"{it:5d} {b:22.17f} {rs}  {src:8} {m}")
+        _print_losses(rows, "recovered loss", lambda it: "faulty" if it <= ckpt_iter else "resumed")
         ps = summary["phase_seconds"]
-        fmt = lambda v: "n/a" if v is None else f"{v:.3f}s"  # noqa: E731
+        fmt = _seconds
         print(f"\nfault: SIGKILL rank {ns.kill_rank} at {ns.kill_point} of iteration {ns.kill_iteration}; "
               f"dying checkpoint at iteration {ckpt_iter}; steps lost: {summary['steps_lost']}")
         print(f"recovery phases: detect {fmt(ps['detect'])}, decide {fmt(ps['decide'])}, "
