@@ -14,19 +14,33 @@ Rules (in order; the first that fails gives :class:`NoRecovery`):
 1. Every fault is a UCE (needs ``hbm_repair``), a network error (needs
    ``network_retries`` > 0) or an abort caused by the recovery itself. A dead process,
    an unknown error: the dying checkpoint (worker restart is ARF's job).
-2. Every rank of the job is alive and parked inside ``train_step`` of iteration k+1 (a
-   fault raised between iterations, in a save, in evaluation, or in the part of step k
-   after its optimizer update cannot re-run a step).
-3. Every rank's optimizer status is UPDATED at the same iteration k: nobody started the
-   update of k+1. A fault inside the update of k+1 (some rank UPDATING(k+1) or already
-   UPDATED(k+1)) would need the step rolled forward on some ranks and back on others;
-   not done in place: the dying checkpoint keeps every completed iteration.
-4. Every damaged rank (UCE) has a healthy replica holder: a rank with the same (tp, pp,
-   distributed-optimizer shard), i.e. the same model parameters and optimizer shard. The
-   lowest such rank is the source. Without replicas (``--distributed-optimizer-no-replica``,
-   or a distributed optimizer with one instance) there is none: the dying checkpoint.
-5. Iteration k+1 was not already re-run ``network_retries`` times in a row (any kind):
-   a fault that comes back every time ends in the dying checkpoint.
+2. Every rank of the job is alive and parked inside ``train_step`` (a fault raised
+   between iterations, in a save or in evaluation cannot re-run or finish a step).
+3. The ranks are in one of two consistent situations (anything else: the dying
+   checkpoint keeps every completed iteration):
+
+   * **rollback** (mode ``"rollback"``): every rank's optimizer status is UPDATED at the
+     same iteration k and every rank was stopped in step k+1 before its update
+     (``where == "train_step"``). Every rank returns to the end of k and re-runs k+1.
+   * **roll forward** (mode ``"forward"``): every rank was stopped inside the optimizer
+     update of the same iteration j (``where`` ``"update"``: its update did not finish,
+     status UPDATING(j); or ``"update_done"``: it finished, status UPDATED(j), and waits
+     in the update's commit barrier, see :mod:`patches.optimizer`). The commit barrier
+     keeps every rank inside the update of j until all finished it, so no rank is
+     further. Every rank whose update did not finish (or whose memory is damaged)
+     receives the finished state of j from a rank that finished it; then every rank
+     continues step j after its update.
+
+4. Every rank that needs a repair has a source: a healthy rank with the same (tp, pp,
+   distributed-optimizer shard), i.e. the same model parameters and optimizer shard
+   (rollback: any rank without a UCE; roll forward: a rank whose update finished). The
+   lowest such rank is the source. Where one has none (``--distributed-optimizer-no-replica``,
+   a distributed optimizer with one instance, every replica damaged) the plan is mode
+   ``"reload"`` (only for a UCE with ``hbm_repair``): every rank reloads the latest
+   periodic checkpoint in place and re-runs the iterations after it (k = the last
+   iteration every rank completed).
+5. The step was not already recovered ``network_retries`` times in a row (any kind): a
+   fault that comes back every time ends in the dying checkpoint.
 """
 
 from __future__ import annotations
@@ -40,6 +54,11 @@ from mindspeed_ha.faults import FaultKind
 
 #: fault kinds that can be recovered in place (the others: the dying checkpoint)
 IN_PLACE_KINDS = frozenset({FaultKind.UCE, FaultKind.NETWORK})
+#: where a rank may be stopped for an in-place recovery: in its step before the optimizer
+#: update, inside the update (not finished), or in the update's commit barrier (finished)
+IN_STEP = frozenset({"", "train_step", "update", "update_done"})
+#: what the ranks do (see the module docstring)
+MODES = ("rollback", "forward", "reload")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,12 +66,17 @@ class RecoveryPlan:
     """What every rank does to recover in place.
 
     Attributes:
-        iteration: k, the iteration every rank's state is at after recovery; k+1 re-runs.
+        iteration: the iteration every rank's state is at after recovery. ``rollback``:
+            k, and k+1 re-runs; ``forward``: j, whose update every rank then has finished
+            (the step goes on after its update); ``reload``: k, the last iteration every
+            rank completed (the iterations after the periodic checkpoint up to k re-run
+            silently, then k+1 re-runs).
         generation: the process-group generation the ranks build (1 for the first recovery).
         kind: the fault kind that started it (UCE or NETWORK; UCE if any rank had one).
         fault_rank: the first rank that reported the fault.
         repairs: damaged rank -> source rank (same tp, pp, shard) that sends it its state.
         reason: one human-readable sentence.
+        mode: ``rollback``, ``forward`` or ``reload`` (the module docstring says which when).
     """
 
     iteration: int
@@ -61,19 +85,24 @@ class RecoveryPlan:
     fault_rank: int
     repairs: Dict[int, int] = dataclasses.field(default_factory=dict)
     reason: str = ""
+    mode: str = "rollback"
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"RecoveryPlan.mode must be one of {MODES}, got {self.mode!r}")
 
     def to_params(self) -> Dict[str, Any]:
         """msgpack-able form (the RETRY action's params)."""
         return {"iteration": self.iteration, "generation": self.generation, "kind": self.kind.value,
                 "fault_rank": self.fault_rank, "repairs": [[d, s] for d, s in sorted(self.repairs.items())],
-                "reason": self.reason}
+                "reason": self.reason, "mode": self.mode}
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> "RecoveryPlan":
         return cls(iteration=int(params["iteration"]), generation=int(params["generation"]),
                    kind=FaultKind(params["kind"]), fault_rank=int(params["fault_rank"]),
                    repairs={int(d): int(s) for d, s in params.get("repairs", ())},
-                   reason=str(params.get("reason", "")))
+                   reason=str(params.get("reason", "")), mode=str(params.get("mode", "rollback")))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +137,8 @@ def plan_recovery(ranks: Mapping[int, RankInfo], world_size: int, fault_rank: in
 
     Args:
         ranks: rank -> RankInfo; each parked rank has ``fault`` set (ABORTED for ranks
-            whose step the recovery interrupted), ``fault_where``, and its authoritative
+            whose step the recovery interrupted), ``fault_where`` (``train_step``,
+            ``update``, ``update_done``), ``fault_iteration``, and its authoritative
             ``status`` / ``iteration`` from STOPPED.
         world_size: ranks in the job.
         fault_rank: the first rank that reported the fault.
@@ -134,17 +164,75 @@ def plan_recovery(ranks: Mapping[int, RankInfo], world_size: int, fault_rank: in
     not_parked = [r for r, i in sorted(ranks.items()) if i.fault is None or not i.stopped]
     if not_parked:
         return NoRecovery(f"ranks {not_parked} did not leave their step")
-    outside = {r: i.fault_where for r, i in sorted(ranks.items()) if i.fault_where not in ("", "train_step")}
+    outside = {r: i.fault_where for r, i in sorted(ranks.items()) if i.fault_where not in IN_STEP}
     if outside:
         r, where = next(iter(outside.items()))
         return NoRecovery(f"rank {r} was stopped outside train_step ({where}): the step cannot be re-run there")
+    in_update = {r for r, i in ranks.items() if i.fault_where in ("update", "update_done")}
+    if in_update:
+        situation = _forward_situation(ranks, in_update)
+    else:
+        situation = _rollback_situation(ranks)
+    if isinstance(situation, NoRecovery):
+        return situation
+    mode, k, needs = situation  # k: the state every rank is at after recovery
+    done = consecutive_retries(history, k)
+    limit = max(1, config.network_retries)
+    if done >= limit:
+        return NoRecovery(f"iteration {k + 1 if mode == 'rollback' else k} was already recovered {done} times in "
+                          f"a row (limit {limit}, --ha-network-retries)")
+    damaged = sorted(r for r, kind in faults.items() if kind is FaultKind.UCE)
+    repairs: Dict[int, int] = {}
+    orphans: List[int] = []
+    for d in sorted(needs):
+        key = ranks[d].layout.shard_key
+        sources = [r for r, i in sorted(ranks.items()) if r not in needs and i.layout.shard_key == key
+                   and i.fault is not FaultKind.UCE]
+        if sources:
+            repairs[d] = sources[0]
+        else:
+            orphans.append(d)
+    kind = FaultKind.UCE if damaged else FaultKind.NETWORK
+    first = fault_rank if fault_rank in faults else min(faults)
+    generation = len(history) + 1
+    if orphans:
+        d = orphans[0]
+        key = ranks[d].layout.shard_key
+        what = (f"rank {d} has no healthy copy of its state (tp={key[0]}, pp={key[1]}, shard={key[2]}): no replica "
+                "holds it")
+        if not (config.hbm_repair and damaged):
+            return NoRecovery(what + "; reloading the latest periodic checkpoint in place is only done for a UCE "
+                              "with --enable-hbmfault-repair")
+        last = k - 1 if mode == "forward" else k  # the last iteration every rank completed
+        return RecoveryPlan(iteration=last, generation=generation, kind=kind, fault_rank=first, mode="reload",
+                            reason=f"{kind.value} fault on rank {first}: {what}; every rank reloads the latest "
+                                   f"periodic checkpoint in place and re-runs the iterations after it up to "
+                                   f"{last + 1}")
+    if mode == "forward":
+        what = (f"ranks {sorted(repairs)} receive the finished update from {[repairs[d] for d in sorted(repairs)]}"
+                if repairs else "rebuild communication")
+        return RecoveryPlan(iteration=k, generation=generation, kind=kind, fault_rank=first, repairs=repairs,
+                            mode="forward",
+                            reason=f"{kind.value} fault on rank {first} inside the optimizer update of iteration "
+                                   f"{k}: {what}, and every rank continues iteration {k} after its update "
+                                   f"(recovery {done + 1}; at most {limit} in a row)")
+    what = (f"repair ranks {sorted(repairs)} from replicas {[repairs[d] for d in sorted(repairs)]}" if repairs
+            else "rebuild communication")
+    return RecoveryPlan(iteration=k, generation=generation, kind=kind, fault_rank=first, repairs=repairs,
+                        reason=f"{kind.value} fault on rank {first}: every rank is at the end of iteration {k}; "
+                               f"{what}, roll back and re-run iteration {k + 1} (re-run {done + 1}; at most "
+                               f"{limit} in a row)")
+
+
+def _rollback_situation(ranks: Mapping[int, RankInfo]):
+    """("rollback", k, ranks needing a repair) or NoRecovery (rule 3, rollback)."""
     states = {(i.status, i.iteration) for i in ranks.values()}
     if len(states) != 1 or next(iter(states))[0] is not OptimizerStatus.UPDATED:
         hi = max(i.iteration for i in ranks.values())  # UPDATING@j: inside update j; UPDATED@j: j done
         return NoRecovery(
             f"the fault hit the optimizer update of iteration {hi} (optimizer states "
-            f"{sorted({f'{s.value}@{k}' for s, k in states})}): in-place recovery needs every rank at the end "
-            "of the same iteration, before any rank starts the next update")
+            f"{sorted({f'{s.value}@{k}' for s, k in states})}) while some ranks were outside it: in-place "
+            "recovery needs every rank at the end of the same iteration, or every rank inside the same update")
     k = next(iter(states))[1]
     if k < 0:
         return NoRecovery("no rank has reached its first optimizer update")
@@ -153,30 +241,29 @@ def plan_recovery(ranks: Mapping[int, RankInfo], world_size: int, fault_rank: in
         r = behind[0]
         return NoRecovery(f"rank {r} was stopped in train_step of iteration {ranks[r].fault_iteration}, not "
                           f"{k + 1}: after its update of {k} (a step cannot be re-run after its update)")
-    done = consecutive_retries(history, k)
-    limit = max(1, config.network_retries)
-    if done >= limit:
-        return NoRecovery(f"iteration {k + 1} was already re-run {done} times in a row (limit {limit}, "
-                          "--ha-network-retries)")
-    damaged = sorted(r for r, kind in faults.items() if kind is FaultKind.UCE)
-    repairs: Dict[int, int] = {}
-    for d in damaged:
-        key = ranks[d].layout.shard_key
-        sources = [r for r, i in sorted(ranks.items()) if r != d and i.layout.shard_key == key
-                   and i.fault is not FaultKind.UCE]
-        if not sources:
-            return NoRecovery(f"rank {d} has a device memory error and no healthy replica holds its state "
-                              f"(tp={key[0]}, pp={key[1]}, shard={key[2]}); reloading the latest periodic "
-                              "checkpoint in place is not implemented: the dying checkpoint")
-        repairs[d] = sources[0]
-    kind = FaultKind.UCE if damaged else FaultKind.NETWORK
-    first = fault_rank if fault_rank in faults else min(faults)
-    what = (f"repair ranks {damaged} from replicas {[repairs[d] for d in damaged]}" if damaged
-            else "rebuild communication")
-    return RecoveryPlan(iteration=k, generation=len(history) + 1, kind=kind, fault_rank=first, repairs=repairs,
-                        reason=f"{kind.value} fault on rank {first}: every rank is at the end of iteration {k}; "
-                               f"{what}, roll back and re-run iteration {k + 1} (re-run {done + 1}; at most {limit} in a row)")
+    needs = {r for r, i in ranks.items() if i.fault is FaultKind.UCE}
+    return "rollback", k, needs
 
 
-__all__ = ["RecoveryPlan", "NoRecovery", "plan_recovery", "in_place_possible", "consecutive_retries",
+def _forward_situation(ranks: Mapping[int, RankInfo], in_update):
+    """("forward", j, ranks needing the finished state) or NoRecovery (rule 3, roll forward)."""
+    outside = sorted(set(ranks) - set(in_update))
+    if outside:
+        r = outside[0]
+        return NoRecovery(f"ranks {sorted(in_update)} were stopped inside the optimizer update but rank {r} was "
+                          f"not ({ranks[r].fault_where or 'train_step'} of iteration {ranks[r].fault_iteration})")
+    its = {i.fault_iteration for i in ranks.values()}
+    if len(its) != 1:
+        return NoRecovery(f"the ranks were stopped inside the optimizer updates of different iterations {sorted(its)}")
+    j = next(iter(its))
+    for r, i in sorted(ranks.items()):
+        want = OptimizerStatus.UPDATED if i.fault_where == "update_done" else OptimizerStatus.UPDATING
+        if (i.status, i.iteration) != (want, j):
+            return NoRecovery(f"rank {r} reports {i.status.value}@{i.iteration} while stopped at "
+                              f"{i.fault_where} of iteration {j}")
+    needs = {r for r, i in ranks.items() if i.fault_where == "update" or i.fault is FaultKind.UCE}
+    return "forward", j, needs
+
+
+__all__ = ["IN_STEP", "MODES", "RecoveryPlan", "NoRecovery", "plan_recovery", "in_place_possible", "consecutive_retries",
            "IN_PLACE_KINDS"]

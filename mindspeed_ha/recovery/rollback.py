@@ -258,6 +258,23 @@ def clean_bucket_group(bucket_group) -> None:
     bucket_group.is_last_microbatch = True  # no_sync() exited by an exception leaves False
 
 
+def clean_communication(model) -> List[str]:
+    """Forget the in-flight communication of every DDP chunk's bucket groups and nothing
+    else (:func:`clean_bucket_group`): for a roll forward, whose step goes on after its
+    optimizer update (gradients, timers and the rerun state machine stay as they are).
+
+    Returns:
+        a line per thing done (for logs).
+    """
+    n_groups = 0
+    chunks = _ddp_chunks(model)
+    for chunk in chunks:
+        for bg in list(getattr(chunk, "bucket_groups", [])) + list(getattr(chunk, "expert_parallel_bucket_groups", [])):
+            clean_bucket_group(bg)
+            n_groups += 1
+    return [f"{len(chunks)} DDP chunk(s): {n_groups} bucket group(s) reset"]
+
+
 def clean(model, optimizer, rerun_state: Optional[dict] = None, timers=None, keep_timers=()) -> List[str]:
     """Clean the communication and gradient state an aborted training step left behind.
 
