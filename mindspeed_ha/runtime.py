@@ -70,6 +70,9 @@ _uncaught = {"code": 0}
 
 #: attribute set on an exception once it was reported (see HARuntime.handle_fault)
 _REPORTED = "_mindspeed_ha_reported"
+_ACTION = "_mindspeed_ha_action"  # the controller's answer to the reported fault
+#: where a fault is reported with the iteration in progress (see patches/optimizer.py)
+_IN_STEP = ("train_step", "update", "update_done")
 _WHERE = {"train": "the training loop (between iterations)", "save": "a regular checkpoint save",
           "final_save": "the final checkpoint save", "eval": "evaluation"}
 
@@ -201,6 +204,7 @@ class HARuntime:
         self.recoveries = 0
         self._just_recovered = False
         self._rerun_state: Optional[dict] = None  # Megatron's rerun state machine between iterations
+        self.reruns: list = []  # reload: iterations the train_step wrapper re-runs before the step
 
     # ---- start-up -------------------------------------------------------------------
     def on_model_parallel_initialized(self) -> None:
@@ -343,7 +347,6 @@ class HARuntime:
         if self._update_depth == 1:
             if self.processor is not None:
                 self.processor.begin_update(self.current)
-            self.injector.fire("optimizer", self.current, self.ctx)
 
     def end_update(self) -> None:
         self._update_depth -= 1
@@ -351,6 +354,37 @@ class HARuntime:
             self._take_snapshot(self.current)
             if self.processor is not None:
                 self.processor.end_update(self.current)
+
+    def end_update_by_repair(self) -> None:
+        """A roll forward gave this rank the finished update of the step in progress (its
+        own update raised): report UPDATED like :meth:`end_update`."""
+        self._update_depth = 0
+        self._take_snapshot(self.current)
+        if self.processor is not None:
+            self.processor.end_update(self.current)
+
+    def commit_update(self) -> None:
+        """Wait until every rank finished the optimizer update of the step in progress.
+
+        With in-place recovery possible (``--enable-hbmfault-repair`` or
+        ``--ha-network-retries`` > 0), a world all-reduce of one int32 after this rank's
+        update: no rank leaves the update of j before all finished it, so a fault inside
+        it finds every rank there, and the step can be finished in place (roll forward,
+        :mod:`mindspeed_ha.control.recovery_plan`). Called with the status UPDATED(j)
+        already reported, so a dying checkpoint can use this rank's state of j.
+        """
+        if not self._commit_barrier:
+            return
+        import torch
+        import torch.distributed as dist
+
+        from mindspeed_ha.accelerator import collective_device
+
+        dist.all_reduce(torch.ones(1, dtype=torch.int32, device=collective_device()))
+
+    @property
+    def _commit_barrier(self) -> bool:
+        return bool(self.processor is not None and (self.config.hbm_repair or self.config.network_retries > 0))
 
     def abort_update(self) -> None:
         """The update raised: leave the status UPDATING (dirty), unwind the nesting."""
@@ -393,30 +427,40 @@ class HARuntime:
 
         Args:
             exc: the exception that escaped the guarded function.
-            where: what raised it: ``"train_step"`` (reported with the iteration being
-                computed) or a guard outside it (``"train"``: the training loop between
+            where: what raised it: ``"train_step"``, ``"update"`` (inside the optimizer
+                update, not finished) or ``"update_done"`` (in the update's commit barrier,
+                finished) are reported with the iteration being computed; a guard outside it (``"train"``: the training loop between
                 iterations, ``"save"``, ``"final_save"``, ``"eval"``; reported with the
                 last completed iteration, the one a dying checkpoint can hold).
 
         A fault is reported once: an exception an inner guard already reported (it comes
         back only when the controller could not act) is not reported again by an outer one.
 
-        Returns only if the controller cannot be reached (then the caller re-raises).
+        Returns the controller's action when it is RETRY (an in-place recovery; the
+        exception carries it, so an outer guard that sees it again gets the same action),
+        or None if the controller cannot be reached (then the caller re-raises).
         """
-        if self.processor is None or _reported(exc):
+        if self.processor is None:
             return None
+        if _reported(exc):  # the action a guard further in got for it (a RETRY it passed on)
+            return getattr(exc, _ACTION, None)
         try:
             setattr(exc, _REPORTED, True)
         except AttributeError:  # an exception type without a __dict__: report it, once is the rule
             pass
-        if where == "train_step":
+        if where in _IN_STEP:
             iteration = self.current
             log.error("rank %d: fault in iteration %s: %s", self.rank, iteration, exc)
         else:
             iteration = self.completed if self.completed is not None else int(getattr(self.args, "iteration", 0) or 0)
             log.error("rank %d: fault during %s after iteration %s: %s", self.rank, _WHERE.get(where, where),
                       iteration, exc)
-        return self.processor.report_fault(exc, iteration, where=where)
+        action = self.processor.report_fault(exc, iteration, where=where)
+        try:
+            setattr(exc, _ACTION, action)
+        except AttributeError:
+            pass
+        return action
 
     # ---- in-place recovery (training thread) ---------------------------------------------
     def _capture_rerun_machine(self) -> None:
@@ -482,6 +526,14 @@ class HARuntime:
         attempt's entry). Model and optimizer are still those of ``plan.iteration``: the
         plan is only made when no rank started the optimizer update.
 
+        ``plan.mode == "forward"`` (every rank was stopped inside the optimizer update of
+        ``plan.iteration``; called from :mod:`patches.optimizer`'s bracket): clean only the
+        in-flight communication, rebuild, repair (a rank whose update did not finish gets
+        the finished state from a rank that finished it); no roll back: the caller returns
+        from the update and the step goes on. ``plan.mode == "reload"``: after the rebuild,
+        :func:`mindspeed_ha.recovery.reload.reload_in_place` loads the latest periodic
+        checkpoint and sets :attr:`reruns`.
+
         Returns:
             Seconds per stage (``clean``, ``rebuild``, ``repair``, ``rollback``), also sent
             to the controller as the RETRY result.
@@ -513,8 +565,11 @@ class HARuntime:
             self._update_depth = 0
             model = self.ctx.model if self.ctx is not None else None
             optimizer = self.ctx.optimizer if self.ctx is not None else None
-            rollback.clean(model, optimizer, rerun_state=self._rerun_state,
-                           keep_timers=getattr(self, "_entry_timers", ()))
+            if plan.mode == "forward":  # the step goes on after its update: keep grads, timers
+                rollback.clean_communication(model)
+            else:
+                rollback.clean(model, optimizer, rerun_state=self._rerun_state,
+                               keep_timers=getattr(self, "_entry_timers", ()))
             lap("clean")
             self.injector.fire("recover", plan.iteration + 1, self.ctx)
             exclude = [g for g in (getattr(self, "_fallback_group", None),) if g is not None]
@@ -526,6 +581,13 @@ class HARuntime:
                                           timeout=datetime.timedelta(seconds=self.config.action_timeout_s))
             lap("rebuild")
             repaired = 0
+            if plan.mode == "reload":
+                from mindspeed_ha.recovery import reload
+
+                # every rank: the latest periodic checkpoint in place; the iterations after
+                # it are re-run by the train_step wrapper (reload.rerun) before k+1
+                self.reruns = reload.reload_in_place(self, plan)
+                lap("reload")
             repairs = plan.repairs
             if repairs and os.environ.get(ENV_TESTING_SKIP_REPAIR) == "1":
                 log.error("rank %d: %s=1: the repair is SKIPPED (testing only): the damaged state stays",
@@ -538,11 +600,12 @@ class HARuntime:
                 elif self.rank == src:
                     transfer.send_state(model, optimizer, dst, None)
             lap("repair")
-            for wrapper in self._replay_wrappers():
-                wrapper.rewind()
-            if self._entry_rng is not None:
-                megatron_lm.set_rng_state(self._entry_rng)
-            lap("rollback")
+            if plan.mode == "rollback":
+                for wrapper in self._replay_wrappers():
+                    wrapper.rewind()
+                if self._entry_rng is not None:
+                    megatron_lm.set_rng_state(self._entry_rng)
+                lap("rollback")
         except Exception as exc:
             log.exception("rank %d: in-place recovery failed", self.rank)
             self.processor.action_result(action.action_id, False, describe(exc))
@@ -550,9 +613,14 @@ class HARuntime:
         self.recoveries += 1
         self._just_recovered = True
         detail = dict(times, rank=self.rank, iteration=plan.iteration, generation=plan.generation,
-                      repaired=bool(repaired))
-        log.warning("rank %d: recovered in place (%s, generation %d): re-running iteration %d; seconds %s",
-                    self.rank, plan.kind.value, plan.generation, plan.iteration + 1, times)
+                      repaired=bool(repaired), mode=plan.mode)
+        if plan.mode == "forward":
+            log.warning("rank %d: recovered in place (%s, generation %d): iteration %d goes on after its "
+                        "optimizer update; seconds %s", self.rank, plan.kind.value, plan.generation,
+                        plan.iteration, times)
+        else:
+            log.warning("rank %d: recovered in place (%s, %s, generation %d): re-running iteration %d; seconds %s",
+                        self.rank, plan.kind.value, plan.mode, plan.generation, plan.iteration + 1, times)
         self.processor.action_result(action.action_id, True, json.dumps(detail, sort_keys=True))
         return times
 

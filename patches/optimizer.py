@@ -1,4 +1,4 @@
-"""Feature ``ha``: report the optimizer update's begin and end (adaptation point 2).
+"""Feature ``ha``: bracket the optimizer update (adaptation point 2) and finish it in place.
 
 ``step_with_ready_grads`` is the part of ``optimizer.step()`` that mutates state (the
 inner optimizer step, main -> model param copy, the distributed optimizer's param
@@ -6,6 +6,18 @@ all-gather); everything before it (grad copy, found-inf and grad-norm collective
 reads. So UPDATING(k) brackets exactly the mutation, and a rank that failed in the
 grad-norm collective still holds a consistent state at ``k-1``. Nested calls (the
 distributed optimizer calls its parent's method) report once.
+
+With in-place recovery possible, the outermost bracket also holds the rank in a commit
+barrier after its update (:meth:`HARuntime.commit_update`): no rank leaves the update of
+k before every rank finished it. A fault inside the update (a UCE in the optimizer
+state, a network error in the parameter all-gather) then finds every rank inside it,
+reported as ``where="update"`` (this rank's update did not finish: its state is dirty)
+or ``"update_done"`` (finished, waiting in the barrier). The controller's plan is a roll
+forward (:mod:`mindspeed_ha.control.recovery_plan`): ranks whose update did not finish
+receive the finished state from a replica that finished it, and every rank returns from
+here as if its update had run (``True``, megatron-core 0.12.1's value for a done update),
+so ``train_step`` goes on with its own frame: the grad norm, the losses and the
+scheduler step are those the uninterrupted step computes.
 """
 
 from __future__ import annotations
@@ -19,17 +31,41 @@ def _update_bracket(wrapped, instance, args, kwargs):
     rt = get_runtime()
     if rt is None or rt.current is None:
         return wrapped(*args, **kwargs)
-    rt.begin_update()
-    ok = False
+    outer = rt._update_depth == 0
+    rt.begin_update()  # a recovery's abort raises here: the update has not begun
     try:
+        if outer:
+            rt.injector.fire("optimizer", rt.current, rt.ctx)
         result = wrapped(*args, **kwargs)
-        ok = True
-        return result
-    finally:
-        if ok:
-            rt.end_update()
-        else:
-            rt.abort_update()  # stays UPDATING: the state is dirty
+    except Exception as exc:  # SystemExit / KeyboardInterrupt pass through
+        rt.abort_update()  # stays UPDATING: the state is dirty
+        if not outer:
+            raise
+        return _finish_in_place(rt, exc, "update", True)
+    rt.end_update()
+    if outer:
+        try:
+            rt.commit_update()
+        except Exception as exc:
+            return _finish_in_place(rt, exc, "update_done", result)
+    return result
+
+
+def _finish_in_place(rt, exc: BaseException, where: str, result):
+    """Report ``exc`` raised inside the update; on a roll-forward RETRY, recover and
+    return ``result``; else raise ``exc`` (it carries the controller's action, e.g. a
+    reload, for the ``train_step`` wrapper)."""
+    action = rt.handle_fault(exc, where=where)
+    if action is None or getattr(action, "kind", None) != "retry" or action.params.get("mode") != "forward":
+        raise exc
+    try:
+        rt.recover(action)
+    except Exception as failure:
+        rt.handle_fault(failure, where=where)  # the controller falls back to the dying checkpoint
+        raise
+    if where == "update":
+        rt.end_update_by_repair()
+    return result
 
 
 _TARGETS = [
@@ -46,7 +82,7 @@ PATCHES = [
         attribute=attr,
         wrapper=_update_bracket,
         feature="ha",
-        doc="begin_update(k) / end_update(k) around the optimizer's state mutation",
+        doc="begin_update(k) / end_update(k) around the optimizer's state mutation; commit barrier; roll forward",
     )
     for module, attr in _TARGETS
 ]

@@ -44,7 +44,8 @@ In-place recovery (UCE repair, network retry; see :mod:`.recovery_plan`)::
 
     RUNNING     a UCE (--enable-hbmfault-repair) or network fault (--ha-network-retries > 0)
                 reported by a live rank                  -> STOP_ALL (observe), RECOVERING
-    RECOVERING  every rank STOPPED, all UPDATED at one iteration (or update_settle_s)
+    RECOVERING  every rank STOPPED, all UPDATED at one iteration, or all inside one update
+                with every unfinished rank faulty (or update_settle_s)
                                                          -> STOP_ALL(recover): abort every step;
                 every rank parked in its fault handler -> plan_recovery: RETRY(plan) to all;
                 every RETRY result ok                    -> RESUME (no message), RUNNING;
@@ -427,6 +428,22 @@ def _fall_back(state: ClusterState, gone: Mapping[int, str], now: float, why: st
                     "checkpoint", {"rank": rank, "kind": kind, "at": now, "recover": True}, targets, Phase.STOPPING)
 
 
+def _inside_one_update(state: ClusterState, live) -> bool:
+    """Every rank is inside the optimizer update of the same iteration j (the commit
+    barrier keeps them there, see patches/optimizer.py) and every rank still UPDATING
+    reported a fault of its own: the others finished it (UPDATED j) and wait. A rank
+    still UPDATING without a fault (computing, or blocked in its instance's parameter
+    all-gather) may yet finish: the caller waits up to update_settle_s for it."""
+    infos = [state.ranks[r] for r in live]
+    its = {i.iteration for i in infos}
+    if len(its) != 1:
+        return False
+    j = next(iter(its))
+    return all(i.step in (-1, j) and (i.status is OptimizerStatus.UPDATED
+                                      or (i.status is OptimizerStatus.UPDATING and i.fault is not None))
+               for i in infos) and any(i.status is OptimizerStatus.UPDATING for i in infos)
+
+
 def _recovering(now: float, state: ClusterState, config: HAConfig, gone: Mapping[int, str]) -> Decision:
     """RECOVERING: wait until every rank is parked, send RETRY(plan), collect the results.
 
@@ -456,6 +473,8 @@ def _recovering(now: float, state: ClusterState, config: HAConfig, gone: Mapping
             # inside step k+1 (steps -1: a processor that does not say)
             k = next(iter(at))[1]
             settled = settled and all(state.ranks[r].step in (-1, k + 1) for r in live)
+            if not settled:
+                settled = _inside_one_update(state, live)
             if not settled and elapsed < update_settle_s(config):
                 return Decision(ActionKind.NOOP, "recovering: waiting for every rank to finish the same optimizer "
                                 f"update and enter the next step (states "
@@ -491,8 +510,11 @@ def _recovering(now: float, state: ClusterState, config: HAConfig, gone: Mapping
             return _fall_back(state, gone, now, f"ranks {missing} did not recover within {config.action_timeout_s} s")
         return Decision(ActionKind.NOOP, f"recovering: waiting for ranks "
                         f"{[t for t in pending.targets if t not in pending.results]}")
-    return Decision(ActionKind.RESUME, f"every rank recovered in place and re-runs iteration "
-                    f"{int(pending.params['iteration']) + 1}", dict(pending.params), (), Phase.RUNNING)
+    it = int(pending.params["iteration"])
+    what = (f"goes on with iteration {it} after its optimizer update" if pending.params.get("mode") == "forward"
+            else f"re-runs iteration {it + 1}")
+    return Decision(ActionKind.RESUME, f"every rank recovered in place and {what}", dict(pending.params), (),
+                    Phase.RUNNING)
 
 
 def _exit(state: ClusterState, gone: Mapping[int, str], code: int, reason: str) -> Decision:
