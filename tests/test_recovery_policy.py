@@ -38,8 +38,8 @@ CASES = [
      "--enable-hbmfault-repair"),
     ("network with --ha-network-retries 0", (1, 1, 4, 2, True), {1: NET}, {"network_retries": 0},
      "--ha-network-retries 0"),
-    ("no replica (N=1)", (1, 2, 2, 1, True), {0: UCE}, {}, "no healthy replica"),
-    ("both holders of a shard damaged", (1, 1, 4, 2, True), {0: UCE, 2: UCE}, {}, "no healthy replica"),
+    ("no replica (N=1): reload", (1, 2, 2, 1, True), {0: UCE}, {}, "reload"),
+    ("both holders of a shard damaged: reload", (1, 1, 4, 2, True), {0: UCE, 2: UCE}, {}, "reload"),
     ("an unknown error", (1, 1, 4, 2, True), {1: FaultKind.UNKNOWN}, {}, "not recovered in place"),
     ("a dead process", (1, 1, 4, 2, True), {1: FaultKind.PROCESS}, {}, "not recovered in place"),
 ]
@@ -51,12 +51,17 @@ def test_plan_table(name, shape, faults, changes, expect):
     ranks = parked(cluster(tp, pp, dp, n, it=5, distributed=dist), faults)
     cfg = CFG.replace(**changes) if changes else CFG
     plan = plan_recovery(ranks, tp * pp * dp, min(faults), cfg)
+    if expect == "reload":
+        assert isinstance(plan, RecoveryPlan) and plan.mode == "reload" and plan.iteration == 5, plan
+        assert plan.repairs == {} and "periodic checkpoint" in plan.reason
+        assert RecoveryPlan.from_params(plan.to_params()) == plan
+        return
     if isinstance(expect, str):
         assert isinstance(plan, NoRecovery), plan
         assert expect in plan.reason
         return
     assert isinstance(plan, RecoveryPlan), plan
-    assert plan.iteration == 5 and plan.generation == 1
+    assert plan.iteration == 5 and plan.generation == 1 and plan.mode == "rollback"
     assert plan.repairs == expect
     for d, s in plan.repairs.items():
         assert ranks[d].layout.shard_key == ranks[s].layout.shard_key and faults.get(s) is not UCE
@@ -64,11 +69,63 @@ def test_plan_table(name, shape, faults, changes, expect):
     assert RecoveryPlan.from_params(plan.to_params()) == plan
 
 
-def test_fault_inside_the_optimizer_update_falls_back():
+def _in_update(ranks, unfinished, j=6):
+    """Every rank stopped inside the optimizer update of ``j``: ``unfinished`` ranks in it
+    (UPDATING), the others in its commit barrier (UPDATED)."""
+    for r, info in ranks.items():
+        done = r not in unfinished
+        info.status, info.iteration = (U if done else UP), j
+        info.fault_where, info.fault_iteration = ("update_done" if done else "update"), j
+    return ranks
+
+
+# (name, shape, faults, unfinished ranks, expected repairs or NoRecovery/"reload" text)
+FORWARD = [
+    ("UCE in the update on a DP rank, TP1 PP2 DP2 N=2", (1, 2, 2, 2, True), {0: UCE}, {0}, {0: 1}),
+    ("UCE in the update on the PP-last rank", (1, 2, 2, 2, True), {3: UCE}, {3}, {3: 2}),
+    ("UCE in the update on a TP peer, TP2 DP2 N=2", (2, 1, 2, 2, True), {1: UCE}, {1}, {1: 3}),
+    ("DP4 N=2: the instance peer blocked in the param all-gather", (1, 1, 4, 2, True), {0: UCE}, {0, 1},
+     {0: 2, 1: 3}),
+    ("network error in the commit barrier: no repair", (1, 1, 4, 2, True), {1: NET}, set(), {}),
+    ("UCE on a rank that finished: repaired too", (1, 1, 4, 2, True), {2: UCE}, set(), {2: 0}),
+    ("no replica (N=1): reload", (1, 2, 2, 1, True), {0: UCE}, {0}, "reload"),
+    ("network, no finished copy: no reload for a network error", (1, 1, 4, 1, True), {0: NET}, {0, 1},
+     "only done for a UCE"),
+]
+
+
+@pytest.mark.parametrize("name,shape,faults,unfinished,expect", FORWARD, ids=[c[0] for c in FORWARD])
+def test_fault_inside_the_optimizer_update_rolls_forward(name, shape, faults, unfinished, expect):
+    tp, pp, dp, n, dist = shape
+    ranks = _in_update(parked(cluster(tp, pp, dp, n, it=5, distributed=dist), faults), unfinished)
+    plan = plan_recovery(ranks, tp * pp * dp, min(faults), CFG)
+    if expect == "reload":
+        assert isinstance(plan, RecoveryPlan) and plan.mode == "reload" and plan.iteration == 5, plan
+        return
+    if isinstance(expect, str):
+        assert isinstance(plan, NoRecovery) and expect in plan.reason, plan
+        return
+    assert isinstance(plan, RecoveryPlan) and plan.mode == "forward", plan
+    assert plan.iteration == 6 and plan.repairs == expect
+    for d, s in plan.repairs.items():
+        assert ranks[s].fault_where == "update_done" and ranks[d].layout.shard_key == ranks[s].layout.shard_key
+    assert RecoveryPlan.from_params(plan.to_params()) == plan
+
+
+def test_fault_inside_the_update_with_a_rank_outside_it_falls_back():
+    ranks = _in_update(parked(cluster(1, 2, 2, 2, it=5), {0: UCE}), {0})
+    ranks[3].fault_where, ranks[3].fault_iteration = "train_step", 7  # a rank past the barrier (impossible
+    plan = plan_recovery(ranks, 4, 0, CFG)                            # with it; e.g. the flag was off)
+    assert isinstance(plan, NoRecovery) and "rank 3 was" in plan.reason
+    ranks = _in_update(parked(cluster(1, 2, 2, 2, it=5), {0: UCE}), {0})
+    ranks[2].status = UP  # says UPDATING while in the commit barrier: inconsistent
+    plan = plan_recovery(ranks, 4, 0, CFG)
+    assert isinstance(plan, NoRecovery) and "rank 2 reports" in plan.reason
+
+
+def test_fault_inside_the_optimizer_update_with_others_before_it_falls_back():
     ranks = parked(cluster(1, 2, 2, 2), {0: UCE})
-    ranks[0].status, ranks[0].iteration = UP, 6  # raised inside update 6; the others finished it
-    for r in (1, 2, 3):
-        ranks[r].iteration = 6
+    ranks[0].status, ranks[0].iteration = UP, 6  # raised inside update 6 but reported from train_step
     plan = plan_recovery(ranks, 4, 0, CFG)
     assert isinstance(plan, NoRecovery) and "optimizer update of iteration 6" in plan.reason
 
@@ -108,7 +165,7 @@ def test_retries_are_bounded_per_iteration():
     assert isinstance(plan, RecoveryPlan) and plan.generation == 3
     history.append({"iteration": 5})
     plan = plan_recovery(ranks, 4, 1, cfg, history)
-    assert isinstance(plan, NoRecovery) and "re-run 2 times in a row" in plan.reason
+    assert isinstance(plan, NoRecovery) and "recovered 2 times in a row" in plan.reason
 
 
 # --------------------------------------------------------------------------- decide()

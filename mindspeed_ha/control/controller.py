@@ -689,6 +689,7 @@ class Controller:
             if d.action is ActionKind.RETRY:
                 fault = st.fault
                 st.recoveries.append({"iteration": int(d.params["iteration"]), "kind": d.params["kind"],
+                                      "mode": d.params.get("mode", "rollback"),
                                       "rank": int(d.params["fault_rank"]), "generation": int(d.params["generation"]),
                                       "repairs": d.params.get("repairs", []),
                                       "evidence_at": fault.at if fault is not None else now,
