@@ -234,15 +234,19 @@ def test_llama2_tiny_example_survives_a_kill(tree, tmp_path):
 IN_PLACE = [
     ("uce-forward-pp_last", "pp2", f"rank=3,iteration={KILL_AT},point=forward,fault=uce,what=param"),
     ("network-grad_sync", "pp2", f"rank=1,iteration={KILL_AT},point=grad_sync,fault=network"),
+    # inside the optimizer update (roll forward): Megatron-LM's train_step goes on after it with
+    # its own frame (its model-parallel all-reduces of update_successful / grad norm included)
+    ("uce-optimizer-dp", "pp2", f"rank=1,iteration={KILL_AT},point=optimizer,fault=uce,what=exp_avg"),
 ]
 
 
 @pytest.mark.parametrize("name,layout,spec", IN_PLACE, ids=[c[0] for c in IN_PLACE])
 def test_recovered_in_place(tree, baselines, tmp_path, name, layout, spec):
-    """UCE (memory really damaged, repaired from the replica) and a network error inside a
-    real collective, on the stock script: the job finishes in the same processes (exit 0,
-    the faulty rank's PID unchanged, every rank re-ran iteration KILL_AT after the
-    recovery) and every loss and grad norm equals the uninterrupted run's bit for bit."""
+    """UCE (memory really damaged, repaired from the replica; before or inside the optimizer
+    update) and a network error inside a real collective, on the stock script: the job
+    finishes in the same processes (exit 0, the faulty rank's PID unchanged, every rank
+    re-ran or finished iteration KILL_AT after the recovery) and every loss and grad norm
+    equals the uninterrupted run's bit for bit."""
     fired, after = str(tmp_path / "fired.jsonl"), str(tmp_path / "after.jsonl")
     args = _args(layout, enable_hbmfault_repair=name.startswith("uce"))
     r = _run(tree, args, env={"MINDSPEED_HA_INJECT": spec, "MINDSPEED_HA_INJECT_LOG": fired,
