@@ -246,3 +246,33 @@ def test_uce_without_repair_flag_goes_straight_to_the_dying_checkpoint():
     ranks[1].fault, ranks[1].failed_at = UCE, 0.5
     d = decide(1.0, _state(ranks), CFG.replace(hbm_repair=False))
     assert d.action is ActionKind.STOP_ALL and d.next_phase is Phase.STOPPING and not d.params.get("recover")
+
+
+def test_decide_rolls_forward_a_fault_inside_the_update():
+    """Round 1 ends once every rank is inside the update of 6 and the only one still
+    UPDATING is the faulty one; a non-faulty rank still UPDATING is waited for."""
+    ranks = cluster(1, 2, 2, 2, it=6)
+    st = _state(ranks, Phase.RECOVERING)
+    st.phase_since = 1.0
+    st.record_fault(0.5, 0, UCE, "uce")
+    for r, info in ranks.items():
+        info.stopped, info.step = True, 6
+    ranks[0].status, ranks[0].fault, ranks[0].fault_where = UP, UCE, "update"
+    ranks[2].status = UP  # still computing its update (no fault): wait for it
+    assert decide(1.1, st, CFG).action is ActionKind.NOOP
+    ranks[2].status = U
+    d = decide(1.2, st, CFG)
+    assert d.action is ActionKind.STOP_ALL and d.params["recover"], d
+    st.abort_sent_at = 1.2
+    for r, info in ranks.items():
+        info.fault = info.fault or A
+        info.fault_where = "update" if r == 0 else "update_done"
+        info.fault_iteration = 6
+    d = decide(1.3, st, CFG)
+    assert d.action is ActionKind.RETRY and d.params["mode"] == "forward" and d.params["iteration"] == 6, d
+    assert d.params["repairs"] == [[0, 1]]
+    st.pending = PendingAction(1, "retry", d.targets, 1.3, dict(d.params))
+    for r in ranks:
+        st.pending.results[r] = (True, "{}")
+    d = decide(1.4, st, CFG)
+    assert d.action is ActionKind.RESUME and "goes on with iteration 6 after its optimizer update" in d.reason
