@@ -37,6 +37,8 @@ Megatron-LM's names and file contents come from :mod:`mindspeed_ha.integrations.
 
 from __future__ import annotations
 
+import contextlib
+
 import copy
 import gc
 import hashlib
@@ -413,7 +415,9 @@ def _model_state(ctx: DyingContext, iteration: int, snapshot: IterationSnapshot,
     What a fault kept Megatron-LM from doing for ``iteration`` is done on copies with
     Megatron-LM's own functions: the scheduler step when ``train_step`` did not return (a
     fault in the collectives after the optimizer update,
-    :func:`~mindspeed_ha.integrations.megatron_lm.scheduler_after_step`), the training
+    :func:`~mindspeed_ha.integrations.megatron_lm.scheduler_after_step` and the param
+    groups' learning rate it sets: a rank in the optimizer update's commit barrier or in
+    the collectives after it), the training
     loop's count when the fault came before it
     (:func:`~mindspeed_ha.integrations.megatron_lm.count_iteration`).
 
@@ -422,8 +426,11 @@ def _model_state(ctx: DyingContext, iteration: int, snapshot: IterationSnapshot,
             ``iteration`` were not gathered (a fault during that gather).
     """
     args, sched, flops = snapshot.args, snapshot.scheduler_state, snapshot.flops
+    stepped = contextlib.nullcontext()
     if sched is None and ctx.opt_param_scheduler is not None:
         sched = mlm.scheduler_after_step(ctx.opt_param_scheduler, ctx.args)
+        # ... and the learning rate / weight decay that step sets in the param groups
+        stepped = mlm.param_groups_after_step(ctx.opt_param_scheduler, sched)
     if args is None:
         live = ctx.args
         if snapshot.returned and getattr(live, "consumed_train_samples", None) != snapshot.consumed_before:
@@ -438,11 +445,12 @@ def _model_state(ctx: DyingContext, iteration: int, snapshot: IterationSnapshot,
             raise RuntimeError(f"iteration {iteration}: --data-parallel-random-init needs every data-parallel "
                                "rank's RNG state and they were not gathered (a fault during the gather)")
         rng_states = [snapshot.rng_state]
-    return mlm.generate_state_dict(
-        args, mlm.unwrap_model(ctx.model), ctx.optimizer, ctx.opt_param_scheduler, rng_states,
-        iteration=iteration, rerun_state=mlm.rerun_state(ckpt_format, snapshot.rerun_state),
-        num_floating_point_operations_so_far=flops, ckpt_format=ckpt_format, scheduler_state=sched,
-    )
+    with stepped:
+        return mlm.generate_state_dict(
+            args, mlm.unwrap_model(ctx.model), ctx.optimizer, ctx.opt_param_scheduler, rng_states,
+            iteration=iteration, rerun_state=mlm.rerun_state(ckpt_format, snapshot.rerun_state),
+            num_floating_point_operations_so_far=flops, ckpt_format=ckpt_format, scheduler_state=sched,
+        )
 
 
 class _Steps:

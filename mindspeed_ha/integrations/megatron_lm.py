@@ -42,6 +42,8 @@ uses a collective: the dying checkpoint calls it while peers are dead.
 
 from __future__ import annotations
 
+import contextlib
+
 import glob
 import logging
 import os
@@ -248,6 +250,38 @@ def scheduler_after_step(opt_param_scheduler, args) -> dict:
     state = scheduler_state(opt_param_scheduler)
     state["num_steps"] += get_num_microbatches() * args.micro_batch_size * args.data_parallel_size
     return state
+
+
+@contextlib.contextmanager
+def param_groups_after_step(opt_param_scheduler, state: dict):
+    """While inside, the optimizer's param groups hold the learning rate and weight decay
+    that the scheduler step :func:`scheduler_after_step` stands for would have set (a
+    save of the iteration writes them); put back on exit.
+
+    megatron-core 0.12.1 ``optimizer_param_scheduler.py`` ``OptimizerParamScheduler.step``:
+    ``num_steps += increment``, then for every param group ``lr = get_lr(group) *
+    lr_mult`` and ``weight_decay = get_wd() * wd_mult``. Only for a rank whose training
+    thread is stopped (a dying checkpoint): the groups are the live ones.
+
+    Args:
+        opt_param_scheduler: the live ``OptimizerParamScheduler``.
+        state: its state after the step (``num_steps`` is read).
+    """
+    groups = list(opt_param_scheduler.optimizer.param_groups)
+    saved = [(g.get("lr"), g.get("weight_decay")) for g in groups]
+    num_steps = opt_param_scheduler.num_steps
+    try:
+        opt_param_scheduler.num_steps = state["num_steps"]
+        wd = opt_param_scheduler.get_wd()
+        for g in groups:
+            g["lr"] = opt_param_scheduler.get_lr(g) * g.get("lr_mult", 1.0)
+            g["weight_decay"] = wd * g.get("wd_mult", 1.0)
+        opt_param_scheduler.num_steps = num_steps
+        yield
+    finally:
+        opt_param_scheduler.num_steps = num_steps
+        for g, (lr, wd) in zip(groups, saved):
+            g["lr"], g["weight_decay"] = lr, wd
 
 
 def count_iteration(args, flops_before: Optional[float]):
