@@ -38,7 +38,6 @@ Megatron-LM's names and file contents come from :mod:`mindspeed_ha.integrations.
 from __future__ import annotations
 
 import contextlib
-
 import copy
 import gc
 import hashlib
