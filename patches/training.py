@@ -76,6 +76,8 @@ def _train_step(wrapped, instance, args, kwargs):
     rt = get_runtime()
     if rt is None:
         return wrapped(*args, **kwargs)
+    from mindspeed_ha.recovery import reload
+
     bound = _signature(wrapped).bind(*args, **kwargs)  # once per function, not per iteration
     call = bound.arguments
     rt.attach(call.get("model"), call.get("optimizer"), call.get("opt_param_scheduler"))
@@ -90,6 +92,7 @@ def _train_step(wrapped, instance, args, kwargs):
             rt.begin_attempt()
             if iteration is None:
                 iteration = rt.enter_iteration()
+                reload.track(rt)  # no replica: the data since the last save is kept for a reload
                 if forward_step_func is not None:
                     call["forward_step_func"] = _with_injection(forward_step_func, rt, iteration)
             result = wrapped(*bound.args, **bound.kwargs)
@@ -103,6 +106,8 @@ def _train_step(wrapped, instance, args, kwargs):
         # back to the dying checkpoint and this rank waits for its EXIT).
         try:
             rt.recover(action)
+            if rt.reruns:  # a reload: the iterations after the checkpoint first (results discarded)
+                reload.rerun(rt, lambda: wrapped(*bound.args, **bound.kwargs))
         except Exception as exc:
             rt.handle_fault(exc)
             raise
@@ -154,9 +159,14 @@ def _save_guard(wrapped, instance, args, kwargs):
     if armed:
         _save_fault[:] = [(point, int(iteration))]
     try:
-        return _guarded_call(rt, point, wrapped, args, kwargs)
+        result = _guarded_call(rt, point, wrapped, args, kwargs)
     finally:
         _save_fault.clear()
+    if iteration is not None:  # saved: the data kept for a reload (no replica) starts after it
+        from mindspeed_ha.recovery import reload
+
+        reload.on_save(rt, int(iteration))
+    return result
 
 
 def _eval_injection(wrapped, instance, args, kwargs):

@@ -1,0 +1,90 @@
+"""In-place reload without replicas: real megatron-core on 4 gloo ranks, no process restart.
+
+TP1 PP2 DP2 with the distributed optimizer and ``--distributed-optimizer-no-replica``: each
+optimizer shard has one copy, so a UCE (the injector overwrites a parameter, then raises
+CUDA's "uncorrectable ECC error") cannot be repaired from a replica. With a periodic
+checkpoint of iteration C on disk and the fault in iteration K > C+1, every rank reloads
+C in place, re-runs C+1 .. K-1 silently, then K. Standard of proof: exit 0, the faulty
+rank kept its PID, the per-iteration losses equal the uninterrupted run's bit for bit,
+each iteration logged once. Without a periodic checkpoint yet, the reload is refused
+before any state is touched and the job ends as the dying-checkpoint path does without
+replicas (76, no complete data), writing nothing.
+"""
+
+import json
+import os
+
+import pytest
+
+from mindspeed_ha import faults
+from mindspeed_ha.testing.harness import launch, launcher_command, tiny_gpt_args
+
+ITERS = 8
+SAVE_INTERVAL = 4
+K = 7  # the fault: forward of iteration K on rank 1 (C = 4 saved, 5 and 6 re-run silently)
+
+
+def _args(save):
+    return tiny_gpt_args(tp=1, pp=2, train_iters=ITERS) + [
+        "--enable-high-availability", "--enable-hbmfault-repair", "--distributed-optimizer-no-replica",
+        "--ha-controller-port", "0", "--save", save, "--save-interval", str(SAVE_INTERVAL)]
+
+
+def _run(args, env=None):
+    r = launch(4, args, launcher=launcher_command(4), env=env, timeout_s=240)
+    assert not r.timed_out, (r.stdout + r.stderr)[-6000:]
+    return r
+
+
+def _jsonl(path):
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _faulty(tmp_path, k):
+    fired, after, report = (str(tmp_path / n) for n in ("fired.jsonl", "after.jsonl", "report.json"))
+    env = {"MINDSPEED_HA_INJECT": f"rank=1,iteration={k},point=forward,fault=uce,what=param",
+           "MINDSPEED_HA_INJECT_LOG": fired, "MINDSPEED_HA_RECOVERY_LOG": after, "MINDSPEED_HA_REPORT": report}
+    save = str(tmp_path / "ckpt")
+    r = _run(_args(save), env=env)
+    rep = json.load(open(report)) if os.path.exists(report) else {}
+    return r, _jsonl(fired), _jsonl(after), rep, save
+
+
+@pytest.mark.timeout(600)
+def test_reload_in_place_matches_the_uninterrupted_run(tmp_path):
+    base = _run(_args(str(tmp_path / "base_ckpt")))
+    assert base.returncode == 0, (base.stdout + base.stderr)[-6000:]
+    assert sorted(base.losses) == list(range(1, ITERS + 1))
+
+    r, fired, after, rep, _ = _faulty(tmp_path, K)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-8000:]
+    assert len(fired) == 1 and fired[0]["rank"] == 1, fired
+    recs = rep.get("recoveries") or []
+    assert len(recs) == 1 and recs[0].get("mode") == "reload" and recs[0]["iteration"] == K - 1, rep
+    assert "reloaded the periodic checkpoint of iteration 4 in place" in log, log[-8000:]
+    # every rank re-ran iteration K in the process that was running; the faulty one kept its PID
+    assert sorted(e["rank"] for e in after) == [0, 1, 2, 3] and {e["iteration"] for e in after} == {K}, after
+    assert {e["pid"] for e in after if e["rank"] == 1} == {fired[0]["pid"]}
+    # each iteration logged once (the silent re-runs log nothing), losses bit for bit
+    assert sorted(rec["iteration"] for rec in r.records()) == list(range(1, ITERS + 1))
+    for it in range(1, ITERS + 1):
+        assert r.losses[it] == base.losses[it], \
+            f"iteration {it}: {float.fromhex(r.losses[it])} != uninterrupted {float.fromhex(base.losses[it])}"
+
+
+@pytest.mark.timeout(300)
+def test_no_periodic_checkpoint_yet_falls_back(tmp_path):
+    """Fault in iteration 3, the first save would be at 4: the reload is refused before
+    touching any state; without replicas the dying checkpoint has no complete data (76)
+    and nothing is written to --save."""
+    r, fired, _, rep, save = _faulty(tmp_path, 3)
+    log = r.stdout + r.stderr
+    assert r.returncode == faults.EXIT_NO_COMPLETE_DATA, log[-8000:]
+    assert len(fired) == 1, fired
+    assert "no periodic checkpoint yet" in log, log[-8000:]
+    assert not os.path.exists(os.path.join(save, "latest_checkpointed_iteration.txt"))
+    assert (os.listdir(save) if os.path.isdir(save) else []) == []
