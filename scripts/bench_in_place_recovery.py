@@ -1,11 +1,13 @@
 """In-place recovery vs a full job restart, side by side in one run (4 CPU ranks, gloo).
 
-For each fault (UCE at forward on rank 0 with --enable-hbmfault-repair; a network error
-inside the grad-sync collective of rank 1) the tiny GPT (TP1 PP2 DP2, 2 optimizer
+For each fault (UCE at forward on rank 0 with --enable-hbmfault-repair; a UCE inside the
+optimizer update of rank 1, recovered by a roll forward; a network error inside the
+grad-sync collective of rank 1) the tiny GPT (TP1 PP2 DP2, 2 optimizer
 replicas) runs K+2 iterations with the fault in iteration K, through mindspeed-ha-run.
 Phases come from the injector's log (fault raised, wall clock), the controller's report
 (evidence, abort, plan sent, wall clock) and each rank's RETRY result (its stage seconds);
-"first iteration after" ends when the last rank finished the re-run iteration.
+"first iteration after" ends when the last rank finished the re-run iteration (for the
+roll forward: the iteration whose update was interrupted; it has no rollback stage).
 
 The full restart it is compared with: the same job started again with ``--load`` of the
 periodic checkpoint of iteration K-1 (saved by a first run with --save-interval K-1) and
@@ -34,6 +36,7 @@ from mindspeed_ha.testing.harness import launch, launcher_command, tiny_gpt_args
 K = 4
 ITERS = K + 2
 FAULTS = {"uce": "rank=0,iteration={k},point=forward,fault=uce,what=param",
+          "uce-update": "rank=1,iteration={k},point=optimizer,fault=uce,what=exp_avg",
           "network": "rank=1,iteration={k},point=grad_sync,fault=network"}
 
 
@@ -68,7 +71,7 @@ def in_place(workdir: str, fault: str) -> dict:
            "freeze": rec["abort_wall"] - rec["evidence_wall"],
            "abort+park+plan": rec["retry_wall"] - rec["abort_wall"]}
     for stage in ("clean", "rebuild", "repair", "rollback"):
-        out[stage] = max(d[stage] for d in ranks)
+        out[stage] = max(d.get(stage, 0.0) for d in ranks)
     out["first_iteration_after"] = t_after - rec["retry_wall"]
     out["total"] = t_after - t_fault
     return out
