@@ -31,6 +31,13 @@ What it adds when the training arguments carry ``--enable-high-availability``:
   signal is passed on to the local workers, which ask the controller themselves. A second
   signal falls back to torchrun's own shutdown.
 * ``MINDSPEED_HA_REPORT=FILE`` writes the controller's event log and outcome as JSON.
+* ``--enable-worker-reboot`` (in the training arguments): a worker that dies (non-zero
+  exit or a signal) is started again alone, same rank and env plus
+  ``MINDSPEED_HA_INCARNATION``, the others keep running (``mindspeed_ha.agent``); the
+  controller records each restart (report: ``restarts``). ``--max-restarts`` is the limit
+  per rank (default 3 when not given: torchrun's 0 would make the flag a no-op); past it,
+  or once the controller has begun its verdict (today: the dying checkpoint), the path
+  above. Only on the controller's node: other nodes' workers are not restarted yet.
 
 Without the HA flag it behaves exactly like torchrun.
 """
@@ -38,6 +45,8 @@ Without the HA flag it behaves exactly like torchrun.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import logging
 import os
@@ -77,6 +86,23 @@ class _Survivors:
         self.stop_signal: Optional[int] = None
         self.stop_killed = False  # the preemption backstop SIGKILLed workers
         self.done_at: Optional[float] = None  # when the controller was first seen DONE
+
+    # --enable-worker-reboot: the hooks of mindspeed_ha.agent.WorkerRebootAgent (RestartHooks)
+    def restart_refused(self, rank: int, exitcode: int) -> Optional[str]:
+        """None if ``rank`` may be restarted: no graceful stop under way, and the controller
+        has not begun a verdict on the job (see ``Controller.restart_refused``)."""
+        if self.stop_at is not None:
+            return "a graceful stop (signal to the launcher) is under way"
+        if self.controller is not None:
+            return self.controller.restart_refused(rank)
+        return None
+
+    def restarted(self, rank: int, incarnation: int, pid: int, exitcode: int) -> None:
+        if self.controller is not None:
+            self.controller.report_rank_restart(rank, incarnation, pid, exitcode)
+
+    def supervise(self, pcontext) -> None:
+        _supervise(pcontext, self)
 
 
 def _say(text: str) -> None:
@@ -158,14 +184,20 @@ def _end_unresponsive_workers(instance, state: _Survivors) -> None:
             log.error("worker rank %d (pid %d) still there after SIGKILL", rank, handler.proc.pid)
 
 
-def _poll_lets_survivors_finish(wrapped, instance, args, kwargs):
-    state = _survivors
-    if state is None:
-        return wrapped(*args, **kwargs)
+def _supervise(instance, state: _Survivors) -> None:
+    """Every monitor turn: remember the process context (for the signal handler), the
+    preemption backstop, and the end of the workers the controller gave up on."""
     state.pcontext = instance
     _preemption_backstop(instance, state)
     if state.controller is not None:
         _end_unresponsive_workers(instance, state)
+
+
+def _poll_lets_survivors_finish(wrapped, instance, args, kwargs):
+    state = _survivors
+    if state is None:
+        return wrapped(*args, **kwargs)
+    _supervise(instance, state)
     running, failed = [], {}
     for local_rank, handler in instance.subprocess_handlers.items():
         code = handler.proc.poll()
@@ -332,6 +364,7 @@ def main(argv=None) -> int:
         print(f"mindspeed-ha-run: error: {exc}", file=sys.stderr, flush=True)
         return 2
     _survivors = _Survivors(controller, float(os.environ.get(ENV_GRACE, "600")), config.preemption_deadline_s)
+    agent = _reboot_agent(targs, argv, _survivors) if config.worker_reboot else None
     wrapt.wrap_function_wrapper(
         "torch.distributed.elastic.multiprocessing.api", "SubprocessContext._poll", _poll_lets_survivors_finish
     )
@@ -340,7 +373,8 @@ def main(argv=None) -> int:
     )
     code = 0
     try:
-        run(targs)
+        with _agent_class(agent):
+            run(targs)
     except ChildFailedError as exc:
         codes = {f.exitcode for f in exc.failures.values()}
         code = _exit_code(codes)
@@ -360,6 +394,57 @@ def main(argv=None) -> int:
             _write_report(controller)
             controller.stop()
     return code
+
+
+def _reboot_agent(targs, argv, state: _Survivors):
+    """``--enable-worker-reboot``: torchrun's agent replaced by ``WorkerRebootAgent`` (a
+    factory with the launcher's settings), or None (with a warning) where it cannot act.
+
+    ``--max-restarts`` (or torchrun's ``PET_MAX_RESTARTS``) becomes the limit per rank;
+    when neither is given the limit is ``DEFAULT_RESTARTS_PER_RANK`` (3). Not on a node
+    without the controller: its agent cannot ask the controller whether a restart is still
+    wanted (a new process must not register into a dying-checkpoint round).
+    """
+    from torch.distributed.elastic.multiprocessing import Std
+    from torch.distributed.run import get_args_parser
+
+    from mindspeed_ha.agent import DEFAULT_RESTARTS_PER_RANK, WorkerRebootAgent
+
+    if state.controller is None:
+        log.warning("--enable-worker-reboot: the controller runs on another node; this node's workers are not "
+                    "restarted (a failure takes the dying-checkpoint path)")
+        return None
+    probe = get_args_parser()
+    probe.set_defaults(max_restarts=None)
+    given = probe.parse_args(argv).max_restarts is not None or os.environ.get("PET_MAX_RESTARTS")
+    limit = int(targs.max_restarts) if given else DEFAULT_RESTARTS_PER_RANK
+    if limit == 0:
+        log.warning("--enable-worker-reboot with --max-restarts 0: no worker is restarted")
+    try:
+        ranks = set(map(int, targs.local_ranks_filter.split(","))) if targs.local_ranks_filter else None
+    except ValueError:  # torchrun says so itself
+        ranks = None
+    log.info("worker reboot: a dead worker is restarted alone, at most %d times per rank", limit)
+    return functools.partial(WorkerRebootAgent, restarts_per_rank=limit, hooks=state, tee=Std.from_str(targs.tee),
+                             local_ranks_filter=ranks)
+
+
+@contextlib.contextmanager
+def _agent_class(factory):
+    """torchrun's ``launch_agent`` (torch 2.13 ``torch/distributed/launcher/api.py``) builds
+    its agent by the module-level name ``LocalElasticAgent``, with no option for another
+    class: that name is bound to ``factory`` while the job runs (nothing when None)."""
+    if factory is None:
+        yield
+        return
+    import torch.distributed.launcher.api as launcher_api
+
+    saved = launcher_api.LocalElasticAgent
+    launcher_api.LocalElasticAgent = factory
+    try:
+        yield
+    finally:
+        launcher_api.LocalElasticAgent = saved
 
 
 def _exit_code(codes) -> int:
@@ -438,6 +523,8 @@ def _write_report(controller) -> None:
                                for k, v in r.items() if k.endswith("_at")},
                             ranks={str(rank): _json_or_text(d) for rank, d in r["ranks"].items()})
                        for r in o.recoveries],
+        # --enable-worker-reboot: each restart of a worker (rank, incarnation, new pid, previous exit code)
+        "restarts": [dict({k: v for k, v in r.items() if k != "at"}, t_wall=r["at"] + to_wall) for r in o.restarts],
     }
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:

@@ -102,6 +102,9 @@ class Outcome:
     #: generation, repairs, controller times (evidence_at, stop_at, retry_at, done_at) and each
     #: rank's RETRY result (JSON: its per-phase seconds)
     recoveries: Tuple[Dict[str, Any], ...] = ()
+    #: worker restarts (--enable-worker-reboot), oldest first: rank, incarnation, pid, the previous
+    #: incarnation's exit_code, at (controller clock); recorded only, no decision reads them yet
+    restarts: Tuple[Dict[str, Any], ...] = ()
 
 
 class Controller:
@@ -157,6 +160,7 @@ class Controller:
         self._rank_of_fd: Dict[int, int] = {}
         self._action_ids = itertools.count(1)
         self.first_register_at: Optional[float] = None
+        self._restarts: List[Dict[str, Any]] = []  # report_rank_restart, in order (I/O thread, under _lock)
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -280,6 +284,30 @@ class Controller:
         self._cmds.put(("exit", (int(rank), int(exitcode), self.clock())))
         self._wake()
 
+    def report_rank_restart(self, rank: int, incarnation: int, pid: int, exitcode: int) -> None:
+        """Agent report (``--enable-worker-reboot``): worker ``rank``, whose process exited
+        with ``exitcode``, runs again as ``pid``, its ``incarnation``-th restart. Recorded in
+        the outcome (``restarts``); the rank's state is not changed (its new process
+        registers as a new sender). Thread-safe."""
+        self._cmds.put(("restart", (int(rank), int(incarnation), int(pid), int(exitcode), self.clock())))
+        self._wake()
+
+    def restart_refused(self, rank: int) -> Optional[str]:
+        """None while the agent may restart a dead ``rank``, else why not. Thread-safe.
+
+        Only while the job runs (phase RUNNING, no graceful stop requested): once the
+        policy has begun a verdict (the dying checkpoint, an in-place recovery, a drain),
+        a new process of that rank would register into that round, which has no place
+        for it.
+        """
+        with self._lock:
+            st = self.state
+            if st.phase is not Phase.RUNNING:
+                return f"the controller is in phase {st.phase.value} (its verdict on the job is under way)"
+            if st.stop_request is not None:
+                return "a graceful stop was requested"
+            return None
+
     def wait_done(self, timeout: Optional[float] = None) -> Optional[Outcome]:
         """Block until the job is DONE (or ``timeout``); return the outcome or None."""
         if not self._done.wait(timeout):
@@ -319,6 +347,7 @@ class Controller:
             fault = st.fault
             req = st.stop_request
             recoveries = tuple(dict(r, ranks=dict(r["ranks"])) for r in st.recoveries)
+            restarts = tuple(dict(r) for r in self._restarts)
         first = {}
         for e in events:
             first.setdefault(e.action, e.t)
@@ -344,7 +373,7 @@ class Controller:
                 timings["total"] = t_exit - req.at
         return Outcome(st.phase, st.exit_code, st.exit_reason, plan.iteration if plan else None, plan,
                        fault.rank if fault else None, fault.kind if fault else None, timings, events, req,
-                       recoveries)
+                       recoveries, restarts)
 
     # ------------------------------------------------------------------ I/O thread
     def _run(self) -> None:
@@ -421,6 +450,12 @@ class Controller:
                     log.warning("rank %d: process exited with code %d (agent report)", rank, code)
             elif cmd == "stop":
                 self._stop_requested(*arg)
+            elif cmd == "restart":
+                rank, incarnation, pid, code, at = arg
+                self._restarts.append({"rank": rank, "incarnation": incarnation, "pid": pid, "exit_code": code,
+                                       "at": at})
+                log.warning("rank %d: restarted by its agent as pid %d (incarnation %d; the previous one exited "
+                            "with %d)", rank, pid, incarnation, code)
 
     def _stop_requested(self, rank: int, reason: str, at: float) -> None:
         if self.state.request_stop(at, rank, reason):
