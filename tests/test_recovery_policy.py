@@ -41,7 +41,7 @@ CASES = [
     ("no replica (N=1): reload", (1, 2, 2, 1, True), {0: UCE}, {}, "reload"),
     ("both holders of a shard damaged: reload", (1, 1, 4, 2, True), {0: UCE, 2: UCE}, {}, "reload"),
     ("an unknown error", (1, 1, 4, 2, True), {1: FaultKind.UNKNOWN}, {}, "not recovered in place"),
-    ("a dead process", (1, 1, 4, 2, True), {1: FaultKind.PROCESS}, {}, "not recovered in place"),
+    ("a dead process", (1, 1, 4, 2, True), {1: FaultKind.PROCESS}, {}, "needs --enable-worker-reboot"),
 ]
 
 
@@ -276,3 +276,35 @@ def test_decide_rolls_forward_a_fault_inside_the_update():
         st.pending.results[r] = (True, "{}")
     d = decide(1.4, st, CFG)
     assert d.action is ActionKind.RESUME and "goes on with iteration 6 after its optimizer update" in d.reason
+
+
+# --------------------------------------------------------------------------- ARF rejoin
+def _restarted(ranks, r, incarnation=1):
+    info = ranks[r]
+    info.fault, info.fault_where, info.incarnation = FaultKind.PROCESS, "rejoin", incarnation
+    info.status, info.iteration, info.fault_iteration = OptimizerStatus.UNKNOWN, -1, -1
+    return ranks
+
+
+@pytest.mark.parametrize("shape,dead,source", [((1, 2, 2, 2, True), 0, 1), ((1, 2, 2, 2, True), 3, 2),
+                                               ((2, 1, 2, 2, True), 1, 3)], ids=["rank0", "pp_last", "tp_peer"])
+def test_restarted_rank_rejoins_from_a_replica(shape, dead, source):
+    tp, pp, dp, n, dist = shape
+    ranks = _restarted(parked(cluster(tp, pp, dp, n, it=5, distributed=dist), {}), dead)
+    plan = plan_recovery(ranks, tp * pp * dp, dead, CFG.replace(worker_reboot=True))
+    assert isinstance(plan, RecoveryPlan) and plan.mode == "rejoin", plan
+    assert plan.iteration == 5 and plan.rejoin == (dead,) and plan.repairs == {dead: source}
+    assert RecoveryPlan.from_params(plan.to_params()) == plan
+
+
+def test_rejoin_refused_without_the_flag_a_replica_or_survivors_in_step():
+    ranks = _restarted(parked(cluster(1, 2, 2, 2, it=5), {}), 0)
+    assert "--enable-worker-reboot" in plan_recovery(ranks, 4, 0, CFG).reason
+    cfg = CFG.replace(worker_reboot=True)
+    ranks = _restarted(parked(cluster(1, 2, 2, 1, it=5), {}), 0)  # no replica
+    assert "no survivor with its state" in plan_recovery(ranks, 4, 0, cfg).reason
+    ranks = _restarted(parked(cluster(1, 2, 2, 2, it=5), {}), 0)
+    ranks[2].fault_where = "update_done"  # the process died inside the update: not (yet) rejoined
+    assert "rejoins only a step" in plan_recovery(ranks, 4, 0, cfg).reason
+    ranks = _restarted(parked(cluster(1, 2, 2, 2, it=5), {}), 0, incarnation=0)
+    assert "never restarted" in plan_recovery(ranks, 4, 0, cfg).reason

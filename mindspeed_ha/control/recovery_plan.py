@@ -46,7 +46,7 @@ Rules (in order; the first that fails gives :class:`NoRecovery`):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from mindspeed_ha.config import HAConfig
 from mindspeed_ha.control.state import OptimizerStatus, RankInfo
@@ -58,7 +58,10 @@ IN_PLACE_KINDS = frozenset({FaultKind.UCE, FaultKind.NETWORK})
 #: update, inside the update (not finished), or in the update's commit barrier (finished)
 IN_STEP = frozenset({"", "train_step", "update", "update_done"})
 #: what the ranks do (see the module docstring)
-MODES = ("rollback", "forward", "reload")
+MODES = ("rollback", "forward", "reload", "rejoin")
+#: fault_where of a restarted process (ARF) parked at its rejoin point, after it built its
+#: model and optimizer (fresh, no checkpoint) and before its data iterators
+REJOIN = "rejoin"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +79,10 @@ class RecoveryPlan:
         fault_rank: the first rank that reported the fault.
         repairs: damaged rank -> source rank (same tp, pp, shard) that sends it its state.
         reason: one human-readable sentence.
-        mode: ``rollback``, ``forward`` or ``reload`` (the module docstring says which when).
+        mode: ``rollback``, ``forward``, ``reload`` or ``rejoin`` (the module docstring
+            says which when).
+        rejoin: ranks whose process the launcher restarted (``rejoin`` mode): they join
+            the new group generation and receive their whole state (``repairs``).
     """
 
     iteration: int
@@ -86,6 +92,7 @@ class RecoveryPlan:
     repairs: Dict[int, int] = dataclasses.field(default_factory=dict)
     reason: str = ""
     mode: str = "rollback"
+    rejoin: Tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -95,14 +102,16 @@ class RecoveryPlan:
         """msgpack-able form (the RETRY action's params)."""
         return {"iteration": self.iteration, "generation": self.generation, "kind": self.kind.value,
                 "fault_rank": self.fault_rank, "repairs": [[d, s] for d, s in sorted(self.repairs.items())],
-                "reason": self.reason, "mode": self.mode}
+                "reason": self.reason, "mode": self.mode,
+                "rejoin": list(self.rejoin)}
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> "RecoveryPlan":
         return cls(iteration=int(params["iteration"]), generation=int(params["generation"]),
                    kind=FaultKind(params["kind"]), fault_rank=int(params["fault_rank"]),
                    repairs={int(d): int(s) for d, s in params.get("repairs", ())},
-                   reason=str(params.get("reason", "")), mode=str(params.get("mode", "rollback")))
+                   reason=str(params.get("reason", "")), mode=str(params.get("mode", "rollback")),
+                   rejoin=tuple(int(r) for r in params.get("rejoin", ())))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +127,8 @@ def in_place_possible(kind: FaultKind, config: HAConfig) -> Optional[str]:
         return None if config.hbm_repair else "UCE repair needs --enable-hbmfault-repair"
     if kind is FaultKind.NETWORK:
         return None if config.network_retries > 0 else "network retry is off (--ha-network-retries 0)"
+    if kind is FaultKind.PROCESS:
+        return None if config.worker_reboot else "restarting a worker needs --enable-worker-reboot"
     return f"a {kind.value} fault is not recovered in place"
 
 
@@ -151,6 +162,9 @@ def plan_recovery(ranks: Mapping[int, RankInfo], world_size: int, fault_rank: in
     missing = sorted(set(range(world_size)) - set(ranks))
     if missing:
         return NoRecovery(f"ranks {missing} never registered")
+    rejoining = {r: i for r, i in ranks.items() if i.fault_where == REJOIN}
+    if rejoining:
+        return _plan_rejoin(ranks, rejoining, fault_rank, config, history)
     faults = {r: i.fault for r, i in ranks.items() if i.fault not in (None, FaultKind.ABORTED)}
     if not faults:
         return NoRecovery("no rank reported a fault of its own")
@@ -224,6 +238,62 @@ def plan_recovery(ranks: Mapping[int, RankInfo], world_size: int, fault_rank: in
                                f"{limit} in a row)")
 
 
+def _plan_rejoin(ranks: Mapping[int, RankInfo], rejoining: Mapping[int, RankInfo], fault_rank: int,
+                 config: HAConfig, history: Sequence[Mapping[str, Any]]) -> Union[RecoveryPlan, NoRecovery]:
+    """ARF: restarted processes wait at their rejoin point; the survivors must be in the
+    rollback situation; each restarted rank gets its whole state from a survivor with the
+    same (tp, pp, shard)."""
+    why = in_place_possible(FaultKind.PROCESS, config)
+    if why is not None:
+        return NoRecovery(why)
+    fresh = sorted(r for r, i in rejoining.items() if i.incarnation < 1)
+    if fresh:
+        return NoRecovery(f"ranks {fresh} wait to rejoin but were never restarted (incarnation 0)")
+    survivors = {r: i for r, i in ranks.items() if r not in rejoining}
+    if not survivors:
+        return NoRecovery("every rank was restarted: no survivor holds the state (the dying checkpoint cannot "
+                          "either; restart from the latest periodic checkpoint)")
+    gone = [r for r, i in sorted(ranks.items()) if not i.alive or i.exit_code is not None]
+    if gone:
+        return NoRecovery(f"ranks {gone} are gone")
+    not_parked = [r for r, i in sorted(survivors.items()) if i.fault is None or not i.stopped]
+    if not_parked:
+        return NoRecovery(f"ranks {not_parked} did not leave their step")
+    for r, i in sorted(survivors.items()):
+        if i.fault not in (None, FaultKind.ABORTED, FaultKind.NETWORK):
+            why = in_place_possible(i.fault, config)
+            if why is not None:
+                return NoRecovery(f"rank {r}: {why}")
+    outside = {r: i.fault_where for r, i in sorted(survivors.items()) if i.fault_where not in ("", "train_step")}
+    if outside:
+        r, where = next(iter(outside.items()))
+        return NoRecovery(f"rank {r} was stopped at {where}, not in train_step before its update: a restarted "
+                          "process rejoins only a step that every survivor can re-run")
+    situation = _rollback_situation(survivors)
+    if isinstance(situation, NoRecovery):
+        return situation
+    _, k, damaged = situation
+    done = consecutive_retries(history, k)
+    limit = max(1, config.network_retries)
+    if done >= limit:
+        return NoRecovery(f"iteration {k + 1} was already recovered {done} times in a row (limit {limit})")
+    needs = set(rejoining) | set(damaged)
+    repairs: Dict[int, int] = {}
+    for d in sorted(needs):
+        key = ranks[d].layout.shard_key
+        sources = [r for r, i in sorted(survivors.items()) if r not in needs and i.layout.shard_key == key]
+        if not sources:
+            return NoRecovery(f"rank {d} has no survivor with its state (tp={key[0]}, pp={key[1]}, shard={key[2]}): "
+                              "no replica holds it")
+        repairs[d] = sources[0]
+    first = fault_rank if fault_rank in rejoining else min(rejoining)
+    return RecoveryPlan(iteration=k, generation=len(history) + 1, kind=FaultKind.PROCESS, fault_rank=first,
+                        repairs=repairs, mode="rejoin", rejoin=tuple(sorted(rejoining)),
+                        reason=f"ranks {sorted(rejoining)} were restarted: they rejoin and receive the state of "
+                               f"iteration {k} from {[repairs[d] for d in sorted(rejoining)]}; every rank re-runs "
+                               f"iteration {k + 1}")
+
+
 def _rollback_situation(ranks: Mapping[int, RankInfo]):
     """("rollback", k, ranks needing a repair) or NoRecovery (rule 3, rollback)."""
     states = {(i.status, i.iteration) for i in ranks.values()}
@@ -265,5 +335,5 @@ def _forward_situation(ranks: Mapping[int, RankInfo], in_update):
     return "forward", j, needs
 
 
-__all__ = ["IN_STEP", "MODES", "RecoveryPlan", "NoRecovery", "plan_recovery", "in_place_possible", "consecutive_retries",
+__all__ = ["IN_STEP", "MODES", "REJOIN", "RecoveryPlan", "NoRecovery", "plan_recovery", "in_place_possible", "consecutive_retries",
            "IN_PLACE_KINDS"]

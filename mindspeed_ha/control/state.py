@@ -200,6 +200,7 @@ class RankInfo:
     fault_iteration: int = -1  # the iteration being computed when it raised
     fault_at: Optional[float] = None  # when its latest FAULT arrived (controller clock)
     step: int = -1  # the train_step the rank's training thread entered (STATUS / STOPPED), -1: unknown
+    incarnation: int = 0  # how many times the launcher restarted this rank's process (ARF)
 
 
 @dataclasses.dataclass(frozen=True)
