@@ -3,8 +3,9 @@
 TP1 PP2 DP2 with the distributed optimizer and ``--distributed-optimizer-no-replica``: each
 optimizer shard has one copy, so a UCE (the injector overwrites a parameter, then raises
 CUDA's "uncorrectable ECC error") cannot be repaired from a replica. With a periodic
-checkpoint of iteration C on disk and the fault in iteration K > C+1, every rank reloads
-C in place, re-runs C+1 .. K-1 silently, then K. Standard of proof: exit 0, the faulty
+checkpoint of iteration C on disk and the fault in iteration K > C+1 (in its forward, or
+inside its optimizer update), every rank reloads C in place, re-runs C+1 .. K-1 silently,
+then K. Standard of proof: exit 0, the faulty
 rank kept its PID, the per-iteration losses equal the uninterrupted run's bit for bit,
 each iteration logged once. Without a periodic checkpoint yet, the reload is refused
 before any state is touched and the job ends as the dying-checkpoint path does without
@@ -43,9 +44,9 @@ def _jsonl(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _faulty(tmp_path, k):
+def _faulty(tmp_path, k, point="forward", what="param"):
     fired, after, report = (str(tmp_path / n) for n in ("fired.jsonl", "after.jsonl", "report.json"))
-    env = {"MINDSPEED_HA_INJECT": f"rank=1,iteration={k},point=forward,fault=uce,what=param",
+    env = {"MINDSPEED_HA_INJECT": f"rank=1,iteration={k},point={point},fault=uce,what={what}",
            "MINDSPEED_HA_INJECT_LOG": fired, "MINDSPEED_HA_RECOVERY_LOG": after, "MINDSPEED_HA_REPORT": report}
     save = str(tmp_path / "ckpt")
     r = _run(_args(save), env=env)
@@ -53,27 +54,38 @@ def _faulty(tmp_path, k):
     return r, _jsonl(fired), _jsonl(after), rep, save
 
 
-@pytest.mark.timeout(600)
-def test_reload_in_place_matches_the_uninterrupted_run(tmp_path):
-    base = _run(_args(str(tmp_path / "base_ckpt")))
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    base = _run(_args(str(tmp_path_factory.mktemp("base") / "ckpt")))
     assert base.returncode == 0, (base.stdout + base.stderr)[-6000:]
     assert sorted(base.losses) == list(range(1, ITERS + 1))
+    return base.losses
 
-    r, fired, after, rep, _ = _faulty(tmp_path, K)
+
+# (point, what): before the optimizer update of K (plan from the end of K-1), and inside it
+# (every rank stopped inside the update of K: the reload also covers a roll forward without a source)
+CASES = [("forward", "param"), ("optimizer", "exp_avg")]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("point,what", CASES, ids=[c[0] for c in CASES])
+def test_reload_in_place_matches_the_uninterrupted_run(tmp_path, baseline, point, what):
+    r, fired, after, rep, _ = _faulty(tmp_path, K, point, what)
     log = r.stdout + r.stderr
     assert r.returncode == 0, log[-8000:]
     assert len(fired) == 1 and fired[0]["rank"] == 1, fired
     recs = rep.get("recoveries") or []
     assert len(recs) == 1 and recs[0].get("mode") == "reload" and recs[0]["iteration"] == K - 1, rep
-    assert "reloaded the periodic checkpoint of iteration 4 in place" in log, log[-8000:]
+    assert f"reloaded the periodic checkpoint of iteration {SAVE_INTERVAL} in place" in log, log[-8000:]
+    assert log.count(f"re-ran iterations {SAVE_INTERVAL + 1}..{K - 1} after the reload") == 4, log[-8000:]
     # every rank re-ran iteration K in the process that was running; the faulty one kept its PID
     assert sorted(e["rank"] for e in after) == [0, 1, 2, 3] and {e["iteration"] for e in after} == {K}, after
     assert {e["pid"] for e in after if e["rank"] == 1} == {fired[0]["pid"]}
     # each iteration logged once (the silent re-runs log nothing), losses bit for bit
     assert sorted(rec["iteration"] for rec in r.records()) == list(range(1, ITERS + 1))
     for it in range(1, ITERS + 1):
-        assert r.losses[it] == base.losses[it], \
-            f"iteration {it}: {float.fromhex(r.losses[it])} != uninterrupted {float.fromhex(base.losses[it])}"
+        assert r.losses[it] == baseline[it], \
+            f"iteration {it}: {float.fromhex(r.losses[it])} != uninterrupted {float.fromhex(baseline[it])}"
 
 
 @pytest.mark.timeout(300)
