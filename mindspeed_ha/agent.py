@@ -96,7 +96,8 @@ class RestartHooks:
         return None
 
     def restarted(self, rank: int, incarnation: int, pid: int, exitcode: int) -> None:
-        """``rank`` runs again as ``pid``, its ``incarnation``-th restart (the previous one exited with ``exitcode``)."""
+        """``rank`` runs again as ``pid``, its ``incarnation``-th restart (the previous
+        process exited with ``exitcode``)."""
 
     def supervise(self, pcontext: SubprocessContext) -> None:
         """Called at every monitor turn while restarts are possible, before the workers are polled."""

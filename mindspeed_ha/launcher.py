@@ -36,8 +36,9 @@ What it adds when the training arguments carry ``--enable-high-availability``:
   ``MINDSPEED_HA_INCARNATION``, the others keep running (``mindspeed_ha.agent``); the
   controller records each restart (report: ``restarts``). ``--max-restarts`` is the limit
   per rank (default 3 when not given: torchrun's 0 would make the flag a no-op); past it,
-  or once the controller has begun its verdict (today: the dying checkpoint), the path
-  above. Only on the controller's node: other nodes' workers are not restarted yet.
+  or when the controller refuses (its verdict on the job under way; until the rejoin
+  exists, any rank that had registered with it, i.e. a training rank), the path above.
+  Only on the controller's node: other nodes' workers are not restarted yet.
 
 Without the HA flag it behaves exactly like torchrun.
 """

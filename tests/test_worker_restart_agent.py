@@ -77,7 +77,8 @@ def _run(tmp_path, kill_until, wait_inc, launcher_flags=()):
     env = dict(os.environ, MINDSPEED_HA_REPORT=str(report), TTP_PORT="0", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "mindspeed_ha.launcher", "--standalone", "--nproc-per-node=2",
            "--monitor-interval=0.05", "--log-dir", str(tmp_path / "logs"), "--tee=3", *launcher_flags,
-           str(script), str(out), str(kill_until), str(wait_inc), "--enable-high-availability", "--enable-worker-reboot"]
+           str(script), str(out), str(kill_until), str(wait_inc),
+           "--enable-high-availability", "--enable-worker-reboot"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
     try:
@@ -125,3 +126,23 @@ def test_restart_limit_per_rank_then_the_job_fails(tmp_path, no_stray_workers):
         [(1, 1, files["rank1.inc1"]["pid"]), (1, 2, files["rank1.inc2"]["pid"])], report["restarts"]
     assert "not restarted: restarted 2 times already" in stderr, stderr[-6000:]
     assert "rank0.inc1" not in files
+
+
+@pytest.mark.timeout(30)
+def test_controller_refuses_a_restart_it_cannot_take_back():
+    """The gate the agent asks (no thread, no socket: the controller is not started):
+    a rank that never registered may restart while the job runs; a registered rank (no
+    rejoin yet), a verdict under way or a graceful stop refuse it."""
+    from mindspeed_ha.config import HAConfig
+    from mindspeed_ha.control.controller import Controller
+    from mindspeed_ha.control.state import Layout, Phase, RankInfo
+
+    ctl = Controller(HAConfig(enabled=True, worker_reboot=True, auth_key=b"k" * 32), world_size=2)
+    assert ctl.restart_refused(1) is None
+    ctl.state.ranks[0] = RankInfo(rank=0, layout=Layout())
+    assert "registered" in ctl.restart_refused(0) and ctl.restart_refused(1) is None
+    ctl.state.request_stop(0.0, -1, "SIGTERM")
+    assert "graceful stop" in ctl.restart_refused(1)
+    ctl.state.stop_request = None
+    ctl.state.set_phase(Phase.STOPPING, 0.0)
+    assert "phase stopping" in ctl.restart_refused(1)

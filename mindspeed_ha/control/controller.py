@@ -298,7 +298,11 @@ class Controller:
         Only while the job runs (phase RUNNING, no graceful stop requested): once the
         policy has begun a verdict (the dying checkpoint, an in-place recovery, a drain),
         a new process of that rank would register into that round, which has no place
-        for it.
+        for it. And only for a rank that never registered (it died while starting): the
+        policy has no rejoin yet (issue 9 item 2), so the death of a registered rank
+        always ends in its verdict, which it usually reaches (connection closed: well
+        under a millisecond) before the agent's next poll; refusing it here makes that
+        outcome certain instead of a race. The rejoin step changes this rule.
         """
         with self._lock:
             st = self.state
@@ -306,6 +310,9 @@ class Controller:
                 return f"the controller is in phase {st.phase.value} (its verdict on the job is under way)"
             if st.stop_request is not None:
                 return "a graceful stop was requested"
+            if rank in st.ranks:
+                return (f"rank {rank} had registered with the controller, which cannot take a new process of a "
+                        "registered rank back yet (no rejoin): its death takes the dying-checkpoint path")
             return None
 
     def wait_done(self, timeout: Optional[float] = None) -> Optional[Outcome]:
