@@ -5,11 +5,12 @@ optimizer shard has one copy, so a UCE (the injector overwrites a parameter, the
 CUDA's "uncorrectable ECC error") cannot be repaired from a replica. With a periodic
 checkpoint of iteration C on disk and the fault in iteration K > C+1 (in its forward, or
 inside its optimizer update), every rank reloads C in place, re-runs C+1 .. K-1 silently,
-then K. Standard of proof: exit 0, the faulty
-rank kept its PID, the per-iteration losses equal the uninterrupted run's bit for bit,
-each iteration logged once. Without a periodic checkpoint yet, the reload is refused
-before any state is touched and the job ends as the dying-checkpoint path does without
-replicas (76, no complete data), writing nothing.
+then K. Standard of proof: exit 0, the faulty rank kept its PID, the per-iteration losses
+equal the uninterrupted run's bit for bit, each iteration logged once; the same on
+Megatron-LM's own pretrain_gpt.py with the ``torch_dist`` format (grad norms too).
+Without a periodic checkpoint yet, the reload is refused before any state is touched and
+the job ends as the dying-checkpoint path does without replicas (76, no complete data),
+writing nothing.
 """
 
 import json
@@ -100,3 +101,57 @@ def test_no_periodic_checkpoint_yet_falls_back(tmp_path):
     assert "no periodic checkpoint yet" in log, log[-8000:]
     assert not os.path.exists(os.path.join(save, "latest_checkpointed_iteration.txt"))
     assert (os.listdir(save) if os.path.isdir(save) else []) == []
+
+
+@pytest.mark.timeout(600)
+def test_stock_megatron_lm_torch_dist_reload(tmp_path, megatron_lm_tarball):
+    """The same on Megatron-LM's own pretrain_gpt.py (its load_checkpoint, ``torch_dist``
+    format): every loss and grad norm bit for bit, the faulty rank's PID unchanged."""
+    from mindspeed_ha.testing import megatron_lm as mlm
+
+    root = mlm.unpack(megatron_lm_tarball, str(tmp_path / "megatron_lm"))
+
+    def args(save):
+        return mlm.stock_gpt_args(tp=1, pp=2, train_iters=ITERS, ckpt_format="torch_dist",
+                                  enable_high_availability=True, ha_controller_port=0, enable_hbmfault_repair=True,
+                                  distributed_optimizer_no_replica=True, save=save, save_interval=SAVE_INTERVAL)
+
+    base = mlm.launch_stock(root, args(str(tmp_path / "base_ckpt")))
+    assert base.returncode == 0 and sorted(base.losses) == list(range(1, ITERS + 1)), base.stderr[-4000:]
+    fired, after = str(tmp_path / "fired.jsonl"), str(tmp_path / "after.jsonl")
+    r = mlm.launch_stock(root, args(str(tmp_path / "ckpt")), env={
+        "MINDSPEED_HA_INJECT": f"rank=1,iteration={K},point=forward,fault=uce,what=param",
+        "MINDSPEED_HA_INJECT_LOG": fired, "MINDSPEED_HA_RECOVERY_LOG": after})
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-8000:]
+    assert log.count(f"reloaded the periodic checkpoint of iteration {SAVE_INTERVAL} in place") == 4, log[-8000:]
+    shot, again = _jsonl(fired), _jsonl(after)
+    assert len(shot) == 1 and {e["iteration"] for e in again} == {K}, (shot, again)
+    assert {e["pid"] for e in again if e["rank"] == 1} == {shot[0]["pid"]}
+    assert r.losses == base.losses
+    assert r.grad_norms == base.grad_norms
+
+
+def test_replay_iterator_keeps_the_items_since_the_last_save():
+    """Keep mode, in one process: marks record where iterations end, a save forgets the
+    items up to it, ``rewind_to`` serves the items after a kept iteration again, and the
+    one-step ``rewind`` of a rollback still serves only the step in progress."""
+    from mindspeed_ha.recovery.rollback import ReplayIterator
+
+    r = ReplayIterator(iter(range(100)))
+    r.keep_since(0)
+    for it in range(1, 6):  # two items per iteration
+        next(r), next(r)
+        r.mark(it)
+    assert r.recorded == 10
+    assert r.forget_through(2) == 4 and r.recorded == 6 and not r.can_rewind_to(1)
+    assert next(r) == 10  # iteration 6 starts, then is aborted
+    assert r.rewind() == 1 and next(r) == 10
+    assert r.rewind_to(2) == 7
+    assert [next(r) for _ in range(8)] == [4, 5, 6, 7, 8, 9, 10, 11]
+    with pytest.raises(ValueError):
+        r.rewind_to(1)
+    plain = ReplayIterator(iter(range(10)))  # keep mode off: one step, as before
+    next(plain), next(plain)
+    plain.mark(1)
+    assert plain.recorded == 0 and not plain.can_rewind_to(1) and plain.forget_through(1) == 0
