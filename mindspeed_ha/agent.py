@@ -46,8 +46,22 @@ the restart of one worker:
   and, once it reports the failure, no group restart (``_remaining_restarts`` is set to
   0, as torch itself does for a worker stuck in uninterruptible sleep).
 
-torch's group restarts for membership changes (``num_nodes_waiting`` on a multi-node
+``_invoke_run`` and ``_restart_workers`` stay torch's: the loop still sleeps
+``monitor_interval`` (torchrun's ``--monitor-interval``, default 0.1 s) and calls
+``_monitor_workers``; a restart of one worker happens inside ``_monitor_workers``, which
+then reports HEALTHY, so ``_invoke_run`` never sees that failure. torch's group restarts
+for membership changes (``num_nodes_waiting`` on a multi-node
 job) still happen; they start a new context, and the incarnation count starts again.
+
+What a restarted process finds (for the rejoin): the env of the worker it replaces,
+``TORCHELASTIC_RESTART_COUNT`` included (it counts torch's group attempts, not
+restarts), plus ``MINDSPEED_HA_INCARNATION`` >= 1 and its own ``TORCHELASTIC_ERROR_FILE``;
+the launcher's env (``MINDSPEED_HA_AUTH_KEY``, ``TTP_PORT``). With
+``TORCHELASTIC_USE_AGENT_STORE=True`` (torchrun's c10d and static rendezvous) the TCPStore
+at ``MASTER_ADDR:MASTER_PORT`` is hosted by node 0's agent and still holds the keys the
+first ``init_process_group`` wrote (torch 2.13 ``torch/distributed/rendezvous.py``,
+``_create_c10d_store``: every worker is a client): joining again needs new, per-generation
+group names / store prefixes, not a second plain ``init_process_group``.
 
 Only binary entrypoints (torchrun's ``python -u ...``: a ``SubprocessContext``) can be
 restarted one by one; a function entrypoint (``MultiprocessContext``) runs as torchrun
