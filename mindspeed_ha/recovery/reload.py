@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from typing import Any, Callable, List, Optional
 
 from mindspeed_ha.integrations import megatron_lm
