@@ -56,12 +56,19 @@ def _wrapper(name):
 
             fn = _WRAPPERS[name] = (comm.collective(name) if name in OPS else
                                     getattr(comm, name.lstrip("_")))
+        recorder = RECORDER
+        if recorder is not None:
+            return recorder(name, fn, wrapped, instance, args, kwargs)
         return fn(wrapped, instance, args, kwargs)
 
     return call
 
 
 _WRAPPERS: dict = {}
+
+#: ``recorder(name, fn, wrapped, instance, args, kwargs)`` while a rejoin records or replays
+#: the start-up's collectives (set by ``mindspeed_ha.recovery.rejoin``), else None
+RECORDER = None
 
 
 def _ours(attr: str):

@@ -128,6 +128,10 @@ _NAMED = (dict, list, tuple, set, frozenset)  # holders named after their owner
 #: :func:`successor` map a stale reference to the live group.
 _RETIRED: List[Tuple[Any, Any, int]] = []
 
+#: group name -> (backend, timeout) asked for when the group was created deferred (a rejoining
+#: process's start-up, ``recovery/rejoin.py``): the rebuild creates that backend, not the deferred one
+INTENDED_BACKENDS: Dict[str, Tuple[str, Optional[timedelta]]] = {}
+
 
 @dataclasses.dataclass
 class RebuildReport:
@@ -303,8 +307,9 @@ def _create_like(old, name: str, ranks: List[int], me: int, store, timeout: Opti
     from torch.distributed import distributed_c10d as c10d
 
     world = c10d._world
-    backend_name = world.pg_map[old][0]
-    keep = _timeout_of(old, backend_name)
+    intended = INTENDED_BACKENDS.get(str(world.pg_names[old]))  # a deferred group (recovery/rejoin.py)
+    backend_name = intended[0] if intended else world.pg_map[old][0]
+    keep = (intended and intended[1]) or _timeout_of(old, backend_name)
     helper = c10d._new_process_group_helper
     params = inspect.signature(helper).parameters  # torch < 2.4: pg_options, no group_desc
     kw: Dict[str, Any] = {"timeout": timeout or keep}

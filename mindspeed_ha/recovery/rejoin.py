@@ -1,0 +1,617 @@
+"""A restarted worker rejoins a running job: its start-up collectives are replayed, not run.
+
+Why: with worker reboot, a dead rank's process is started again (``MINDSPEED_HA_INCARNATION
+= n >= 1``, ``mindspeed_ha.agent``) while the survivors stay alive, parked by the controller.
+The new process runs the normal Megatron start-up, which performs collectives (barriers,
+broadcasts of data-loader flags, ``Timer.start(barrier=True)``, the runtime's auth-key
+broadcast...) and creates every process group (gloo's full-mesh connect needs every member):
+the survivors do neither again, so the new process would hang. After the start-up, every rank
+(survivors and the new one) builds a new generation of every group
+(:func:`mindspeed_ha.recovery.groups.rebuild_process_groups`) and the new one is repaired
+from a replica.
+
+How:
+
+* Recording (incarnation 0, feature ``ha`` on): from ``init_process_group`` (the creation of
+  the default group, patch ``ha.rejoin.group_helper``) until :func:`startup_done`, every
+  ``torch.distributed`` communication function patched by ``patches/comm.py`` that the
+  recording thread (the one that called ``init_process_group``) calls records, in call order:
+  the op name, the group's torch name and ranks, and the outputs the caller reads afterwards
+  (dtype, shape, bytes): all_reduce / broadcast / reduce / scatter: the tensor after;
+  all_gather, all_to_all: the output list; all_gather_into_tensor, _all_gather_base,
+  reduce_scatter(_tensor), _reduce_scatter_base, all_to_all_single: the output tensor;
+  gather: the gather list (none on a non-destination rank); irecv (so ``recv``): the tensor;
+  batch_isend_irecv: every irecv's tensor; barrier, isend (so ``send``): nothing. An op
+  launched asynchronously is recorded at the next recorded op of the thread once its work
+  reports completion, else at :func:`startup_done` (the returned work is not wrapped: the
+  caller's handle types stay torch's/comm's; a buffer changed between its wait and that point
+  is recorded as changed -- Megatron's start-up makes no async call). Torch's object
+  collectives are recorded as the tensor ops they call. Ops on a group this rank is not a
+  member of, and calls from other threads, are not recorded. At :func:`startup_done` the
+  record is written as ONE msgpack blob (:func:`encode`, no pickle) into the default store
+  (torchrun's TCPStore, ``distributed_c10d._get_default_store()``) under
+  ``mindspeed_ha/startup/<rank>`` (:data:`KEY`). A record over :data:`MAX_BLOB_BYTES` is
+  written as a ``too_big`` marker (recording stops copying once past the limit, so memory
+  stays bounded); one that saw an op it cannot replay (``_coalescing_manager``) as an
+  ``unsupported`` marker; a rejoin refuses both with a clear error.
+* Replay (incarnation >= 1): every process group created before :func:`startup_done`
+  (``init_process_group``, ``new_group``) uses the backend :data:`BACKEND` (``ha_deferred``,
+  registered with ``torch.distributed.Backend.register_backend``): a Python
+  ``ProcessGroup`` that connects to nobody and refuses every op. The backend and timeout
+  asked for are kept per group name in ``groups.INTENDED_BACKENDS``, so
+  ``rebuild_process_groups`` creates the real group (same name root, same ranks). Every
+  collective of the start-up is served from the blob of this rank (read from the store at
+  the first op; checked: op, group name, ranks, output count, dtypes and shapes equal, else
+  :class:`RejoinMismatch` naming the call index and both sides), writing the recorded bytes
+  into the caller's output tensors, without communicating; an async call returns a
+  completed ``Work``. The replay ends at :func:`startup_done`, which raises if recorded ops
+  were left unserved; an op past the end of the record raises too.
+
+What the runtime must call: nothing to start (the group-creation patch starts recording or
+replay when the default group is created, with ``ha`` on); :func:`startup_done` once, on
+the training thread, when the first ``train_step`` is entered (``HARuntime.enter_iteration``),
+BEFORE any other collective of the training loop; then, on a rejoin, every rank calls
+``rebuild_process_groups(generation)`` (the new one included) and the repair. Tests and
+tools: :func:`begin` / :func:`reset`, :func:`mode`, :func:`load`, :func:`decode`.
+
+Cost: with HA off nothing changes (the comm layer is gated); with HA on and not recording,
+one global load per collective (``patches.comm.RECORDER is None``); while recording, a copy
+of each start-up output to host memory.
+
+Megatron-LM core_v0.12.1 start-up collectives (``pretrain_gpt.py`` with the built-in/stock
+flags used by tests/test_stock_megatron_lm.py: no checkpoint loaded, mock or indexed data,
+no ``--tp-comm-overlap``; /tmp/mlm/Megatron-LM/megatron, file:line), in call order, and
+whether replaying the recorded output is exact:
+
+1. ``training/initialize.py`` ``_initialize_distributed``: ``init_process_group`` and
+   ``mpu.initialize_model_parallel`` (group creation only: deferred; no collective unless
+   ``TORCH_DIST_INIT_BARRIER=1``, which would be a store barrier the survivors never join).
+2. ``initialize.py`` ``_compile_dependencies`` l.~200-230: ``torch.distributed.barrier()``
+   twice around rank 0's dataset-helper compile (exact: no output). The fused-kernel
+   compile and its barriers are skipped on CPU.
+3. ``initialize.py`` ``_init_autoresume``/``_set_random_seed``: no collective.
+4. mindspeed-ha's runtime (``on_model_parallel_initialized``): ``_agree_auth_key``
+   broadcast of 32 bytes from rank 0 when no launcher key (exact: the same key), and the
+   fallback ``new_group(backend="gloo")`` (deferred; the runtime must rebuild it too or
+   exclude it on every rank alike).
+5. ``training/training.py`` ``pretrain``: ``start_time_tensor`` all_reduce(MIN) of the
+   start time (l.~300, exact: the survivors' value; only printed), then
+   ``timers('model-and-optimizer-setup', log_level=0).start(barrier=True)`` -> barrier
+   (exact).
+6. ``setup_model_and_optimizer`` -> ``get_model``: no collective with DDP on CPU;
+   ``DistributedDataParallel.__init__`` broadcasts parameters only with
+   ``data_parallel_random_init`` (off); ``get_megatron_optimizer`` none;
+   ``load_checkpoint`` is not called without ``--load`` (with ``--load`` it reads the
+   tracker and does all_reduce / barrier: a rejoin must not pass ``--load``).
+7. ``build_train_valid_test_data_iterators`` (training.py l.~1900-1990):
+   ``torch.distributed.broadcast(flags, 0)`` of the do_train/valid/test flags (int64[3],
+   exact); ``build_train_valid_test_datasets`` on rank 0 of each TP group builds the
+   ``BlendedMegatronDatasetBuilder`` datasets (gpt_dataset caches: rank 0 builds, then
+   ``torch.distributed.barrier()`` in ``blended_megatron_dataset_builder.py``; exact).
+8. ``timers(...).start(barrier=True)`` / ``timers.log([...], barrier=True)`` around
+   ``train-valid-test-data-iterators-setup`` (barriers, exact); ``print_datetime`` calls
+   ``torch.distributed.barrier()`` (exact).
+9. ``train()`` entry: ``model.train()``, ``config.param_sync_func`` etc., then the first
+   ``train_step``: :func:`startup_done` must come before its collectives (and before the
+   ``log_interval`` timers' barrier of the loop).
+
+Replays that are exact in bytes but stale in meaning: the start-time MIN (a print only) and
+anything rank 0 decided at the original start (flags, the auth key) -- the survivors still
+run with those values, so the copy is what the new process must have. Not covered: a
+start-up with ``--load`` (the checkpoint loader's collectives), ``--tp-comm-overlap``
+(userbuffers), NCCL/HCCL-only set-up calls that are not ``torch.distributed`` functions
+(``_coalescing_manager`` refuses), and other threads' collectives during the start-up.
+Source: grep of barrier/broadcast/all_reduce in Megatron-LM core_v0.12.1
+megatron/training (initialize.py, training.py, global_vars.py, utils.py) and
+megatron/core/datasets; line numbers are approximate (the module docstrings there shift).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import threading
+from typing import Any, Dict, List, Optional
+
+log = logging.getLogger("mindspeed_ha.recovery.rejoin")
+
+#: store key of a rank's start-up record (in the default store, under its ``default_pg`` prefix)
+KEY = "mindspeed_ha/startup/{rank}"
+#: blob format name and version (the header's ``format`` / ``version``)
+FORMAT = "mindspeed_ha.startup"
+VERSION = 1
+#: bytes; a larger record is written as a ``too_big`` marker (a rejoin then refuses)
+MAX_BLOB_BYTES = 4 * 1024 * 1024
+#: the torch.distributed backend of the groups a rejoining process creates before startup_done
+BACKEND = "ha_deferred"
+#: environment variable set by the launcher's agent on a restarted worker (1, 2, ...)
+ENV_INCARNATION = "MINDSPEED_HA_INCARNATION"
+
+RECORD, REPLAY, DONE = "record", "replay", "done"
+_ENTRY_OVERHEAD = 96  # bytes counted per recorded op (its header fields), for the size bound
+
+
+class RejoinError(RuntimeError):
+    """A rejoin cannot replay this rank's start-up (no record, too big, unsupported, ...)."""
+
+
+class RejoinMismatch(RejoinError):
+    """The new process's start-up diverged from the recorded one (call index, both sides)."""
+
+
+# --------------------------------------------------------------------------- state
+_lock = threading.RLock()
+_mode: Optional[str] = None  # None (not started), RECORD, REPLAY, DONE
+_thread: Optional[int] = None  # ident of the thread recorded / replayed
+_entries: List[dict] = []  # RECORD: the entries in call order
+_pending: List[dict] = []  # RECORD: entries of async ops not yet snapshotted
+_size = 0  # RECORD: payload bytes so far
+_problem: Optional[tuple] = None  # RECORD: ("too_big" | "unsupported", reason)
+_blob: Optional[dict] = None  # REPLAY: the decoded record
+_next = 0  # REPLAY: index of the next entry to serve
+_local = threading.local()  # .inside: an op of ours is running (nested ops pass)
+_written: Optional[int] = None  # bytes of the blob written by startup_done (record)
+
+
+def incarnation() -> int:
+    """This process's incarnation (``MINDSPEED_HA_INCARNATION``, 0 when unset).
+
+    Raises:
+        ValueError: the variable is not a non-negative integer.
+    """
+    raw = os.environ.get(ENV_INCARNATION, "").strip() or "0"
+    n = int(raw)
+    if n < 0:
+        raise ValueError(f"{ENV_INCARNATION}={raw!r}: expected an integer >= 0")
+    return n
+
+
+def mode() -> Optional[str]:
+    """``"record"``, ``"replay"``, ``"done"``, or None (not started)."""
+    return _mode
+
+
+def begin(replay: Optional[bool] = None) -> str:
+    """Start recording (incarnation 0) or replaying (incarnation >= 1) on this thread.
+
+    Called by the group-creation patch when ``init_process_group`` creates the default group
+    with ``ha`` on; idempotent while started. ``replay`` overrides the incarnation (tests).
+    Returns the mode.
+    """
+    global _mode, _thread, _next, _blob, _size, _problem
+    with _lock:
+        if _mode is not None:
+            return _mode
+        replaying = incarnation() >= 1 if replay is None else replay
+        _thread = threading.get_ident()
+        _entries.clear()
+        _pending.clear()
+        _size, _problem, _blob, _next = 0, None, None, 0
+        if replaying:
+            register_backend()
+        _mode = REPLAY if replaying else RECORD
+        _set_hook(_on_call)
+        log.info("rejoin: %s the start-up collectives (incarnation %d)",
+                 "replaying" if replaying else "recording", incarnation())
+        return _mode
+
+
+def reset() -> None:
+    """Forget everything (tests): mode None, hook removed."""
+    global _mode, _thread, _blob, _next, _size, _problem, _written
+    with _lock:
+        _set_hook(None)
+        _mode, _thread, _blob, _next, _size, _problem, _written = None, None, None, 0, 0, None, None
+        _entries.clear()
+        _pending.clear()
+
+
+def startup_done() -> Optional[int]:
+    """End of the start-up (the runtime calls it when the first train_step is entered).
+
+    Recording: snapshots async ops never waited, writes the record into the default store
+    under :data:`KEY` and returns its size in bytes. Replay: checks that every recorded op
+    was served and returns None. Not started or already done: returns None.
+
+    Raises:
+        RejoinMismatch: replay ended with recorded ops left unserved (the start-up diverged).
+        RuntimeError: the store write failed (recording).
+    """
+    global _mode, _written
+    with _lock:
+        if _mode == RECORD:
+            _settle(final=True)
+            blob = encode(_header(_problem[0] if _problem else "ok", _problem[1] if _problem else ""),
+                          _entries)
+            if len(blob) > MAX_BLOB_BYTES:
+                blob = encode(_header("too_big", f"record of {len(_entries)} ops is {len(blob)} bytes "
+                                      f"> {MAX_BLOB_BYTES}"), [])
+            store, rank = _default_store_and_rank()
+            store.set(KEY.format(rank=rank), blob)
+            _written = len(blob)
+            _finish()
+            log.info("rejoin: start-up record of rank %d written: %d ops, %d bytes", rank,
+                     len(_entries), len(blob))
+            return len(blob)
+        if _mode == REPLAY:
+            served, total = _next, len((_blob or {}).get("entries", ()))
+            _finish()
+            if served != total:
+                raise RejoinMismatch(
+                    f"rejoin: start-up ended after {served} collective(s) but the first incarnation "
+                    f"recorded {total}; next recorded: {_describe((_blob or {})['entries'][served])}")
+            log.info("rejoin: start-up replayed: %d ops served without communicating", served)
+            return None
+        return None
+
+
+def recorded_bytes() -> Optional[int]:
+    """Size (bytes) of the blob :func:`startup_done` wrote on this rank, or None."""
+    return _written
+
+
+def _finish() -> None:
+    global _mode
+    _mode = DONE
+    _set_hook(None)
+
+
+def _header(status: str, reason: str) -> dict:
+    import torch
+
+    store_rank = _default_store_and_rank()[1]
+    return {"format": FORMAT, "version": VERSION, "status": status, "reason": reason,
+            "rank": store_rank, "torch": torch.__version__}
+
+
+def _default_store_and_rank():
+    from torch.distributed import distributed_c10d as c10d
+
+    return c10d._get_default_store(), c10d._world.default_pg.rank()
+
+
+def _set_hook(fn) -> None:
+    from mindspeed_ha.patches import comm as comm_patches
+
+    comm_patches.RECORDER = fn
+
+
+# --------------------------------------------------------------------------- blob
+def encode(header: dict, entries: List[dict]) -> bytes:
+    """One msgpack blob: ``header`` (format, version, status, ...) + ``entries``.
+
+    An entry is ``{"op", "group", "ranks", "out": [[dtype, shape, bytes], ...]}``.
+    """
+    import msgpack
+
+    return msgpack.packb(dict(header, entries=entries), use_bin_type=True)
+
+
+def decode(blob: bytes) -> dict:
+    """The record in ``blob``.
+
+    Raises:
+        RejoinError: not a record of this format/version, or its status is not ``ok``
+            (``too_big``, ``unsupported``).
+    """
+    import msgpack
+
+    try:
+        rec = msgpack.unpackb(blob, raw=False, strict_map_key=True)
+    except Exception as exc:  # noqa: BLE001 - any decoding error means "not ours"
+        raise RejoinError(f"rejoin: start-up record is not msgpack ({exc})") from exc
+    if not isinstance(rec, dict) or rec.get("format") != FORMAT:
+        raise RejoinError("rejoin: start-up record has no mindspeed_ha.startup header")
+    if rec.get("version") != VERSION:
+        raise RejoinError(f"rejoin: start-up record version {rec.get('version')} (this build reads {VERSION})")
+    if rec.get("status") != "ok":
+        raise RejoinError(f"rejoin: the first incarnation's start-up record is {rec.get('status')!r}: "
+                          f"{rec.get('reason')}; a rejoin cannot replay it")
+    return rec
+
+
+def load(store=None, rank: Optional[int] = None) -> dict:
+    """Read and decode rank ``rank``'s record from ``store`` (default: the default store).
+
+    Raises:
+        RejoinError: no record (the first incarnation died before its first train_step),
+            or :func:`decode`'s errors.
+    """
+    if store is None or rank is None:
+        s, r = _default_store_and_rank()
+        store = s if store is None else store
+        rank = r if rank is None else rank
+    key = KEY.format(rank=rank)
+    if not store.check([key]):
+        raise RejoinError(f"rejoin: no start-up record {key!r} in the store (the first incarnation of "
+                          f"rank {rank} did not reach its first train_step); a rejoin is impossible")
+    return decode(bytes(store.get(key)))
+
+
+# --------------------------------------------------------------------------- deferred groups
+_registered = []
+
+
+def register_backend() -> None:
+    """Register the :data:`BACKEND` torch.distributed backend (idempotent)."""
+    if _registered:
+        return
+    import torch.distributed as dist
+
+    cls = _deferred_class()
+
+    def create(prefix_store, rank, size, timeout):
+        return cls(rank, size)
+
+    dist.Backend.register_backend(BACKEND, create, devices=["cpu", "cuda"])
+    _registered.append(cls)
+
+
+def _deferred_class():
+    import torch.distributed as dist
+
+    class DeferredGroup(dist.ProcessGroup):
+        """A group made without its peers while a rejoin replays its start-up: connects to
+        nobody, refuses every op (a collective that escaped the replay raises rather than
+        hangs); ``rebuild_process_groups`` replaces it by the real group."""
+
+        def __init__(self, rank, size):
+            super().__init__(rank, size)
+
+        def getBackendName(self):
+            return BACKEND
+
+        def __repr__(self):
+            return f"DeferredGroup(rank={self.rank()}, size={self.size()})"
+
+    def refuse(name):
+        def op(self, *args, **kwargs):
+            raise RejoinError(f"rejoin: {name} on a deferred process group (created while the start-up "
+                              f"was replayed): rebuild_process_groups must replace it first")
+        op.__name__ = name
+        return op
+
+    for name in ("allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced",
+                 "allgather_into_tensor_coalesced", "_allgather_base", "broadcast", "reduce",
+                 "reduce_scatter", "reduce_scatter_tensor_coalesced", "_reduce_scatter_base",
+                 "alltoall", "alltoall_base", "gather", "scatter", "barrier", "send", "recv",
+                 "recv_anysource"):
+        setattr(DeferredGroup, name, refuse(name))
+    return DeferredGroup
+
+
+def group_helper(wrapped, instance, args, kwargs):
+    """Wrapper of ``distributed_c10d._new_process_group_helper`` (feature ``ha``): starts
+    :func:`begin` at the default group's creation; while replaying, creates the group with
+    :data:`BACKEND` and keeps the backend and timeout asked for in
+    ``groups.INTENDED_BACKENDS[name]``."""
+    try:
+        bound = _bind(wrapped, args, kwargs)
+    except TypeError:
+        return wrapped(*args, **kwargs)
+    a = bound.arguments
+    if _mode is None and list(a.get("global_ranks_in_group") or []) == []:
+        begin()
+    if _mode != REPLAY:
+        return wrapped(*args, **kwargs)
+    from torch.distributed import distributed_c10d as c10d
+
+    from mindspeed_ha.recovery import groups
+
+    intended = str(a["backend"])
+    if intended == BACKEND:  # new_group(backend=None): the default group's backend
+        default = c10d._world.default_pg
+        intended = groups.INTENDED_BACKENDS.get(str(c10d._world.pg_names.get(default)), ("gloo", None))[0]
+    a["backend"] = BACKEND
+    pg, store = wrapped(*bound.args, **bound.kwargs)
+    if pg is not None and pg is not c10d.GroupMember.NON_GROUP_MEMBER:
+        groups.INTENDED_BACKENDS[str(a["group_name"])] = (intended, a.get("timeout"))
+    return pg, store
+
+
+_sigs: Dict[Any, inspect.Signature] = {}
+
+
+def _bind(fn, args, kwargs) -> inspect.BoundArguments:
+    sig = _sigs.get(fn)
+    if sig is None:
+        sig = _sigs[fn] = inspect.signature(fn)
+    return sig.bind(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------- per op
+def _outputs(name: str, a: dict) -> list:
+    """The tensors the caller reads after op ``name`` (bound arguments ``a``)."""
+    if name in ("all_reduce", "broadcast", "reduce", "scatter"):
+        return [a["tensor"]]
+    if name in ("all_gather",):
+        return list(a["tensor_list"])
+    if name in ("all_gather_into_tensor", "_all_gather_base"):
+        return [a["output_tensor"]]
+    if name in ("reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base", "all_to_all_single"):
+        return [a["output"]]
+    if name == "all_to_all":
+        return list(a["output_tensor_list"])
+    if name == "gather":
+        return list(a.get("gather_list") or [])
+    if name == "irecv":
+        return [a["tensor"]]
+    if name in ("barrier", "isend"):
+        return []
+    if name == "batch_isend_irecv":
+        return [op.tensor for op in a["p2p_op_list"] if "recv" in getattr(op.op, "__name__", "")]
+    raise RejoinError(f"rejoin: op {name} cannot be recorded or replayed")
+
+
+def _group_of(name: str, a: dict):
+    if name == "batch_isend_irecv":
+        ops = a["p2p_op_list"]
+        return ops[0].group if ops else None
+    return a.get("group")
+
+
+def _group_id(group):
+    """(torch name, ranks in group-rank order) of ``group`` (None: the default group);
+    None when this rank is not a member."""
+    from torch.distributed import distributed_c10d as c10d
+
+    world = c10d._world
+    if group is None:
+        group = world.default_pg
+    if group is None or group is c10d.GroupMember.NON_GROUP_MEMBER or group not in world.pg_group_ranks:
+        return None
+    rank_of = world.pg_group_ranks[group]
+    return str(world.pg_names.get(group)), sorted(rank_of, key=rank_of.__getitem__)
+
+
+def _meta(t) -> list:
+    return [str(t.dtype).replace("torch.", ""), list(t.shape)]
+
+
+def _bytes_of(t) -> bytes:
+    import torch
+
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return b""
+    return flat.view(torch.uint8).numpy().tobytes()
+
+
+def _snapshot(entry: dict) -> None:
+    """Copy ``entry``'s output tensors (kept in ``entry['_tensors']``) into its ``out``."""
+    global _size, _problem
+    tensors = entry.pop("_tensors", None)
+    if tensors is None:
+        return
+    out = []
+    for t in tensors:
+        meta = _meta(t)
+        if _problem is None:
+            data = _bytes_of(t)
+            _size += len(data)
+            if _size > MAX_BLOB_BYTES:
+                _problem = ("too_big", f"start-up outputs exceed {MAX_BLOB_BYTES} bytes at call "
+                                       f"{entry['index']} ({entry['op']})")
+        else:
+            data = b""
+        out.append(meta + [data])
+    entry["out"] = out
+    _size += _ENTRY_OVERHEAD
+    if _problem is None and _size > MAX_BLOB_BYTES:
+        _problem = ("too_big", f"start-up record exceeds {MAX_BLOB_BYTES} bytes at call {entry['index']}")
+    if _problem is not None:  # stop recording: memory and per-op cost stay bounded
+        _entries.clear()
+        _pending.clear()
+        _set_hook(None)
+
+
+def _describe(e: dict) -> str:
+    outs = [f"{o[0]}{tuple(o[1])}" for o in e.get("out", [])]
+    return f"#{e.get('index')} {e.get('op')} on group {e.get('group')} ranks {e.get('ranks')} outputs {outs}"
+
+
+def _on_call(name, fn, wrapped, instance, args, kwargs):
+    """``patches.comm.RECORDER`` while recording or replaying: ``fn`` is the comm layer's
+    wrapper (``fn(wrapped, instance, args, kwargs)`` performs the op)."""
+    if (threading.get_ident() != _thread or getattr(_local, "inside", False)
+            or _mode not in (RECORD, REPLAY)):
+        return fn(wrapped, instance, args, kwargs)
+    if name == "_coalescing_manager":
+        if _mode == REPLAY:
+            raise RejoinError("rejoin: _coalescing_manager during the start-up cannot be replayed")
+        global _problem
+        _problem = _problem or ("unsupported", "_coalescing_manager used during the start-up")
+        _entries.clear()
+        _pending.clear()
+        _set_hook(None)  # nothing more to record
+        return fn(wrapped, instance, args, kwargs)
+    a = _bind(wrapped, args, kwargs).arguments
+    gid = _group_id(_group_of(name, a))
+    if gid is None:  # not a member: torch returns at once, nothing to record
+        return fn(wrapped, instance, args, kwargs)
+    if _mode == REPLAY:
+        return _replay(name, a, gid)
+    return _record(name, fn, wrapped, instance, args, kwargs, a, gid)
+
+
+def _record(name, fn, wrapped, instance, args, kwargs, a, gid):
+    if _pending:
+        _settle(final=False)
+    entry = {"index": len(_entries), "op": name, "group": gid[0], "ranks": gid[1]}
+    outputs = _outputs(name, a)
+    _local.inside = True
+    try:
+        result = fn(wrapped, instance, args, kwargs)
+    finally:
+        _local.inside = False
+    _entries.append(entry)
+    entry["_tensors"] = outputs
+    works = result if isinstance(result, list) else [result] if result is not None else []
+    if not works:  # synchronous: the outputs are final
+        _snapshot(entry)
+        return result
+    entry["_works"] = works  # snapshotted once they completed (the caller waited), see _settle
+    _pending.append(entry)
+    return result
+
+
+def _settle(final: bool) -> None:
+    """Snapshot the pending async entries whose works all completed (all when ``final``)."""
+    for e in list(_pending):
+        works = e.get("_works", ())
+        if final or all(_completed(w) for w in works):
+            _pending[:] = [p for p in _pending if p is not e]
+            e.pop("_works", None)
+            _snapshot(e)
+
+
+def _completed(work) -> bool:
+    try:
+        return bool(work.is_completed())
+    except Exception:  # noqa: BLE001 - a work that cannot tell: wait for startup_done
+        return False
+
+
+def _replay(name, a, gid):
+    global _blob, _next
+    import torch
+
+    if _blob is None:
+        _blob = load()
+    entries = _blob["entries"]
+    index = _next
+    outputs = _outputs(name, a)
+    mine = {"index": index, "op": name, "group": gid[0], "ranks": gid[1], "out": [_meta(t) for t in outputs]}
+    if index >= len(entries):
+        raise RejoinMismatch(f"rejoin: start-up call {_describe(mine)} is past the end of the record "
+                             f"({len(entries)} ops recorded by the first incarnation)")
+    rec = entries[index]
+    same = (rec["op"] == name and rec["group"] == gid[0] and list(rec["ranks"]) == gid[1]
+            and [o[:2] for o in rec["out"]] == [[m[0], list(m[1])] for m in mine["out"]])
+    if not same:
+        raise RejoinMismatch(f"rejoin: start-up call {index} differs from the record: "
+                             f"now {_describe(mine)}, recorded {_describe(rec)}")
+    for t, (dtype, shape, data) in zip(outputs, rec["out"]):
+        if t.numel() == 0:
+            continue
+        src = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(t.dtype).reshape(t.shape)
+        with torch.no_grad():
+            t.copy_(src)
+    _next = index + 1
+    if name in ("isend", "irecv"):
+        return _done_work()
+    if name == "batch_isend_irecv":
+        return [_done_work() for _ in a["p2p_op_list"]]
+    if a.get("async_op"):
+        return _done_work()
+    return None
+
+
+def _done_work():
+    import torch
+    from torch._C import _distributed_c10d
+
+    fut = torch.futures.Future()
+    fut.set_result(None)
+    return _distributed_c10d._create_work_from_future(fut)

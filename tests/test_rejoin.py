@@ -1,0 +1,228 @@
+"""A restarted worker rejoins the running job: its start-up is replayed, not run (recovery/rejoin.py).
+
+Four plain ``torch.distributed`` processes on gloo (no Megatron), with mindspeed-ha's patches
+and the ``ha`` feature on, on the test's TCPStore (torchrun's agent store,
+``TORCHELASTIC_USE_AGENT_STORE``). The start-up of every rank: ``init_process_group``, five
+``new_group`` calls (two with the same ranks, one rank 2 is not in), a broadcast from rank 0 of
+a flags tensor that rank 0 draws at random, a barrier, an all_reduce over WORLD, an all_gather
+on a sub-group; then ``rejoin.startup_done()`` (the record goes into the store) and one real
+all_reduce. Rank 2 SIGKILLs itself; the survivors' next all_reduce fails (the test's stand-in
+for the controller calls ``comm.abort`` once the test saw rank 2 die) and they reset. The test
+starts a new rank-2 process with ``MINDSPEED_HA_INCARNATION=1``: it runs the same start-up
+code while the survivors stay parked in a store wait, and gets the same flags (rank 0's random
+draw, replayed), the same all_reduce / all_gather results, on deferred groups. Then every rank
+calls ``rebuild_process_groups(generation=1)``: the new rank's deferred groups become real gloo
+groups with the names the survivors use; real all_reduces over WORLD and each sub-group give
+the right sums and ``stale_holders`` is empty on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+WORLD = 4
+DEAD = 2
+
+WORKER = textwrap.dedent('''
+    import datetime, json, os, sys, threading
+
+    import mindspeed_ha  # installs the patch hooks
+    from mindspeed_ha.patches import enable
+
+    enable("ha")  # what the runtime does once --enable-high-availability is parsed
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import TCPStore
+
+    from mindspeed_ha.recovery import comm, groups, rejoin
+
+    OUT = sys.argv[1]
+    RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    INC = rejoin.incarnation()
+    WAIT = datetime.timedelta(seconds=60)
+    TEST = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                    timeout=WAIT)  # the test's own coordination keys
+    G = {}  # module global: a holder the rebuild swaps
+
+
+    def startup():
+        dist.init_process_group("gloo", timeout=WAIT)
+        G["pair01"] = dist.new_group([0, 1])
+        G["pair23"] = dist.new_group([2, 3])
+        G["even"] = dist.new_group([0, 2])
+        G["even_twin"] = dist.new_group([0, 2])  # same ranks: a distinct group
+        G["gloo_world"] = dist.new_group(list(range(WORLD)), backend="gloo")
+        flags = torch.zeros(3, dtype=torch.int64)
+        if RANK == 0:  # decided once by rank 0 (like Megatron's do_train/valid/test flags)
+            flags.copy_(torch.tensor(list(os.urandom(3)), dtype=torch.int64))
+        dist.broadcast(flags, src=0)
+        dist.barrier()
+        total = torch.tensor([float(RANK + 1)])
+        dist.all_reduce(total)
+        mine = "pair23" if RANK in (2, 3) else "pair01"
+        gathered = [torch.zeros(2) for _ in range(2)]
+        dist.all_gather(gathered, torch.tensor([RANK, 10.0 * RANK]), group=G[mine])
+        return {"flags": flags.tolist(), "total": total.item(), "gathered": [g.tolist() for g in gathered]}
+
+
+    def dump(name, record):
+        with open(os.path.join(OUT, f"{name}.json"), "w") as f:
+            json.dump(record, f)
+
+
+    def sums():
+        out = {}
+        for key, ranks in (("world", None), ("pair01", [0, 1]), ("pair23", [2, 3]), ("even", [0, 2]),
+                           ("even_twin", [0, 2]), ("gloo_world", None)):
+            if ranks is not None and RANK not in ranks:
+                continue
+            t = torch.tensor([float(RANK + 1)])
+            dist.all_reduce(t, group=None if key == "world" else G[key])
+            out[key] = t.item()
+        return out
+
+
+    def names():
+        w = dist.distributed_c10d._world
+        return {k: str(w.pg_names[g]) for k, g in G.items() if g in w.pg_names}
+
+
+    seen = startup()
+    seen["mode"] = rejoin.mode()
+    if INC:
+        seen["backend_before_rebuild"] = str(dist.get_backend())
+        seen["intended"] = {k: v[0] for k, v in groups.INTENDED_BACKENDS.items()}
+    seen["blob_bytes"] = rejoin.startup_done()
+    seen["pid"] = os.getpid()
+    seen["names_before"] = names()
+    dump(f"start{RANK}.{INC}", seen)
+
+    if INC == 0:
+        t = torch.tensor([1.0])
+        dist.all_reduce(t)
+        assert t.item() == WORLD, t
+        if RANK == %(dead)d:
+            os.kill(os.getpid(), 9)
+        # the controller's part: once the dead rank is seen, abort this rank's collectives
+        watcher = threading.Thread(target=lambda: (TEST.wait(["test/dead"]), comm.abort("rank died")))
+        watcher.start()
+        failed = None
+        try:
+            dist.all_reduce(torch.tensor([1.0]))
+        except Exception as exc:  # gloo's link error or CollectiveAborted, whichever first
+            failed = type(exc).__name__
+        watcher.join(WAIT.total_seconds())
+        assert failed and not watcher.is_alive(), (failed, watcher.is_alive())
+        comm.reset()
+        TEST.wait(["test/replayed"])  # parked until the new process finished its start-up
+    else:
+        TEST.set("test/replayed", "1")
+
+    old_world = id(dist.group.WORLD)  # an id: a list of the groups would be swapped by the rebuild
+    report = groups.rebuild_process_groups(1, timeout=WAIT)
+    result = {"pid": os.getpid(), "failed": INC == 0 and failed, "sums": sums(), "names": names(),
+              "groups": report.groups, "unswapped": report.unswapped,
+              "backend": str(dist.get_backend()), "world_is_new": id(dist.group.WORLD) != old_world}
+    result["stale"] = groups.stale_holders(groups.retired_groups())
+    dump(f"end{RANK}", result)
+    TEST.set(f"test/end{RANK}", "1")
+    TEST.wait([f"test/end{r}" for r in range(WORLD)])  # nobody leaves while a peer still needs it
+    sys.stdout.flush()
+    # the survivors' old groups hold an abandoned gloo op: skip their destructors at exit
+    os._exit(0)
+''') % {"dead": DEAD}
+
+
+def _read(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+@pytest.mark.timeout(240)
+def test_restarted_rank_replays_startup_and_rejoins_rebuilt_groups(tmp_path):
+    from torch.distributed import TCPStore
+
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    store = TCPStore("127.0.0.1", 0, WORLD + 2, is_master=True, wait_for_workers=False)
+    logs = {}
+
+    def start(rank, incarnation):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), OMP_NUM_THREADS="1",
+                   TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
+        env.pop("MINDSPEED_HA_INJECT", None)
+        env.pop("MINDSPEED_HA_INCARNATION", None)
+        if incarnation:
+            env["MINDSPEED_HA_INCARNATION"] = str(incarnation)
+        log = open(tmp_path / f"rank{rank}.{incarnation}.log", "w")
+        logs[(rank, incarnation)] = log
+        return subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+
+    def tail(rank, incarnation):
+        return (tmp_path / f"rank{rank}.{incarnation}.log").read_text()[-3000:]
+
+    procs = {}
+    try:
+        for rank in range(WORLD):
+            procs[rank] = start(rank, 0)
+        deadline = time.monotonic() + 200
+        assert procs[DEAD].wait(timeout=100) == -signal.SIGKILL, tail(DEAD, 0)
+        store.set("test/dead", "1")
+        first = procs[DEAD]
+        procs[DEAD] = start(DEAD, 1)
+        for rank, p in procs.items():
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        for rank, p in procs.items():
+            assert p.returncode == 0, (rank, tail(rank, 1 if rank == DEAD else 0))
+    finally:
+        for p in list(procs.values()) + ([first] if "first" in locals() else []):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs.values():
+            log.close()
+        del store
+
+    start0 = [_read(tmp_path / f"start{r}.0.json") for r in range(WORLD)]
+    replayed = _read(tmp_path / f"start{DEAD}.1.json")
+    ends = [_read(tmp_path / f"end{r}.json") for r in range(WORLD)]
+    # recording on every rank; the same flags everywhere (rank 0's random draw)
+    assert all(s["mode"] == "record" and s["blob_bytes"] > 0 for s in start0), start0
+    assert len({tuple(s["flags"]) for s in start0}) == 1
+    # the new process got exactly what its first incarnation got, on deferred groups
+    assert replayed["mode"] == "replay" and replayed["blob_bytes"] is None
+    for key in ("flags", "total", "gathered", "names_before"):
+        assert replayed[key] == start0[DEAD][key], (key, replayed[key], start0[DEAD][key])
+    assert replayed["total"] == sum(range(1, WORLD + 1))
+    assert replayed["backend_before_rebuild"] == "ha_deferred"
+    assert set(replayed["intended"].values()) == {"gloo"}, replayed["intended"]
+    assert replayed["pid"] != start0[DEAD]["pid"]
+    # survivors: same processes throughout; their collective failed once rank 2 died
+    for r in range(WORLD):
+        if r != DEAD:
+            assert ends[r]["pid"] == start0[r]["pid"] and ends[r]["failed"], ends[r]
+    # after the rebuild: real groups with one name per group on every member, right sums
+    expect = {"world": 10.0, "gloo_world": 10.0, "pair01": 3.0, "pair23": 7.0, "even": 4.0, "even_twin": 4.0}
+    for r, e in enumerate(ends):
+        assert e["sums"] == {k: v for k, v in expect.items() if k in e["sums"]}, (r, e["sums"])
+        assert len(e["sums"]) == (5 if r in (0, 2) else 3), (r, e["sums"])
+        assert e["stale"] == [] and e["unswapped"] == [], (r, e["stale"], e["unswapped"])
+        assert e["backend"] == "gloo" and e["world_is_new"], e
+        for key, name in e["names"].items():
+            assert name.endswith(".ha1"), (r, key, name)
+            for other in ends:
+                assert other["names"].get(key, name) == name, (r, key, name, other["names"])
+    assert ends[0]["names"]["even"] != ends[0]["names"]["even_twin"]
+    print(f"\nstart-up record per rank (bytes): {[s['blob_bytes'] for s in start0]}; "
+          f"groups rebuilt on rank {DEAD}: {len(ends[DEAD]['groups'])}")
