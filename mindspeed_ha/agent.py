@@ -103,7 +103,7 @@ HA_VERDICTS = frozenset({faults.EXIT_DYING_CHECKPOINT_SAVED, faults.EXIT_NO_COMP
 class RestartHooks:
     """What :class:`WorkerRebootAgent` asks and tells its owner. These defaults refuse
     nothing and tell no one; ``mindspeed-ha-run`` passes its own (duck-typed: any object
-    with these three methods)."""
+    with these methods)."""
 
     def restart_refused(self, rank: int, exitcode: int) -> Optional[str]:
         """None if global ``rank``, which exited with ``exitcode``, may be restarted, else why not."""
@@ -115,6 +115,10 @@ class RestartHooks:
 
     def supervise(self, pcontext: SubprocessContext) -> None:
         """Called at every monitor turn while restarts are possible, before the workers are polled."""
+
+    def abandoned(self, rank: int, why: str) -> None:
+        """Dead ``rank`` will not be restarted, for the reason ``why`` (the agent hands over
+        to torch's monitoring)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +200,9 @@ class WorkerRebootAgent(LocalElasticAgent):
                 worker = worker_group.workers[local_rank]
                 log.error("worker rank %d (pid %d, incarnation %d) exited with %d; not restarted: %s",
                           worker.global_rank, worker.id, self._incarnation[local_rank], code, why)
+                abandoned = getattr(self.hooks, "abandoned", None)
+                if abandoned is not None:
+                    abandoned(worker.global_rank, why)
                 self._handed_over = True
                 return self._torch_monitor(worker_group)
             self._restart_one(worker_group, local_rank, code)

@@ -105,6 +105,10 @@ class _Survivors:
     def supervise(self, pcontext) -> None:
         _supervise(pcontext, self)
 
+    def abandoned(self, rank: int, why: str) -> None:
+        if self.controller is not None:
+            self.controller.report_restart_abandoned(rank, why)
+
 
 def _say(text: str) -> None:
     """One line to stderr without logging's locks (safe in a signal handler)."""

@@ -295,25 +295,36 @@ class Controller:
     def restart_refused(self, rank: int) -> Optional[str]:
         """None while the agent may restart a dead ``rank``, else why not. Thread-safe.
 
-        Only while the job runs (phase RUNNING, no graceful stop requested): once the
-        policy has begun a verdict (the dying checkpoint, an in-place recovery, a drain),
-        a new process of that rank would register into that round, which has no place
-        for it. And only for a rank that never registered (it died while starting): the
-        policy has no rejoin yet (issue 9 item 2), so the death of a registered rank
-        always ends in its verdict, which it usually reaches (connection closed: well
-        under a millisecond) before the agent's next poll; refusing it here makes that
-        outcome certain instead of a race. The rejoin step changes this rule.
+        Allowed while the job runs or recovers in place (phases RUNNING, RECOVERING before
+        the RETRY is sent) with no graceful stop requested, for a rank that never
+        registered (it died while starting) or whose processor said its process can
+        rejoin (REGISTER ``rejoins``: ``--enable-worker-reboot`` and the rejoin support
+        loaded). The policy then waits for the new process (``ClusterState.rejoin_wait``,
+        set when the death is reported) instead of starting the dying checkpoint. Any
+        other phase is a verdict under way (the dying checkpoint, a drain): a new process
+        would register into a round that has no place for it.
         """
         with self._lock:
             st = self.state
-            if st.phase is not Phase.RUNNING:
+            pending = st.pending
+            if st.phase not in (Phase.RUNNING, Phase.RECOVERING):
                 return f"the controller is in phase {st.phase.value} (its verdict on the job is under way)"
+            if st.phase is Phase.RECOVERING and pending is not None and pending.kind == ActionKind.RETRY.value:
+                return "an in-place recovery is already under way (its plan was sent)"
             if st.stop_request is not None:
                 return "a graceful stop was requested"
-            if rank in st.ranks:
-                return (f"rank {rank} had registered with the controller, which cannot take a new process of a "
-                        "registered rank back yet (no rejoin): its death takes the dying-checkpoint path")
+            info = st.ranks.get(rank)
+            if info is not None and not info.rejoins:
+                return (f"rank {rank} registered without rejoin support (needs --enable-worker-reboot): its death "
+                        "takes the dying-checkpoint path")
             return None
+
+    def report_restart_abandoned(self, rank: int, why: str) -> None:
+        """Agent report (``--enable-worker-reboot``): dead ``rank`` will not be restarted
+        (its restart budget is spent, its exit code is a verdict...). The policy stops
+        waiting for it. Thread-safe."""
+        self._cmds.put(("abandoned", (int(rank), str(why), self.clock())))
+        self._wake()
 
     def wait_done(self, timeout: Optional[float] = None) -> Optional[Outcome]:
         """Block until the job is DONE (or ``timeout``); return the outcome or None."""
@@ -455,6 +466,11 @@ class Controller:
                 rank, code, at = arg
                 if self.state.mark_dead(rank, f"process exited with code {code} (agent report)", code, at):
                     log.warning("rank %d: process exited with code %d (agent report)", rank, code)
+                self._expect_rejoin(rank, code, at)
+            elif cmd == "abandoned":
+                rank, why, at = arg
+                if self.state.rejoin_wait.pop(rank, None) is not None:
+                    log.warning("rank %d: its agent will not restart it (%s): not waiting for it to rejoin", rank, why)
             elif cmd == "stop":
                 self._stop_requested(*arg)
             elif cmd == "restart":
@@ -463,6 +479,22 @@ class Controller:
                                        "at": at})
                 log.warning("rank %d: restarted by its agent as pid %d (incarnation %d; the previous one exited "
                             "with %d)", rank, pid, incarnation, code)
+
+    def _expect_rejoin(self, rank: int, code: int, at: float) -> None:
+        """ARF: a rank whose process died with a code its agent restarts (not 0, not a
+        verdict 75-79), while the job runs or recovers, and whose processor said it can
+        rejoin: the policy waits for its new process (``ClusterState.rejoin_wait``)."""
+        st = self.state
+        info = st.ranks.get(rank)
+        if not (self.config.worker_reboot and code != 0 and code not in range(75, 80)):
+            return
+        if info is None or not info.rejoins or st.stop_request is not None:
+            return
+        pending = st.pending
+        if st.phase is Phase.RUNNING or (st.phase is Phase.RECOVERING and
+                                          (pending is None or pending.kind != ActionKind.RETRY.value)):
+            st.rejoin_wait.setdefault(rank, at)
+            log.warning("rank %d: waiting for its agent to restart it and for the new process to rejoin", rank)
 
     def _stop_requested(self, rank: int, reason: str, at: float) -> None:
         if self.state.request_stop(at, rank, reason):
@@ -637,6 +669,8 @@ class Controller:
                     info.status = OptimizerStatus.UNKNOWN
                 info.iteration = body.iteration
                 info.verifies = body.verifies
+                info.incarnation = body.incarnation
+                info.rejoins = body.rejoins
                 st.ranks[body.rank] = info
                 if old is not None:
                     log.warning("rank %d re-registered as a new process (pid %d)", body.rank, body.pid)
@@ -681,6 +715,7 @@ class Controller:
         st.fault = None
         st.pending = None
         st.abort_sent_at = None
+        st.rejoin_wait.clear()
         for info in st.ranks.values():
             info.fault, info.fault_message, info.fault_where = None, "", ""
             info.failed_at = info.fault_at = None

@@ -71,7 +71,7 @@ from mindspeed_ha.faults import (
     FaultKind,
 )
 from mindspeed_ha.control import integrity
-from mindspeed_ha.control.recovery_plan import NoRecovery, in_place_possible, plan_recovery
+from mindspeed_ha.control.recovery_plan import REJOIN, NoRecovery, in_place_possible, plan_recovery
 from mindspeed_ha.control.state import ClusterState, OptimizerStatus, Phase, RankInfo
 
 ShardKey = Tuple[int, int, int]  # (tp_rank, pp_rank, shard_id)
@@ -417,6 +417,15 @@ def _recover_in_place(state: ClusterState, rank: int, kind: FaultKind, config: H
             and in_place_possible(kind, config) is None)
 
 
+def _worker_restart(state: ClusterState, kind: FaultKind, config: HAConfig, gone: Mapping[int, str]) -> bool:
+    """ARF: a process fault (a rank died, or a survivor saw its peer crash) with
+    ``--enable-worker-reboot``, every gone rank being restarted by its agent
+    (``rejoin_wait``; a survivor's report may come before the death's, the recovery
+    round then waits for it)."""
+    return (config.worker_reboot and kind is FaultKind.PROCESS and bool(gone or state.rejoin_wait)
+            and all(r in state.rejoin_wait for r in gone))
+
+
 def _fall_back(state: ClusterState, gone: Mapping[int, str], now: float, why: str) -> Decision:
     """In-place recovery is impossible or failed: abort every step again (a rank may be
     inside a recovery collective) and take the dying-checkpoint path (STOPPING)."""
@@ -426,6 +435,13 @@ def _fall_back(state: ClusterState, gone: Mapping[int, str], now: float, why: st
     kind = fault.kind.value if fault is not None else FaultKind.UNKNOWN.value
     return Decision(ActionKind.STOP_ALL, f"in-place recovery not possible: {why}; stopping all ranks for a dying "
                     "checkpoint", {"rank": rank, "kind": kind, "at": now, "recover": True}, targets, Phase.STOPPING)
+
+
+def _parked_to_rejoin(state: ClusterState, rank: int, gone: Mapping[int, str]) -> bool:
+    """The restarted process of ``rank`` registered and waits at its rejoin point."""
+    info = state.ranks.get(rank)
+    return (rank not in gone and info is not None and info.incarnation > 0 and info.stopped
+            and info.fault_where == REJOIN)
 
 
 def _inside_one_update(state: ClusterState, live) -> bool:
@@ -453,11 +469,18 @@ def _recovering(now: float, state: ClusterState, config: HAConfig, gone: Mapping
     fault during recovery, or ``action_timeout_s``: the dying checkpoint (nothing loops).
     """
     pending = state.pending
-    if gone:
-        r = sorted(gone)[0]
-        return _fall_back(state, gone, now, f"rank {r} is gone ({gone[r]})")
+    rejoin = state.rejoin_wait  # ARF: rank -> when its death was reported
+    others = {r: why for r, why in gone.items() if r not in rejoin}
+    if others:
+        r = sorted(others)[0]
+        return _fall_back(state, gone, now, f"rank {r} is gone ({others[r]})")
+    late = sorted(r for r, since in rejoin.items() if now - since > config.action_timeout_s
+                  and not _parked_to_rejoin(state, r, gone))
+    if late:
+        return _fall_back(state, gone, now, f"rank {late[0]} did not rejoin within {config.action_timeout_s} s of its "
+                          "death (--enable-worker-reboot)")
     if pending is None or pending.kind != ActionKind.RETRY.value:
-        live = state.alive_ranks()
+        live = [r for r in state.alive_ranks() if r not in gone and r not in rejoin]  # the survivors
         if state.abort_sent_at is None:
             # round 1 (observe, no freeze): ranks whose gradients are complete finish their
             # optimizer update (it needs no rank that faulted later), so the abort that follows
@@ -491,11 +514,14 @@ def _recovering(now: float, state: ClusterState, config: HAConfig, gone: Mapping
         if waiting:
             return _fall_back(state, gone, now, f"ranks {waiting} did not leave their step within "
                               f"{config.stop_timeout_s} s")
+        starting = sorted(r for r in rejoin if not _parked_to_rejoin(state, r, gone))
+        if starting:  # bounded above (action_timeout_s from the death)
+            return Decision(ActionKind.NOOP, f"recovering: waiting for the restarted ranks {starting} to rejoin")
         fault_rank = state.fault.rank if state.fault is not None else -1
         plan = plan_recovery(state.ranks, state.world_size, fault_rank, config, state.recoveries)
         if isinstance(plan, NoRecovery):
             return _fall_back(state, gone, now, plan.reason)
-        return Decision(ActionKind.RETRY, plan.reason, plan.to_params(), tuple(live))
+        return Decision(ActionKind.RETRY, plan.reason, plan.to_params(), tuple(sorted(live + list(rejoin))))
     if pending.failures:
         r, detail = sorted(pending.failures.items())[0]
         return _fall_back(state, gone, now, f"rank {r} failed to recover: {detail}")
@@ -759,9 +785,14 @@ def decide(now: float, state: ClusterState, config: HAConfig) -> Decision:
         if fault is None:
             return Decision(ActionKind.NOOP, "running")
         rank, kind, reason, at = fault
-        targets = tuple(r for r in state.alive_ranks() if r not in gone)
+        targets = tuple(r for r in state.alive_ranks() if r not in gone and r not in state.rejoin_wait)
         if _recover_in_place(state, rank, kind, config) and not gone:
             return Decision(ActionKind.STOP_ALL, reason + "; recovering in place: every rank reports its state",
+                            {"rank": rank, "kind": kind.value, "at": at, "in_place": True}, targets,
+                            Phase.RECOVERING)
+        if _worker_restart(state, kind, config, gone):
+            return Decision(ActionKind.STOP_ALL, reason + "; the dead worker is restarted (--enable-worker-reboot): "
+                            "the others report their state and wait for it to rejoin",
                             {"rank": rank, "kind": kind.value, "at": at, "in_place": True}, targets,
                             Phase.RECOVERING)
         return Decision(ActionKind.STOP_ALL, reason + "; stopping all ranks for a dying checkpoint",

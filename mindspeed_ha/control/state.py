@@ -201,6 +201,7 @@ class RankInfo:
     fault_at: Optional[float] = None  # when its latest FAULT arrived (controller clock)
     step: int = -1  # the train_step the rank's training thread entered (STATUS / STOPPED), -1: unknown
     incarnation: int = 0  # how many times the launcher restarted this rank's process (ARF)
+    rejoins: bool = False  # a restarted process of this rank can rejoin (REGISTER)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,6 +267,9 @@ class ClusterState:
     recoveries: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
     #: in-place recovery: when the abort (STOP with ``recover``) was sent; None before it
     abort_sent_at: Optional[float] = None
+    #: ARF (--enable-worker-reboot): ranks whose process died and whose agent restarts it,
+    #: with when the death was reported; the recovery waits for them to rejoin
+    rejoin_wait: Dict[int, float] = dataclasses.field(default_factory=dict)
 
     def set_phase(self, new: Phase, now: float, why: str = "") -> None:
         """Move the job to ``new`` or raise IllegalTransition (logged)."""

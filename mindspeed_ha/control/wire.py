@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 #: 2: REGISTER says whether the rank verifies its state; INTEGRITY answers VERIFY
 #: 3: graceful stop: STOP_REQUEST (a rank got SIGTERM/SIGINT), DRAIN / DRAINING (finish the
 #:    current iteration, pause at an agreed one), STOPPED.pause_at
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 TAG_BYTES = 32
 DEFAULT_MAX_BYTES = 1 << 20
 #: what CURVE adds to a frame on the wire (MESSAGE command, nonce, MAC: 33 bytes), rounded up
@@ -99,6 +99,8 @@ class Register:
     status: str = "unknown"
     iteration: int = -1
     verifies: bool = False
+    incarnation: int = 0  # the launcher's restarts of this rank's process (ARF), 0 for the first
+    rejoins: bool = False  # a restarted process of this rank can rejoin the running job (ARF)
 
 
 @dataclasses.dataclass(frozen=True)

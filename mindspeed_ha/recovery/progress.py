@@ -1,0 +1,165 @@
+"""A rank's training progress, handed to a restarted process (ARF) in memory.
+
+A process the launcher restarted (``--enable-worker-reboot``) builds its model and
+optimizer without loading a checkpoint; :mod:`mindspeed_ha.recovery.transfer` gives it
+the tensors (parameters, optimizer shard) of a replica holder. What a checkpoint load
+would also have set comes from the same holder as one small message (this module):
+
+* Megatron-LM's counters of the last completed iteration k: ``iteration``,
+  ``consumed_train_samples``, ``skipped_train_samples``, ``consumed_valid_samples``,
+  ``num_floating_point_operations_so_far`` (Megatron-LM core_v0.12.1
+  ``checkpointing.py`` ``load_checkpoint`` sets these on ``args``; ``training.py``
+  ``train`` starts from ``args.iteration`` and ``args.num_floating_point_operations_so_far``,
+  the data samplers from ``args.consumed_train_samples``);
+* the learning-rate scheduler's ``state_dict()`` (``OptimizerParamScheduler.load_state_dict``
+  takes it back and sets the param groups' learning rate);
+* the RNG state at the entry of step k+1 (python, numpy, torch, device, the
+  tensor-parallel tracker: :func:`mindspeed_ha.integrations.megatron_lm.collect_rng_state`):
+  a holder with the same tensor- and pipeline-parallel rank draws the same numbers
+  (Megatron-LM seeds by ``seed + 100 * pp_rank`` and the TP rank, not the DP rank, unless
+  ``--data-parallel-random-init``, which a rejoin refuses).
+
+Wire: msgpack (no pickle), versioned, at most :data:`MAX_BYTES`; sent point to point over
+a process group as a length header (int64) and a uint8 tensor.
+"""
+
+from __future__ import annotations
+
+import random  # noqa: F401  (documented source of the python RNG state)
+from typing import Any, Dict, Optional
+
+import msgpack
+import numpy as np
+import torch
+
+VERSION = 1
+#: largest progress message, bytes (the RNG states are ~5 KB, the rest < 1 KB)
+MAX_BYTES = 1 << 20
+#: the args fields a checkpoint load sets that a restarted process takes from its holder
+ARGS_FIELDS = ("iteration", "consumed_train_samples", "skipped_train_samples", "consumed_valid_samples",
+               "num_floating_point_operations_so_far")
+
+
+class ProgressError(RuntimeError):
+    """A progress message is malformed, too large, or of another version."""
+
+
+def _tensor(t: torch.Tensor) -> Dict[str, Any]:
+    t = t.detach().cpu().contiguous()
+    return {"dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape), "data": t.numpy().tobytes()}
+
+
+def _untensor(d: Dict[str, Any]) -> torch.Tensor:
+    dtype = getattr(torch, d["dtype"])
+    return torch.frombuffer(bytearray(d["data"]), dtype=dtype).reshape(d["shape"]).clone()
+
+
+def encode_rng(state: Dict[str, Any]) -> Dict[str, Any]:
+    """``collect_rng_state()`` -> msgpack-able (tensors and numpy arrays as bytes)."""
+    version, internal, gauss = state["random_rng_state"]
+    name, keys, pos, has_gauss, cached = state["np_rng_state"]
+    return {
+        "random": [version, list(internal), gauss],
+        "numpy": [name, np.asarray(keys, dtype=np.uint32).tobytes(), int(pos), int(has_gauss), float(cached)],
+        "torch": _tensor(state["torch_rng_state"]),
+        "device": _tensor(state["cuda_rng_state"]),
+        "tracker": {k: _tensor(v) for k, v in state["rng_tracker_states"].items()},
+    }
+
+
+def decode_rng(d: Dict[str, Any]) -> Dict[str, Any]:
+    """The inverse of :func:`encode_rng`."""
+    version, internal, gauss = d["random"]
+    name, keys, pos, has_gauss, cached = d["numpy"]
+    return {
+        "random_rng_state": (version, tuple(internal), gauss),
+        "np_rng_state": (name, np.frombuffer(keys, dtype=np.uint32).copy(), pos, has_gauss, cached),
+        "torch_rng_state": _untensor(d["torch"]),
+        "cuda_rng_state": _untensor(d["device"]),
+        "rng_tracker_states": {k: _untensor(v) for k, v in d["tracker"].items()},
+    }
+
+
+def capture(args, iteration: int, scheduler_state: Optional[dict], rng_state: Optional[dict],
+            flops: Optional[float] = None) -> Dict[str, Any]:
+    """The progress of completed iteration ``iteration`` (see the module docstring).
+
+    Args:
+        args: the run's args as the training loop left them after counting ``iteration``.
+        iteration: k.
+        scheduler_state: ``opt_param_scheduler.state_dict()`` after step k (None: no scheduler).
+        rng_state: ``collect_rng_state()`` at the entry of step k+1.
+        flops: the training loop's FLOP count after k (None: ``args``' own).
+    """
+    fields = {f: getattr(args, f, None) for f in ARGS_FIELDS}
+    fields["iteration"] = int(iteration)
+    if flops is not None:
+        fields["num_floating_point_operations_so_far"] = flops
+    return {"v": VERSION, "args": fields, "scheduler": scheduler_state,
+            "rng": encode_rng(rng_state) if rng_state is not None else None}
+
+
+def encode(progress: Dict[str, Any]) -> bytes:
+    blob = msgpack.packb(progress, use_bin_type=True)
+    if len(blob) > MAX_BYTES:
+        raise ProgressError(f"progress message of {len(blob)} bytes > {MAX_BYTES}")
+    return blob
+
+
+def decode(blob: bytes) -> Dict[str, Any]:
+    if len(blob) > MAX_BYTES:
+        raise ProgressError(f"progress message of {len(blob)} bytes > {MAX_BYTES}")
+    try:
+        progress = msgpack.unpackb(blob, raw=False, strict_map_key=False)
+    except (ValueError, msgpack.exceptions.ExtraData) as exc:
+        raise ProgressError(f"malformed progress message: {exc}") from exc
+    if not isinstance(progress, dict) or progress.get("v") != VERSION:
+        raise ProgressError(f"progress message of version {progress.get('v') if isinstance(progress, dict) else '?'}"
+                            f", expected {VERSION}")
+    return progress
+
+
+def send(progress: Dict[str, Any], dst: int, group=None, device: Optional[torch.device] = None) -> int:
+    """Send ``progress`` to global rank ``dst`` (which calls :func:`recv`). Returns bytes sent."""
+    import torch.distributed as dist
+
+    blob = encode(progress)
+    device = device or torch.device("cpu")
+    dist.send(torch.tensor([VERSION, len(blob)], dtype=torch.int64, device=device), dst, group=group)
+    dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device), dst, group=group)
+    return len(blob)
+
+
+def recv(src: int, group=None, device: Optional[torch.device] = None) -> Dict[str, Any]:
+    """Receive a progress message from global rank ``src``.
+
+    Raises:
+        ProgressError: another version, or larger than :data:`MAX_BYTES`.
+    """
+    import torch.distributed as dist
+
+    device = device or torch.device("cpu")
+    head = torch.zeros(2, dtype=torch.int64, device=device)
+    dist.recv(head, src, group=group)
+    version, n = int(head[0]), int(head[1])
+    if version != VERSION or not 0 < n <= MAX_BYTES:
+        raise ProgressError(f"progress header from rank {src}: version {version}, {n} bytes (expected version "
+                            f"{VERSION}, at most {MAX_BYTES})")
+    buf = torch.zeros(n, dtype=torch.uint8, device=device)
+    dist.recv(buf, src, group=group)
+    return decode(bytes(buf.cpu().numpy().tobytes()))
+
+
+def apply(progress: Dict[str, Any], args, opt_param_scheduler=None) -> None:
+    """Set ``args``' counters and the scheduler's state from ``progress`` (as a checkpoint
+    load would). The RNG state is not set here: the caller sets it at the step's entry
+    (:func:`decode_rng`)."""
+    for field, value in progress["args"].items():
+        if value is not None:
+            setattr(args, field, value)
+    if opt_param_scheduler is not None and progress.get("scheduler") is not None:
+        opt_param_scheduler.load_state_dict(progress["scheduler"])
+
+
+__all__ = ["VERSION", "MAX_BYTES", "ARGS_FIELDS", "ProgressError", "capture", "encode", "decode", "send", "recv",
+           "apply", "encode_rng", "decode_rng"]
