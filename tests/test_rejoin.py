@@ -226,3 +226,97 @@ def test_restarted_rank_replays_startup_and_rejoins_rebuilt_groups(tmp_path):
     assert ends[0]["names"]["even"] != ends[0]["names"]["even_twin"]
     print(f"\nstart-up record per rank (bytes): {[s['blob_bytes'] for s in start0]}; "
           f"groups rebuilt on rank {DEAD}: {len(ends[DEAD]['groups'])}")
+
+
+REFUSALS = textwrap.dedent('''
+    import json, os, sys
+
+    import mindspeed_ha  # noqa: F401
+    from mindspeed_ha.patches import enable
+
+    enable("ha")
+    import torch
+    import torch.distributed as dist
+
+    from mindspeed_ha.recovery import rejoin
+
+    STORE = dist.HashStore()
+    out = {}
+
+
+    def start(x, on_subgroup=False, ops=True):
+        dist.init_process_group("gloo", store=STORE, rank=0, world_size=1)
+        g = dist.new_group([0])
+        t = torch.tensor([x])
+        big = torch.full((100000,), x)  # 400 kB: over MAX_OUTPUT_BYTES, recorded without data
+        if ops:
+            dist.all_reduce(t, group=g if on_subgroup else None)
+            dist.broadcast(big, 0)
+        return t.item(), big[0].item()
+
+
+    def again(incarnation):
+        dist.destroy_process_group()
+        rejoin.reset()
+        os.environ["MINDSPEED_HA_INCARNATION"] = str(incarnation)
+
+
+    def refused(fn):
+        try:
+            fn()
+        except rejoin.RejoinError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+
+    out["recorded"] = start(5.0)
+    out["bytes"] = rejoin.startup_done()
+    again(1)  # replayed: the recorded 5.0 comes back for an input of 7.0; big is left as it is
+    out["replayed"] = start(7.0)
+    out["backend"] = str(dist.get_backend())
+    out["omitted"] = rejoin.omitted()
+    out["done"] = rejoin.startup_done()
+    again(1)
+    out["mismatch"] = refused(lambda: start(7.0, on_subgroup=True))
+    again(1)
+    start(7.0, ops=False)
+    out["unserved"] = refused(rejoin.startup_done)
+    again(1)
+    start(7.0)
+    out["past_end"] = refused(lambda: dist.barrier())
+    out["deferred_op"] = refused(lambda: dist.distributed_c10d._world.default_pg.barrier())
+    out["missing"] = refused(lambda: rejoin.load(STORE, rank=7))
+    again(0)
+    rejoin.MAX_BLOB_BYTES = 64
+    start(5.0)
+    out["too_big_bytes"] = rejoin.startup_done()
+    again(1)
+    out["too_big"] = refused(lambda: start(7.0))
+    print("RESULT " + json.dumps(out))
+''')
+
+
+@pytest.mark.timeout(120)
+def test_replay_serves_recorded_values_and_refuses_clearly(tmp_path):
+    """One rank, in a child process: a replay hands back the recorded value (not the one
+    computed now), leaves an output recorded without data as it is, and refuses with the call
+    index and both sides when the start-up differs, ends early, runs past the record, has no
+    record, or was too big; an op on a deferred group raises instead of hanging."""
+    script = tmp_path / "refusals.py"
+    script.write_text(REFUSALS)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("MINDSPEED_HA_INCARNATION", None)
+    p = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=100)
+    assert p.returncode == 0, p.stderr[-4000:]
+    out = json.loads(p.stdout.split("RESULT ", 1)[1])
+    assert out["recorded"] == [5.0, 5.0] and 0 < out["bytes"] < 2000, out
+    assert out["replayed"] == [5.0, 7.0] and out["backend"] == "ha_deferred" and out["done"] is None, out
+    assert len(out["omitted"]) == 1 and "#1 broadcast" in out["omitted"][0], out["omitted"]
+    assert out["mismatch"].startswith("RejoinMismatch: rejoin: start-up call 0 differs"), out["mismatch"]
+    assert "now #0 all_reduce on group 1 ranks [0]" in out["mismatch"], out["mismatch"]
+    assert "recorded #0 all_reduce on group 0 ranks [0]" in out["mismatch"], out["mismatch"]
+    assert "ended after 0 collective(s)" in out["unserved"] and "recorded 2" in out["unserved"], out
+    assert "past the end of the record" in out["past_end"] and "#2 barrier" in out["past_end"], out
+    assert "deferred process group" in out["deferred_op"], out
+    assert "no start-up record" in out["missing"], out
+    assert out["too_big_bytes"] < 400 and "'too_big'" in out["too_big"], out

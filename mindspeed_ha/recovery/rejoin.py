@@ -123,6 +123,11 @@ FORMAT = "mindspeed_ha.startup"
 VERSION = 1
 #: bytes; a larger record is written as a ``too_big`` marker (a rejoin then refuses)
 MAX_BLOB_BYTES = 4 * 1024 * 1024
+#: bytes; a larger output is recorded without its data (dtype and shape only): the replay leaves
+#: the caller's tensor as it is and lists the call in :func:`omitted` (measured: the only such
+#: start-up output of Megatron-LM is the embedding-group all_reduce of the word embeddings with
+#: PP > 1, model state that the repair from a replica overwrites)
+MAX_OUTPUT_BYTES = 256 * 1024
 #: the torch.distributed backend of the groups a rejoining process creates before startup_done
 BACKEND = "ha_deferred"
 #: environment variable set by the launcher's agent on a restarted worker (1, 2, ...)
@@ -152,6 +157,7 @@ _blob: Optional[dict] = None  # REPLAY: the decoded record
 _next = 0  # REPLAY: index of the next entry to serve
 _local = threading.local()  # .inside: an op of ours is running (nested ops pass)
 _written: Optional[int] = None  # bytes of the blob written by startup_done (record)
+_omitted: List[str] = []  # REPLAY: calls whose recorded output had no data (described)
 
 
 def incarnation() -> int:
@@ -187,6 +193,7 @@ def begin(replay: Optional[bool] = None) -> str:
         _thread = threading.get_ident()
         _entries.clear()
         _pending.clear()
+        _omitted.clear()
         _size, _problem, _blob, _next = 0, None, None, 0
         if replaying:
             register_backend()
@@ -205,6 +212,7 @@ def reset() -> None:
         _mode, _thread, _blob, _next, _size, _problem, _written = None, None, None, 0, 0, None, None
         _entries.clear()
         _pending.clear()
+        _omitted.clear()
 
 
 def startup_done() -> Optional[int]:
@@ -218,7 +226,7 @@ def startup_done() -> Optional[int]:
         RejoinMismatch: replay ended with recorded ops left unserved (the start-up diverged).
         RuntimeError: the store write failed (recording).
     """
-    global _mode, _written
+    global _mode, _written, _blob
     with _lock:
         if _mode == RECORD:
             _settle(final=True)
@@ -235,15 +243,24 @@ def startup_done() -> Optional[int]:
                      len(_entries), len(blob))
             return len(blob)
         if _mode == REPLAY:
-            served, total = _next, len((_blob or {}).get("entries", ()))
+            if _blob is None:  # no op was replayed: the record must be empty too
+                _blob = load()
+            served, total = _next, len(_blob["entries"])
             _finish()
             if served != total:
                 raise RejoinMismatch(
                     f"rejoin: start-up ended after {served} collective(s) but the first incarnation "
-                    f"recorded {total}; next recorded: {_describe((_blob or {})['entries'][served])}")
+                    f"recorded {total}; next recorded: {_describe(_blob['entries'][served])}")
             log.info("rejoin: start-up replayed: %d ops served without communicating", served)
             return None
         return None
+
+
+def omitted() -> List[str]:
+    """The replayed calls whose output was recorded without data (larger than
+    :data:`MAX_OUTPUT_BYTES`): their tensors kept the new process's own values, so the repair
+    must overwrite them (each described with its index, op, group and call site)."""
+    return list(_omitted)
 
 
 def recorded_bytes() -> Optional[int]:
@@ -487,7 +504,9 @@ def _snapshot(entry: dict) -> None:
     out = []
     for t in tensors:
         meta = _meta(t)
-        if _problem is None:
+        if t.numel() * t.element_size() > MAX_OUTPUT_BYTES:
+            data = None  # not kept: see MAX_OUTPUT_BYTES
+        elif _problem is None:
             data = _bytes_of(t)
             _size += len(data)
             if _size > MAX_BLOB_BYTES:
@@ -508,7 +527,35 @@ def _snapshot(entry: dict) -> None:
 
 def _describe(e: dict) -> str:
     outs = [f"{o[0]}{tuple(o[1])}" for o in e.get("out", [])]
-    return f"#{e.get('index')} {e.get('op')} on group {e.get('group')} ranks {e.get('ranks')} outputs {outs}"
+    return (f"#{e.get('index')} {e.get('op')} on group {e.get('group')} ranks {e.get('ranks')} outputs {outs} "
+            f"at {e.get('site')}")
+
+
+_OURS = (os.sep + "torch" + os.sep, os.sep + "wrapt" + os.sep, os.sep + "mindspeed_ha" + os.sep + "recovery",
+         os.sep + "patches" + os.sep + "comm.py", os.sep + "patches" + os.sep + "registry.py")
+_MINDSPEED_HA = (os.sep + "mindspeed_ha" + os.sep, os.sep + "patches" + os.sep)
+
+
+def _site() -> str:
+    """``dir/file:line function`` of the first caller outside torch, wrapt and this layer,
+    and, when that is a mindspeed-ha wrapper, ``<- `` the first caller outside mindspeed-ha
+    (for error messages; never compared)."""
+    import sys
+
+    out = []
+    f = sys._getframe(2)
+    for _ in range(60):
+        if f is None:
+            break
+        path = f.f_code.co_filename
+        if not any(part in path for part in _OURS):
+            out.append(f"{os.path.basename(os.path.dirname(path))}/{os.path.basename(path)}:{f.f_lineno} "
+                       f"{f.f_code.co_name}")
+            if not any(part in path for part in _MINDSPEED_HA):
+                break
+        f = f.f_back
+    return " <- ".join(out[:1] + out[-1:] if len(out) > 1 else out) or "?"
+
 
 
 def _on_call(name, fn, wrapped, instance, args, kwargs):
@@ -538,7 +585,7 @@ def _on_call(name, fn, wrapped, instance, args, kwargs):
 def _record(name, fn, wrapped, instance, args, kwargs, a, gid):
     if _pending:
         _settle(final=False)
-    entry = {"index": len(_entries), "op": name, "group": gid[0], "ranks": gid[1]}
+    entry = {"index": len(_entries), "op": name, "group": gid[0], "ranks": gid[1], "site": _site()}
     outputs = _outputs(name, a)
     _local.inside = True
     try:
@@ -582,7 +629,8 @@ def _replay(name, a, gid):
     entries = _blob["entries"]
     index = _next
     outputs = _outputs(name, a)
-    mine = {"index": index, "op": name, "group": gid[0], "ranks": gid[1], "out": [_meta(t) for t in outputs]}
+    mine = {"index": index, "op": name, "group": gid[0], "ranks": gid[1], "out": [_meta(t) for t in outputs],
+            "site": _site()}
     if index >= len(entries):
         raise RejoinMismatch(f"rejoin: start-up call {_describe(mine)} is past the end of the record "
                              f"({len(entries)} ops recorded by the first incarnation)")
@@ -593,6 +641,9 @@ def _replay(name, a, gid):
         raise RejoinMismatch(f"rejoin: start-up call {index} differs from the record: "
                              f"now {_describe(mine)}, recorded {_describe(rec)}")
     for t, (dtype, shape, data) in zip(outputs, rec["out"]):
+        if data is None:  # recorded without its data (MAX_OUTPUT_BYTES): left as it is
+            _omitted.append(_describe(dict(rec, index=index)))
+            continue
         if t.numel() == 0:
             continue
         src = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(t.dtype).reshape(t.shape)
