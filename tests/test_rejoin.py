@@ -102,6 +102,7 @@ WORKER = textwrap.dedent('''
         seen["backend_before_rebuild"] = str(dist.get_backend())
         seen["intended"] = {k: v[0] for k, v in groups.INTENDED_BACKENDS.items()}
     seen["blob_bytes"] = rejoin.startup_done()
+    seen["rejoined"], seen["omitted"] = rejoin.rejoined(), rejoin.omitted()
     seen["pid"] = os.getpid()
     seen["names_before"] = names()
     dump(f"start{RANK}.{INC}", seen)
@@ -202,6 +203,7 @@ def test_restarted_rank_replays_startup_and_rejoins_rebuilt_groups(tmp_path):
     assert len({tuple(s["flags"]) for s in start0}) == 1
     # the new process got exactly what its first incarnation got, on deferred groups
     assert replayed["mode"] == "replay" and replayed["blob_bytes"] is None
+    assert replayed["rejoined"] and replayed["omitted"] == [] and not any(s["rejoined"] for s in start0)
     for key in ("flags", "total", "gathered", "names_before"):
         assert replayed[key] == start0[DEAD][key], (key, replayed[key], start0[DEAD][key])
     assert replayed["total"] == sum(range(1, WORLD + 1))
@@ -276,6 +278,7 @@ REFUSALS = textwrap.dedent('''
     out["backend"] = str(dist.get_backend())
     out["omitted"] = rejoin.omitted()
     out["done"] = rejoin.startup_done()
+    out["rejoined"] = rejoin.rejoined()
     again(1)
     out["mismatch"] = refused(lambda: start(7.0, on_subgroup=True))
     again(1)
@@ -310,7 +313,8 @@ def test_replay_serves_recorded_values_and_refuses_clearly(tmp_path):
     assert p.returncode == 0, p.stderr[-4000:]
     out = json.loads(p.stdout.split("RESULT ", 1)[1])
     assert out["recorded"] == [5.0, 5.0] and 0 < out["bytes"] < 2000, out
-    assert out["replayed"] == [5.0, 7.0] and out["backend"] == "ha_deferred" and out["done"] is None, out
+    assert out["replayed"] == [5.0, 7.0] and out["backend"] == "ha_deferred", out
+    assert out["done"] is None and out["rejoined"], out
     assert len(out["omitted"]) == 1 and "#1 broadcast" in out["omitted"][0], out["omitted"]
     assert out["mismatch"].startswith("RejoinMismatch: rejoin: start-up call 0 differs"), out["mismatch"]
     assert "now #0 all_reduce on group 1 ranks [0]" in out["mismatch"], out["mismatch"]

@@ -44,73 +44,92 @@ How:
   the first op; checked: op, group name, ranks, output count, dtypes and shapes equal, else
   :class:`RejoinMismatch` naming the call index and both sides), writing the recorded bytes
   into the caller's output tensors, without communicating; an async call returns a
-  completed ``Work``. The replay ends at :func:`startup_done`, which raises if recorded ops
-  were left unserved; an op past the end of the record raises too.
+  completed ``Work``. An output recorded without data (over :data:`MAX_OUTPUT_BYTES`) is left
+  as the new process computed it and listed by :func:`omitted`. The replay ends at
+  :func:`startup_done`, which raises if recorded ops were left unserved; an op past the end
+  of the record raises too.
 
-What the runtime must call: nothing to start (the group-creation patch starts recording or
-replay when the default group is created, with ``ha`` on); :func:`startup_done` once, on
-the training thread, when the first ``train_step`` is entered (``HARuntime.enter_iteration``),
-BEFORE any other collective of the training loop; then, on a rejoin, every rank calls
-``rebuild_process_groups(generation)`` (the new one included) and the repair. Tests and
-tools: :func:`begin` / :func:`reset`, :func:`mode`, :func:`load`, :func:`decode`.
+What the runtime must call (API):
+
+* nothing to start: the group-creation patch starts recording or replay when
+  ``init_process_group`` creates the default group with ``ha`` on;
+* :func:`startup_done` on the training thread when the first ``train_step`` is entered
+  (``HARuntime.enter_iteration``), before any collective of the step or of the runtime
+  (pause point, commit barrier); later calls return None and do nothing. Every incarnation
+  calls it (incarnation 0 writes the record; a later one ends its replay);
+* then, if :func:`rejoined` (this process replayed its start-up): the rejoin protocol --
+  every rank, survivors included, ``groups.rebuild_process_groups(generation)`` (the new
+  process's deferred groups become the real ones there), then the repair from a replica,
+  which must overwrite every tensor :func:`omitted` lists (model parameters). Until the
+  rebuild, any op on a deferred group raises :class:`RejoinError` (never hangs): the
+  processor thread of the new process must not use the runtime's fallback group before it.
+  The survivors' fallback group has lost a member too, so for a rejoin it must be rebuilt
+  like the others (not passed in ``exclude``) while the processor thread does not use it.
+
+Tests and tools: :func:`begin` / :func:`reset`, :func:`mode`, :func:`load`, :func:`decode`,
+:func:`recorded_bytes`.
 
 Cost: with HA off nothing changes (the comm layer is gated); with HA on and not recording,
 one global load per collective (``patches.comm.RECORDER is None``); while recording, a copy
 of each start-up output to host memory.
 
-Megatron-LM core_v0.12.1 start-up collectives (``pretrain_gpt.py`` with the built-in/stock
-flags used by tests/test_stock_megatron_lm.py: no checkpoint loaded, mock or indexed data,
-no ``--tp-comm-overlap``; /tmp/mlm/Megatron-LM/megatron, file:line), in call order, and
-whether replaying the recorded output is exact:
+Megatron-LM core_v0.12.1 start-up collectives, MEASURED (stock ``pretrain_gpt.py``, unmodified,
+4 ranks on gloo under ``mindspeed-ha-run`` with ``--enable-high-availability``, the flags of
+``mindspeed_ha.testing.megatron_lm.stock_gpt_args``: mock data, distributed optimizer, no
+``--load``; the record of each rank decoded at its first ``train_step``; call sites as this
+module records them, Megatron-LM's ``megatron/`` tree). In call order, on WORLD unless said:
 
-1. ``training/initialize.py`` ``_initialize_distributed``: ``init_process_group`` and
-   ``mpu.initialize_model_parallel`` (group creation only: deferred; no collective unless
-   ``TORCH_DIST_INIT_BARRIER=1``, which would be a store barrier the survivors never join).
-2. ``initialize.py`` ``_compile_dependencies`` l.~200-230: ``torch.distributed.barrier()``
-   twice around rank 0's dataset-helper compile (exact: no output). The fused-kernel
-   compile and its barriers are skipped on CPU.
-3. ``initialize.py`` ``_init_autoresume``/``_set_random_seed``: no collective.
-4. mindspeed-ha's runtime (``on_model_parallel_initialized``): ``_agree_auth_key``
-   broadcast of 32 bytes from rank 0 when no launcher key (exact: the same key), and the
-   fallback ``new_group(backend="gloo")`` (deferred; the runtime must rebuild it too or
-   exclude it on every rank alike).
-5. ``training/training.py`` ``pretrain``: ``start_time_tensor`` all_reduce(MIN) of the
-   start time (l.~300, exact: the survivors' value; only printed), then
-   ``timers('model-and-optimizer-setup', log_level=0).start(barrier=True)`` -> barrier
-   (exact).
-6. ``setup_model_and_optimizer`` -> ``get_model``: no collective with DDP on CPU;
-   ``DistributedDataParallel.__init__`` broadcasts parameters only with
-   ``data_parallel_random_init`` (off); ``get_megatron_optimizer`` none;
-   ``load_checkpoint`` is not called without ``--load`` (with ``--load`` it reads the
-   tracker and does all_reduce / barrier: a rejoin must not pass ``--load``).
-7. ``build_train_valid_test_data_iterators`` (training.py l.~1900-1990):
-   ``torch.distributed.broadcast(flags, 0)`` of the do_train/valid/test flags (int64[3],
-   exact); ``build_train_valid_test_datasets`` on rank 0 of each TP group builds the
-   ``BlendedMegatronDatasetBuilder`` datasets (gpt_dataset caches: rank 0 builds, then
-   ``torch.distributed.barrier()`` in ``blended_megatron_dataset_builder.py``; exact).
-8. ``timers(...).start(barrier=True)`` / ``timers.log([...], barrier=True)`` around
-   ``train-valid-test-data-iterators-setup`` (barriers, exact); ``print_datetime`` calls
-   ``torch.distributed.barrier()`` (exact).
-9. ``train()`` entry: ``model.train()``, ``config.param_sync_func`` etc., then the first
-   ``train_step``: :func:`startup_done` must come before its collectives (and before the
-   ``log_interval`` timers' barrier of the loop).
+ #  op                      output            call site
+ 0  all_gather              int64[1] x4       mindspeed-ha patches/replica.py:61 (after
+                                              ``initialize_model_parallel``, initialize.py:341)
+ 1  barrier                 -                 training/initialize.py:219 ``_compile_dependencies``
+ 2  barrier                 -                 training/initialize.py:227 ``_compile_dependencies``
+ 3  all_reduce (MIN)        float64[1]        training/training.py:698 ``start_time_tensor``
+ 4  barrier                 -                 training.py:127 ``print_datetime``
+ 5  barrier                 -                 core/timers.py:135 (``model-and-optimizer-setup``
+                                              ``.start(barrier=True)``, training.py:744)
+ (PP > 1 only) all_reduce on the embedding group  float32[padded vocab, hidden]
+                                              core/models/common/language_module/
+                                              language_module.py:165
+                                              ``setup_embeddings_and_output_layer``
+ 6  barrier                 -                 training.py:127 ``print_datetime``
+ 7  barrier                 -                 timers.py:135 (``train/valid/test-data-iterators-setup``)
+ 8-10 barrier x3            -                 core/datasets/blended_megatron_dataset_builder.py:540
+                                              ``build_generic_dataset`` (one per split)
+ 11 broadcast (src 0)       int64[3]          training.py:2396 do_train/valid/test flags
+ 12 barrier                 -                 training.py:127 ``print_datetime``
+ 13 barrier                 -                 timers.py:262 (``timers.log(..., barrier=True)``,
+                                              training.py:786)
+ 14 all_gather_into_tensor  float32[8]        timers.py:284 ``_get_elapsed_time_all_ranks``
+                                              (2 timers x 4 ranks)
+ 15 barrier                 -                 timers.py:135 (``interval-time``, training.py:1864)
+ 16 barrier                 -                 training.py:127 ``print_datetime`` (l.1865)
 
-Replays that are exact in bytes but stale in meaning: the start-time MIN (a print only) and
-anything rank 0 decided at the original start (flags, the auth key) -- the survivors still
-run with those values, so the copy is what the new process must have. Not covered: a
-start-up with ``--load`` (the checkpoint loader's collectives), ``--tp-comm-overlap``
-(userbuffers), NCCL/HCCL-only set-up calls that are not ``torch.distributed`` functions
-(``_coalescing_manager`` refuses), and other threads' collectives during the start-up.
-Source: grep of barrier/broadcast/all_reduce in Megatron-LM core_v0.12.1
-megatron/training (initialize.py, training.py, global_vars.py, utils.py) and
-megatron/core/datasets; line numbers are approximate (the module docstrings there shift).
+Blob per rank: TP2 PP1 DP2 17 ops, 2,631-2,658 bytes; TP1 PP2 DP2 18 ops, 2,770 bytes (with
+the embedding all_reduce's data kept it was 1,084,118 bytes: 4224 x 64 fp32 = 1,081,344 of
+them, which is why outputs over :data:`MAX_OUTPUT_BYTES` are recorded without data; at real
+sizes, e.g. vocab 128k x hidden 8k bf16, it would be 2 GB).
+
+Exact? Every recorded output is replayed byte for byte, and that is the right value for the
+new process in every row: the barriers carry nothing; the flags (11), the replica patch's
+exchange (0) and the timer all_gather (14) are what the survivors saw and still act on; the
+start-time MIN (3) only feeds a print. The exception is the embedding all_reduce (PP > 1):
+it is model state (the last stage's output layer made equal to the first stage's
+embedding), not replayed (:func:`omitted`), so the new process keeps its own freshly
+initialised copy and the repair from a replica must overwrite it, as it does every
+parameter. Not measured here: ``--load`` (the checkpoint loader's tracker all_reduce and
+barriers, training.py:1131-1198: a rejoin must not pass ``--load``), ``--tp-comm-overlap``,
+the NCCL/HCCL path, and MindSpeed-LLM's start-up. The list changes with the flags (e.g. the
+number of dataset splits), never between two incarnations of one job.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
+import re
 import threading
 from typing import Any, Dict, List, Optional
 
@@ -137,6 +156,10 @@ RECORD, REPLAY, DONE = "record", "replay", "done"
 _ENTRY_OVERHEAD = 96  # bytes counted per recorded op (its header fields), for the size bound
 
 
+#: the suffix groups.rebuild_process_groups gives a rebuilt group's name
+_GENERATION = re.compile(r"(\.ha\d+)+$")
+
+
 class RejoinError(RuntimeError):
     """A rejoin cannot replay this rank's start-up (no record, too big, unsupported, ...)."""
 
@@ -158,6 +181,7 @@ _next = 0  # REPLAY: index of the next entry to serve
 _local = threading.local()  # .inside: an op of ours is running (nested ops pass)
 _written: Optional[int] = None  # bytes of the blob written by startup_done (record)
 _omitted: List[str] = []  # REPLAY: calls whose recorded output had no data (described)
+_replayed = False  # a replay ran to its end in this process
 
 
 def incarnation() -> int:
@@ -206,10 +230,11 @@ def begin(replay: Optional[bool] = None) -> str:
 
 def reset() -> None:
     """Forget everything (tests): mode None, hook removed."""
-    global _mode, _thread, _blob, _next, _size, _problem, _written
+    global _mode, _thread, _blob, _next, _size, _problem, _written, _replayed
     with _lock:
         _set_hook(None)
         _mode, _thread, _blob, _next, _size, _problem, _written = None, None, None, 0, 0, None, None
+        _replayed = False
         _entries.clear()
         _pending.clear()
         _omitted.clear()
@@ -226,7 +251,7 @@ def startup_done() -> Optional[int]:
         RejoinMismatch: replay ended with recorded ops left unserved (the start-up diverged).
         RuntimeError: the store write failed (recording).
     """
-    global _mode, _written, _blob
+    global _mode, _written, _blob, _replayed
     with _lock:
         if _mode == RECORD:
             _settle(final=True)
@@ -251,9 +276,29 @@ def startup_done() -> Optional[int]:
                 raise RejoinMismatch(
                     f"rejoin: start-up ended after {served} collective(s) but the first incarnation "
                     f"recorded {total}; next recorded: {_describe(_blob['entries'][served])}")
-            log.info("rejoin: start-up replayed: %d ops served without communicating", served)
+            _replayed = True
+            log.info("rejoin: start-up replayed: %d ops served without communicating (%d without data)",
+                     served, len(_omitted))
             return None
         return None
+
+
+@contextlib.contextmanager
+def live():
+    """Inside, this thread's communication is real: not recorded, not replayed (a
+    restarted process's rejoin, which runs in the middle of its start-up: the group
+    rebuild and the repair transfer with the survivors)."""
+    before = getattr(_local, "inside", False)
+    _local.inside = True
+    try:
+        yield
+    finally:
+        _local.inside = before
+
+
+def rejoined() -> bool:
+    """Whether this process replayed its start-up (a restarted worker that must rejoin)."""
+    return _replayed
 
 
 def omitted() -> List[str]:
@@ -479,7 +524,10 @@ def _group_id(group):
     if group is None or group is c10d.GroupMember.NON_GROUP_MEMBER or group not in world.pg_group_ranks:
         return None
     rank_of = world.pg_group_ranks[group]
-    return str(world.pg_names.get(group)), sorted(rank_of, key=rank_of.__getitem__)
+    # a group rebuilt by a rejoin in the middle of the start-up (``<root>.ha<generation>``)
+    # stands for the group the first incarnation recorded under its root name
+    name = _GENERATION.sub("", str(world.pg_names.get(group)))
+    return name, sorted(rank_of, key=rank_of.__getitem__)
 
 
 def _meta(t) -> list:
