@@ -295,6 +295,14 @@ REFUSALS = textwrap.dedent('''
     out["too_big_bytes"] = rejoin.startup_done()
     again(1)
     out["too_big"] = refused(lambda: start(7.0))
+    again(0)
+    rejoin.MAX_BLOB_BYTES = 4 << 20
+    start(5.0)
+    with dist.distributed_c10d._coalescing_manager(async_ops=False):  # not replayable
+        dist.all_reduce(torch.ones(2))
+    out["unsupported_bytes"] = rejoin.startup_done()
+    again(1)
+    out["unsupported"] = refused(lambda: start(7.0))
     print("RESULT " + json.dumps(out))
 ''')
 
@@ -304,7 +312,8 @@ def test_replay_serves_recorded_values_and_refuses_clearly(tmp_path):
     """One rank, in a child process: a replay hands back the recorded value (not the one
     computed now), leaves an output recorded without data as it is, and refuses with the call
     index and both sides when the start-up differs, ends early, runs past the record, has no
-    record, or was too big; an op on a deferred group raises instead of hanging."""
+    record, was too big or used ``_coalescing_manager``; an op on a deferred group raises
+    instead of hanging."""
     script = tmp_path / "refusals.py"
     script.write_text(REFUSALS)
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -324,3 +333,5 @@ def test_replay_serves_recorded_values_and_refuses_clearly(tmp_path):
     assert "deferred process group" in out["deferred_op"], out
     assert "no start-up record" in out["missing"], out
     assert out["too_big_bytes"] < 400 and "'too_big'" in out["too_big"], out
+    assert out["unsupported_bytes"] < 400 and "'unsupported'" in out["unsupported"], out
+    assert "_coalescing_manager" in out["unsupported"], out

@@ -44,7 +44,8 @@ How:
   the first op; checked: op, group name, ranks, output count, dtypes and shapes equal, else
   :class:`RejoinMismatch` naming the call index and both sides), writing the recorded bytes
   into the caller's output tensors, without communicating; an async call returns a
-  completed ``Work``. An output recorded without data (over :data:`MAX_OUTPUT_BYTES`) is left
+  completed ``Work`` (its ``_source_rank()`` is not known: a ``recv`` from any source,
+  ``src=None``, is not replayable). An output recorded without data (over :data:`MAX_OUTPUT_BYTES`) is left
   as the new process computed it and listed by :func:`omitted`. The replay ends at
   :func:`startup_done`, which raises if recorded ops were left unserved; an op past the end
   of the record raises too.
@@ -288,9 +289,9 @@ def startup_done() -> Optional[int]:
 
 @contextlib.contextmanager
 def live():
-    """Inside, this thread's communication is real: not recorded, not replayed (a
-    restarted process's rejoin, which runs in the middle of its start-up: the group
-    rebuild and the repair transfer with the survivors)."""
+    """Inside, this thread's communication and the groups it creates are real: not
+    recorded, not replayed, not deferred (a restarted process's rejoin, which runs in the
+    middle of its start-up: the group rebuild and the repair transfer with the survivors)."""
     before = getattr(_local, "inside", False)
     _local.inside = True
     try:
@@ -458,7 +459,7 @@ def group_helper(wrapped, instance, args, kwargs):
     a = bound.arguments
     if _mode is None and list(a.get("global_ranks_in_group") or []) == []:
         begin()
-    if _mode != REPLAY:
+    if _mode != REPLAY or getattr(_local, "inside", False):  # live(): a rejoin's real groups
         return wrapped(*args, **kwargs)
     from torch.distributed import distributed_c10d as c10d
 
