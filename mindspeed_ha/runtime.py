@@ -205,6 +205,7 @@ class HARuntime:
         self._just_recovered = False
         self._rerun_state: Optional[dict] = None  # Megatron's rerun state machine between iterations
         self.reruns: list = []  # reload: iterations the train_step wrapper re-runs before the step
+        self._rejoin_rng: Optional[dict] = None  # ARF: the RNG a restarted process starts its first step with
 
     # ---- start-up -------------------------------------------------------------------
     def on_model_parallel_initialized(self) -> None:
@@ -286,6 +287,9 @@ class HARuntime:
 
         self.processor = Processor(config, self.rank, self.layout, getattr(self.args, "save", None),
                                    world_size=dist.get_world_size(), exit_handler=self._on_exit)
+        # ARF: with --enable-worker-reboot a restarted process of this rank rejoins
+        # (recovery/rejoin.py replays its start-up, rejoin_after_setup repairs it)
+        self.processor.rejoins = bool(config.worker_reboot)
         for kind, fn in (("verify", self._on_verify), ("dump", self._on_dump), ("assemble", self._on_assemble),
                          ("commit", self._on_commit)):
             self.processor.on_action(kind, fn)
@@ -311,6 +315,11 @@ class HARuntime:
     def enter_iteration(self) -> int:
         args = self.ctx.args if self.ctx is not None else self.args
         if self.completed is None:
+            # The start-up ends here: its collectives were recorded (a restarted process of
+            # this rank replays them) or replayed (this is one), recovery/rejoin.py.
+            from mindspeed_ha.recovery import rejoin
+
+            rejoin.startup_done()
             # The state loaded (or initialised): what a save before the first step would write.
             # Every rank enters its first train_step here, so the RNG gather is safe.
             self.completed = int(getattr(self.args, "iteration", 0) or 0)
@@ -488,6 +497,9 @@ class HARuntime:
         """An attempt at the step in progress starts: remember its RNG state (a re-run
         after a rollback draws the same dropout masks) and the timers already running
         (kept running by the clean-up). ~10 us."""
+        if self._rejoin_rng is not None:  # a restarted process: its holder's RNG at this step's entry
+            megatron_lm.set_rng_state(self._rejoin_rng)
+            self._rejoin_rng = None
         self._entry_rng = megatron_lm.collect_rng_state()
         from mindspeed_ha.recovery.rollback import started_timers
 
@@ -599,8 +611,12 @@ class HARuntime:
                     repaired += 1
                 elif self.rank == src:
                     transfer.send_state(model, optimizer, dst, None)
+                    if dst in plan.rejoin:  # a restarted process: also the counters, scheduler, RNG
+                        from mindspeed_ha.recovery import progress
+
+                        progress.send(self._progress(plan.iteration), dst)
             lap("repair")
-            if plan.mode == "rollback":
+            if plan.mode in ("rollback", "rejoin"):
                 for wrapper in self._replay_wrappers():
                     wrapper.rewind()
                 if self._entry_rng is not None:
@@ -623,6 +639,79 @@ class HARuntime:
                         self.rank, plan.kind.value, plan.mode, plan.generation, plan.iteration + 1, times)
         self.processor.action_result(action.action_id, True, json.dumps(detail, sort_keys=True))
         return times
+
+    def _progress(self, k: int) -> dict:
+        """This rank's progress at the end of iteration ``k`` for a restarted process
+        (:mod:`mindspeed_ha.recovery.progress`): the loop's counters and the scheduler as
+        the snapshot of ``k`` holds them, the RNG at the entry of step k+1."""
+        from mindspeed_ha.recovery import progress
+
+        snap = self.snapshot
+        if snap is None or snap.iteration != k:
+            raise RuntimeError(f"rank {self.rank}: no snapshot of iteration {k} to hand to a restarted process "
+                               f"(have {snap.iteration if snap is not None else None})")
+        args = snap.args if snap.args is not None else (self.ctx.args if self.ctx is not None else self.args)
+        return progress.capture(args, k, snap.scheduler_state, self._entry_rng, flops=snap.flops)
+
+    def rejoin_after_setup(self, model, optimizer, opt_param_scheduler) -> None:
+        """ARF, in a restarted process (``MINDSPEED_HA_INCARNATION`` >= 1), right after
+        Megatron built its model and optimizer (no checkpoint loaded): wait at the rejoin
+        point for the controller's RETRY(rejoin), then, with the survivors, rebuild every
+        process group (the start-up's deferred groups become real ones), receive the
+        parameters and optimizer shard (:mod:`recovery.transfer`) and the progress
+        (counters, scheduler, RNG: :mod:`recovery.progress`) from the plan's source. The
+        data iterators, built next, start at the received consumed samples; the training
+        loop at the received iteration.
+
+        Raises:
+            RuntimeError: the controller did not answer RETRY (the job takes another path;
+                its EXIT ends this process), or a stage failed (reported as the RETRY result).
+        """
+        import datetime
+        import json
+        import time
+
+        from mindspeed_ha.control.recovery_plan import RecoveryPlan
+        from mindspeed_ha.faults import describe
+        from mindspeed_ha.recovery import groups, progress, rejoin, transfer
+
+        self.attach(model, optimizer, opt_param_scheduler)
+        action = self.processor.wait_to_rejoin(timeout=self.config.action_timeout_s)
+        if getattr(action, "kind", None) != "retry":
+            raise RuntimeError(f"rank {self.rank} (incarnation {self.processor.incarnation}): the controller "
+                               f"answered {getattr(action, 'kind', None)} instead of a rejoin")
+        plan = RecoveryPlan.from_params(action.params)
+        times = {}
+        t = time.perf_counter()
+        try:
+            if plan.mode != "rejoin" or self.rank not in plan.rejoin or self.rank not in plan.repairs:
+                raise RuntimeError(f"rank {self.rank}: a {plan.mode} plan does not rejoin this rank ({plan.reason})")
+            exclude = [g for g in (getattr(self, "_fallback_group", None),) if g is not None]
+            with rejoin.live():  # the rejoin's own communication is real, not replayed
+                report = groups.rebuild_process_groups(
+                    plan.generation, exclude=exclude, timeout=datetime.timedelta(seconds=self.config.action_timeout_s))
+                log.info("rank %d: rejoin rebuilt %d groups: %s", self.rank, report.groups_rebuilt, report.groups)
+                times["rebuild"] = round(time.perf_counter() - t, 6)
+                t = time.perf_counter()
+                src = plan.repairs[self.rank]
+                chunks = self.ctx.model if self.ctx is not None else model
+                transfer.recv_state(chunks, optimizer, src, None, materialize=True)
+                received = progress.recv(src)
+            progress.apply(received, self.ctx.args if self.ctx is not None else self.args, opt_param_scheduler)
+            if received.get("rng") is not None:
+                self._rejoin_rng = progress.decode_rng(received["rng"])
+            times["repair"] = round(time.perf_counter() - t, 6)
+        except Exception as exc:
+            log.exception("rank %d: rejoin failed", self.rank)
+            self.processor.action_result(action.action_id, False, describe(exc))
+            raise
+        self.recoveries += 1
+        self._just_recovered = True
+        log.warning("rank %d (incarnation %d): rejoined at iteration %d from rank %d; seconds %s", self.rank,
+                    self.processor.incarnation, plan.iteration, plan.repairs[self.rank], times)
+        self.processor.action_result(action.action_id, True, json.dumps(
+            dict(times, rank=self.rank, iteration=plan.iteration, generation=plan.generation, repaired=True,
+                 mode=plan.mode, incarnation=self.processor.incarnation), sort_keys=True))
 
     # ---- action handlers (processor action thread) -------------------------------------
     def _roles(self, params: dict):

@@ -248,6 +248,20 @@ def _grad_sync_injection(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
+def _rejoin_after_setup(wrapped, instance, args, kwargs):
+    """``setup_model_and_optimizer``: in a restarted process (ARF), rejoin the running job
+    right after the model and optimizer exist (before the data iterators, so they start
+    at the received consumed samples): :meth:`HARuntime.rejoin_after_setup`."""
+    result = wrapped(*args, **kwargs)
+    from mindspeed_ha.runtime import get_runtime
+
+    rt = get_runtime()
+    if rt is not None and rt.processor is not None and rt.processor.incarnation > 0 and rt.config.worker_reboot:
+        model, optimizer, opt_param_scheduler = result[:3]
+        rt.rejoin_after_setup(model, optimizer, opt_param_scheduler)
+    return result
+
+
 PATCHES = [
     Patch(
         name="ha.start_runtime",
@@ -265,6 +279,24 @@ PATCHES = [
         feature="ha",
         versions=None,
         doc="exception decorator + step protocol around Megatron-LM's train_step",
+    ),
+    Patch(
+        name="ha.rejoin.setup.megatron",
+        module="megatron.training.training",
+        attribute="setup_model_and_optimizer",
+        wrapper=_rejoin_after_setup,
+        feature="ha",
+        versions=None,
+        doc="ARF: a restarted process rejoins after its model and optimizer are built",
+    ),
+    Patch(
+        name="ha.rejoin.setup.trainer",
+        module="mindspeed_ha.testing.trainer.training",
+        attribute="setup_model_and_optimizer",
+        wrapper=_rejoin_after_setup,
+        feature="ha",
+        versions=None,
+        doc="ARF: a restarted process rejoins after its model and optimizer are built (built-in trainer)",
     ),
     Patch(
         name="ha.train_step.trainer",

@@ -480,13 +480,18 @@ class Controller:
                 log.warning("rank %d: restarted by its agent as pid %d (incarnation %d; the previous one exited "
                             "with %d)", rank, pid, incarnation, code)
 
-    def _expect_rejoin(self, rank: int, code: int, at: float) -> None:
+    def _expect_rejoin(self, rank: int, code: Optional[int], at: float) -> None:
         """ARF: a rank whose process died with a code its agent restarts (not 0, not a
-        verdict 75-79), while the job runs or recovers, and whose processor said it can
-        rejoin: the policy waits for its new process (``ClusterState.rejoin_wait``)."""
+        verdict 75-79; None: its control connection closed, the agent says more), while
+        the job runs or recovers, and whose processor said it can rejoin: the policy
+        waits for its new process (``ClusterState.rejoin_wait``) until the agent reports
+        it abandoned or the wait's deadline."""
         st = self.state
         info = st.ranks.get(rank)
-        if not (self.config.worker_reboot and code != 0 and code not in range(75, 80)):
+        if not self.config.worker_reboot:
+            return
+        if code is not None and (code == 0 or code in range(75, 80)):
+            st.rejoin_wait.pop(rank, None)
             return
         if info is None or not info.rejoins or st.stop_request is not None:
             return
@@ -519,6 +524,7 @@ class Controller:
                     if info is not None and info.alive and info.exit_code is None:
                         self.state.mark_dead(rank, "control connection closed", None, now)
                         log.warning("rank %d: control connection closed", rank)
+                        self._expect_rejoin(rank, None, now)
             elif event in _HANDSHAKE_FAILED:
                 self.transport_rejected.note("unauthenticated peers", _HANDSHAKE_FAILED[event], now)
 

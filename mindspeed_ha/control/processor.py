@@ -173,6 +173,9 @@ class Processor:
         self._closed = False
         self._goodbye_queued = False
         self.stop_received_at: Optional[float] = None
+        # ARF: the launcher's restarts of this rank's process, and whether it can rejoin
+        self.incarnation = int(os.environ.get("MINDSPEED_HA_INCARNATION", "0") or 0)
+        self.rejoins = False
         #: set when STOP or DRAIN arrives (a stop is under way); for the runtime and tests to wait on
         self.stop_event = threading.Event()
         # graceful stop (guarded by _cond): pause limit, where the training thread is paused,
@@ -476,6 +479,17 @@ class Processor:
             finally:
                 self._in_fault = False
 
+    def wait_to_rejoin(self, timeout: Optional[float] = None) -> wire.Action:
+        """ARF: this restarted process built its model and optimizer; tell the controller
+        it waits at its rejoin point (STOPPED, then FAULT ``process`` with ``where=
+        "rejoin"``) and wait for the action (RETRY with the rejoin plan; EXIT when the
+        job takes the dying-checkpoint path instead). Same return and deadline as
+        :meth:`report_fault`."""
+        with self._cond:
+            st, it = self._state.snapshot()
+            self._queue_locked(wire.Stopped(self.rank, st.value, it, -1, -1))
+        return self.report_fault(FaultKind.PROCESS, -1, timeout=timeout, where="rejoin")
+
     def report_integrity(self, report: IntegrityReport) -> None:
         """Send the integrity of this rank's frozen state (from the VERIFY handler, so it
         reaches the controller before that action's result)."""
@@ -521,7 +535,8 @@ class Processor:
         with self._actions_cv:
             verifies = ActionKind.VERIFY.value in self._handlers
         return wire.Register(self.rank, self.world_size, os.getpid(), socket.gethostname(), self.layout,
-                             self.save_dir, self.run_id, status.value, it, verifies)
+                             self.save_dir, self.run_id, status.value, it, verifies, self.incarnation,
+                             self.rejoins)
 
     def _flush_outbox(self) -> None:
         with self._cond:

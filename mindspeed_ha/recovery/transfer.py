@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
@@ -247,14 +248,42 @@ def send_state(model, optimizer, dst: int, group=None,
     return TransferStats(total, time.perf_counter() - start, len(tensors), len(plan))
 
 
+_OPT_STATE = re.compile(r"^optimizer(\d+)\.group(\d+)\.param(\d+)\.(\w+)$")
+
+
+def _materialize(optimizer, theirs: List[List[Any]]) -> int:
+    """Create, as zeros, the optimizer state tensors the sender has and this rank lacks
+    (a new optimizer, e.g. a restarted process's: torch's Adam makes ``exp_avg``,
+    ``exp_avg_sq`` and ``step`` at its first step). Their values come with the transfer.
+    Returns how many were created."""
+    made = 0
+    opts = _optimizers(optimizer)
+    for name, shape, dtype in theirs:
+        m = _OPT_STATE.match(name)
+        if m is None or m.group(4) == "main":
+            continue
+        j, g, i, key = int(m.group(1)), int(m.group(2)), int(m.group(3)), m.group(4)
+        inner = getattr(opts[j], "optimizer", None) if j < len(opts) else None
+        if inner is None or g >= len(inner.param_groups) or i >= len(inner.param_groups[g]["params"]):
+            continue
+        p = inner.param_groups[g]["params"][i]
+        state = inner.state[p]
+        if key not in state:
+            state[key] = torch.zeros(shape, dtype=getattr(torch, dtype), device=p.device)
+            made += 1
+    return made
+
+
 def recv_state(model, optimizer, src: int, group=None,
-               max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> TransferStats:
+               max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, materialize: bool = False) -> TransferStats:
     """Overwrite this rank's :func:`state_tensors` in place with those of global rank ``src``.
 
     Args:
         src: the sender's global rank (it calls :func:`send_state` with the same
             ``max_message_bytes``).
         group: a process group holding both ranks (None: the default group).
+        materialize: first create the optimizer state tensors the sender has and this
+            rank lacks (:func:`_materialize`; a restarted process's fresh optimizer).
 
     Returns:
         :class:`TransferStats` (bytes of tensor data received, seconds).
@@ -278,6 +307,9 @@ def recv_state(model, optimizer, src: int, group=None,
     blob = torch.zeros(blob_len, dtype=torch.uint8, device=device)
     _recv(blob, src, group)
     theirs = json.loads(bytes(blob.cpu().numpy().tobytes()).decode())
+    if materialize and theirs != desc and _materialize(optimizer, theirs):
+        tensors = state_tensors(model, optimizer)
+        desc = _describe(tensors)
     verdict = torch.zeros(2, dtype=torch.int64, device=device)
     mismatch = None
     if theirs != desc:

@@ -69,6 +69,7 @@ Several specs may be joined with ``;``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 from dataclasses import dataclass
@@ -125,10 +126,15 @@ class FaultSpec:
     fault: str = "kill"
     what: str = ""
     how: str = ""
+    incarnation: int = 0
 
     @classmethod
     def parse(cls, text: str) -> "FaultSpec":
-        """Parse ``"rank=R,iteration=K,point=P[,fault=F]"``.
+        """Parse ``"rank=R,iteration=K,point=P[,fault=F][,incarnation=N]"``.
+
+        ``incarnation`` (default 0): the spec fires only in that process of the rank
+        (``MINDSPEED_HA_INCARNATION``; a process the launcher restarted has 1, 2, ...), so
+        a rank restarted after a fault does not fire it again.
 
         Raises:
             ValueError: naming the field and the accepted values.
@@ -141,10 +147,20 @@ class FaultSpec:
             if not sep:
                 raise ValueError(f"{ENV}: expected key=value, got {item!r}")
             fields[key.strip()] = value.strip()
-        unknown = set(fields) - {"rank", "iteration", "point", "fault", "what", "how"}
+        unknown = set(fields) - {"rank", "iteration", "point", "fault", "what", "how", "incarnation"}
         if unknown:
             raise ValueError(f"{ENV}: unknown field(s) {sorted(unknown)}; accepted: rank, iteration, point, "
-                             "fault, what, how")
+                             "fault, what, how, incarnation")
+        try:
+            incarnation = int(fields.pop("incarnation", "0"))
+        except ValueError:
+            raise ValueError(f"{ENV}: incarnation must be an integer >= 0, got {text!r}") from None
+        if incarnation < 0:
+            raise ValueError(f"{ENV}: incarnation must be an integer >= 0, got {text!r}")
+        return dataclasses.replace(cls._parse(text, fields), incarnation=incarnation)
+
+    @classmethod
+    def _parse(cls, text: str, fields: dict) -> "FaultSpec":
         try:
             rank, iteration = int(fields["rank"]), int(fields["iteration"])
         except KeyError as exc:
@@ -198,7 +214,8 @@ class Injector:
 
     def __init__(self, rank: int, specs: List[FaultSpec]):
         self.rank = rank
-        self.specs = [s for s in specs if s.rank == rank]
+        here = int(os.environ.get("MINDSPEED_HA_INCARNATION", "0") or 0)
+        self.specs = [s for s in specs if s.rank == rank and s.incarnation == here]
         self._fired: set = set()  # specs that fired (each fires once per process)
         if any(s.fault == "network" for s in self.specs):
             self.install_comm_hook()
