@@ -1,0 +1,108 @@
+"""Worker restart in place (ARF, ``--enable-worker-reboot``) end to end: real megatron-core on 4 gloo
+ranks through ``mindspeed-ha-run``.
+
+One rank is SIGKILLed in iteration K (injector ``fault=kill``). Standard of proof, per case: the
+launcher restarts that process alone (the controller's report lists exactly one restart, of that
+rank); the survivors keep their PIDs (the PIDs that registered at start-up are the ones that
+finish iteration K after the recovery); the new process replays its start-up, rejoins the
+survivors' new process-group generation and receives its parameters, optimizer shard, counters,
+scheduler and RNG from a replica; every rank re-runs iteration K; the job exits 0 and the
+per-iteration losses equal the uninterrupted run's bit for bit.
+"""
+
+import json
+import os
+import re
+
+import pytest
+
+from mindspeed_ha import faults
+from mindspeed_ha.testing.harness import launch, launcher_command, tiny_gpt_args
+
+pytestmark = pytest.mark.timeout(600)
+
+ITERS = 5
+K = 3
+LAYOUTS = {"tp1pp2": (1, 2), "tp2pp1": (2, 1)}  # 4 ranks -> DP 2, 2 optimizer replicas
+
+
+def _args(layout, *extra):
+    tp, pp = LAYOUTS[layout]
+    return tiny_gpt_args(tp=tp, pp=pp, train_iters=ITERS) + [
+        "--enable-high-availability", "--enable-worker-reboot", "--ha-controller-port", "0", *extra]
+
+
+def _run(args, env=None):
+    r = launch(4, args, launcher=launcher_command(4), env=env, timeout_s=300)
+    assert not r.timed_out, (r.stdout + r.stderr)[-6000:]
+    return r
+
+
+def _jsonl(path):
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def baselines():
+    return {}
+
+
+def _baseline(baselines, layout):
+    if layout not in baselines:
+        r = _run(_args(layout))
+        assert r.returncode == 0, r.stderr[-4000:]
+        assert sorted(r.losses) == list(range(1, ITERS + 1))
+        baselines[layout] = r.losses
+    return baselines[layout]
+
+
+def _first_pids(log: str):
+    """rank -> the PID it first registered with (the controller's log line)."""
+    out = {}
+    for rank, pid in re.findall(r"rank (\d+) registered \(pid (\d+)", log):
+        out.setdefault(int(rank), int(pid))
+    return out
+
+
+# (layout, killed rank, point): rank 0, the PP-last rank, a TP peer
+CASES = [("tp1pp2", 0, "forward"), ("tp1pp2", 3, "backward"), ("tp2pp1", 1, "forward")]
+
+
+@pytest.mark.parametrize("layout,rank,point", CASES, ids=[f"{c[0]}-rank{c[1]}-{c[2]}" for c in CASES])
+def test_killed_rank_restarts_alone_and_rejoins(tmp_path, baselines, layout, rank, point):
+    base = _baseline(baselines, layout)
+    after, report = str(tmp_path / "after.jsonl"), str(tmp_path / "report.json")
+    r = _run(_args(layout), env={"MINDSPEED_HA_INJECT": f"rank={rank},iteration={K},point={point},fault=kill",
+                                 "MINDSPEED_HA_RECOVERY_LOG": after, "MINDSPEED_HA_REPORT": report})
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-8000:]
+    rep = json.load(open(report))
+    assert [(e["rank"], e["incarnation"]) for e in rep["restarts"]] == [(rank, 1)], rep["restarts"]
+    recs = rep.get("recoveries") or []
+    assert len(recs) == 1 and recs[0]["mode"] == "rejoin" and recs[0]["iteration"] == K - 1, recs
+    first = _first_pids(log)
+    done = {e["rank"]: e["pid"] for e in _jsonl(after)}
+    assert sorted(done) == [0, 1, 2, 3] and {e["iteration"] for e in _jsonl(after)} == {K}
+    for survivor in set(range(4)) - {rank}:
+        assert done[survivor] == first[survivor], f"rank {survivor} changed process"
+    assert done[rank] == rep["restarts"][0]["pid"] != first[rank]
+    assert sorted(r.losses) == list(range(1, ITERS + 1))
+    for it in sorted(base):
+        assert r.losses[it] == base[it], \
+            f"iteration {it}: {float.fromhex(r.losses[it])} != uninterrupted {float.fromhex(base[it])}"
+
+
+def test_kill_inside_the_optimizer_update_takes_the_dying_checkpoint(tmp_path):
+    """The survivors already finished the update the dead rank was in (they wait in its
+    commit barrier): a restarted process cannot re-run that step with them, so the job
+    takes the dying checkpoint of that iteration (0 steps lost) instead of looping."""
+    save = str(tmp_path / "ckpt")
+    r = _run(_args("tp1pp2", "--save", save),
+             env={"MINDSPEED_HA_INJECT": f"rank=1,iteration={K},point=optimizer,fault=kill"})
+    log = r.stdout + r.stderr
+    assert r.returncode == faults.EXIT_DYING_CHECKPOINT_SAVED, log[-8000:]
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as f:
+        assert int(f.read()) >= K - 1
