@@ -264,6 +264,28 @@ def test_recovered_in_place(tree, baselines, tmp_path, name, layout, spec):
     assert r.grad_norms == base["grad_norms"]
 
 
+def test_worker_restart_rejoins(tree, baselines, tmp_path):
+    """ARF on the stock script (--enable-worker-reboot): rank 3 (PP-last) SIGKILLed at backward;
+    the launcher restarts it alone, its start-up is replayed (the stock start-up's
+    collectives, the embedding all-reduce included), it rejoins and receives its state from a
+    replica; exit 0, the other PIDs unchanged, losses and grad norms bitwise equal."""
+    after, report = str(tmp_path / "after.jsonl"), str(tmp_path / "report.json")
+    args = _args("pp2", enable_worker_reboot=True)
+    r = _run(tree, args, env={"MINDSPEED_HA_INJECT": f"rank=3,iteration={KILL_AT},point=backward,fault=kill",
+                              "MINDSPEED_HA_RECOVERY_LOG": after, "MINDSPEED_HA_REPORT": report})
+    assert r.returncode == 0, (r.stdout + r.stderr)[-8000:]
+    with open(report) as f:
+        rep = json.load(f)
+    assert [(e["rank"], e["incarnation"]) for e in rep["restarts"]] == [(3, 1)]
+    with open(after) as f:
+        again = [json.loads(line) for line in f]
+    assert sorted(e["rank"] for e in again) == [0, 1, 2, 3] and {e["iteration"] for e in again} == {KILL_AT}
+    assert {e["pid"] for e in again if e["rank"] == 3} == {rep["restarts"][0]["pid"]}
+    base = baselines["pp2"]
+    assert r.losses == base["losses"]
+    assert r.grad_norms == base["grad_norms"]
+
+
 def test_zz_megatron_lm_tree_unchanged(tree):
     """Runs last in this module: not one file of the user's Megatron-LM tree was written."""
     assert mlm.tree_digest(tree["root"]) == tree["digest"]
