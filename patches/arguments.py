@@ -78,11 +78,6 @@ def apply_ha_args(parsed) -> None:
         features.append("hbm_repair")
     if config.worker_reboot:
         features.append("worker_reboot")
-    if config.worker_reboot:
-        import warnings
-
-        warnings.warn("mindspeed-ha: --enable-worker-reboot is accepted and validated, but worker restart is "
-                      "not implemented yet: a dead process ends in the dying checkpoint", stacklevel=2)
     if os.environ.get("MINDSPEED_HA_INJECT"):
         features.append("testing")
     enable(*features)
