@@ -3,10 +3,13 @@
 A collective on a process group needs its tensors on the group's device: NCCL works on
 CUDA tensors, HCCL (Ascend, through ``torch_npu``) on NPU tensors, gloo on CPU tensors.
 Every piece of code that allocates a tensor for a collective asks here instead of
-writing ``"cuda" if backend == "nccl" else "cpu"`` (which is wrong for HCCL).
+writing ``"cuda" if backend == "nccl" else "cpu"`` (which is wrong for HCCL). Also the
+device's own answer on a memory error (:func:`check_npu_uce`).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -64,4 +67,42 @@ def collective_device(group=None) -> torch.device:
     return device_for_backend(dist.get_backend(group))
 
 
-__all__ = ["device_for_backend", "collective_device"]
+__all__ = ["device_for_backend", "collective_device", "check_npu_uce"]
+
+
+def check_npu_uce(exc: BaseException, device_id: Optional[int] = None) -> Optional[int]:
+    """Ask torch_npu whether the device has a UCE (``torch_npu.npu.check_uce_in_memory``),
+    when torch_npu imports and an NPU is present, and record the answer on ``exc`` for
+    :func:`mindspeed_ha.faults.classify`: 2 or 3 (torch_npu's temporary or resident memory) make the fault a
+    UCE whatever its text; 1 (memory torch_npu does not manage: a repair from a replica
+    cannot cover it) makes it UNKNOWN (the dying checkpoint); 0 leaves the text rules.
+
+    The API needs the caching allocator (``PYTORCH_NO_NPU_MEMORY_CACHING`` unset; the
+    reference's requirement too) and is marked beta / reserved in the torch_npu docs.
+
+    Args:
+        exc: the exception caught around the step.
+        device_id: the NPU (default: torch_npu's current device).
+
+    Returns:
+        The answer (0-3), or None when torch_npu is absent, no NPU is available, the API is
+        missing or it raised (the text rules then decide alone).
+    """
+    from mindspeed_ha import faults
+
+    try:
+        import torch_npu  # noqa: F401  (optional extra)
+    except Exception:  # not installed, or a broken install: the text rules decide
+        return None
+    try:
+        npu = torch_npu.npu
+        if not npu.is_available() or not hasattr(npu, "check_uce_in_memory"):
+            return None
+        found = int(npu.check_uce_in_memory(npu.current_device() if device_id is None else device_id))
+    except Exception:  # the check itself failed (e.g. caching disabled): no answer
+        return None
+    try:
+        setattr(exc, faults.UCE_IN_MEMORY, found)
+    except AttributeError:
+        pass
+    return found

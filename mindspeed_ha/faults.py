@@ -206,6 +206,11 @@ def classify(exc: Optional[BaseException]) -> FaultKind:
     links = list(_chain(exc))
     if getattr(links[0], "aborted", False) is True:  # recovery.comm.CollectiveAborted, raised by us
         return FaultKind.ABORTED
+    found = getattr(links[0], UCE_IN_MEMORY, None)  # accelerator.check_npu_uce's answer, when it asked
+    if found in (NPU_UCE_TEMPORARY, NPU_UCE_RESIDENT):
+        return FaultKind.UCE
+    if found == NPU_UCE_FOREIGN:
+        return FaultKind.UNKNOWN  # memory torch_npu does not manage: nothing to repair from a replica
     for kind, names, patterns in _ROWS:
         for e in links:
             if isinstance(e, HAError) and type(e).kind is kind and kind is not FaultKind.UNKNOWN:
@@ -218,6 +223,14 @@ def classify(exc: Optional[BaseException]) -> FaultKind:
             if any(p.search(text) for p in patterns):
                 return kind
     return FaultKind.UNKNOWN
+
+
+#: attribute :func:`mindspeed_ha.accelerator.check_npu_uce` sets on the exception: torch_npu's answer (0-3)
+UCE_IN_MEMORY = "uce_in_memory"
+#: ``torch_npu.npu.check_uce_in_memory(device_id)`` answers (Ascend Extension for PyTorch
+#: API reference, "(beta) torch_npu.npu.check_uce_in_memory"): 0 no UCE address; 1 a UCE in
+#: memory torch_npu does not manage; 2 in its temporary memory; 3 in its resident memory
+NPU_UCE_NONE, NPU_UCE_FOREIGN, NPU_UCE_TEMPORARY, NPU_UCE_RESIDENT = 0, 1, 2, 3
 
 
 def describe(exc: BaseException, limit: int = 2000) -> str:

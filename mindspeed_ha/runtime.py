@@ -457,6 +457,10 @@ class HARuntime:
             setattr(exc, _REPORTED, True)
         except AttributeError:  # an exception type without a __dict__: report it, once is the rule
             pass
+        if self.config.hbm_repair and not getattr(exc, "aborted", False):
+            from mindspeed_ha.accelerator import check_npu_uce
+
+            check_npu_uce(exc)  # on an NPU: torch_npu says whether the device has a UCE
         if where in _IN_STEP:
             iteration = self.current
             log.error("rank %d: fault in iteration %s: %s", self.rank, iteration, exc)

@@ -109,3 +109,42 @@ def test_control_plane_modules_do_not_import_torch(rel):
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module.split(".")[0])
     assert not names & {"torch", "torch_npu", "megatron"}
+
+
+def test_torch_npu_uce_check_decides_when_it_answers(monkeypatch):
+    """torch_npu.npu.check_uce_in_memory (stand-in module: no NPU here): 2/3 make any error
+    a UCE, 1 (memory torch_npu does not manage) UNKNOWN, 0 leaves the text rules; without
+    torch_npu, or when the check raises, nothing is recorded."""
+    import sys
+    import types
+
+    from mindspeed_ha.accelerator import check_npu_uce
+    from mindspeed_ha.faults import FaultKind, classify
+
+    answers = []
+
+    def check(device_id):
+        answers.append(device_id)
+        if answer[0] is None:
+            raise RuntimeError("PYTORCH_NO_NPU_MEMORY_CACHING is set")
+        return answer[0]
+
+    npu = types.SimpleNamespace(is_available=lambda: True, current_device=lambda: 5, check_uce_in_memory=check)
+    monkeypatch.setitem(sys.modules, "torch_npu", types.SimpleNamespace(npu=npu))
+    answer = [3]
+    exc = RuntimeError("ACL stream synchronize failed, error code 507053")
+    assert check_npu_uce(exc) == 3 and answers == [5] and classify(exc) is FaultKind.UCE
+    answer[0] = 2
+    exc = RuntimeError("an operator failed")
+    assert check_npu_uce(exc, device_id=1) == 2 and answers[-1] == 1 and classify(exc) is FaultKind.UCE
+    answer[0] = 1
+    exc = RuntimeError("UCE ERROR")  # the text says UCE; torch_npu says: not its memory
+    assert check_npu_uce(exc) == 1 and classify(exc) is FaultKind.UNKNOWN
+    answer[0] = 0
+    exc = RuntimeError("Connection reset by peer")
+    assert check_npu_uce(exc) == 0 and classify(exc) is FaultKind.NETWORK
+    answer[0] = None
+    exc = RuntimeError("UCE ERROR")
+    assert check_npu_uce(exc) is None and classify(exc) is FaultKind.UCE
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # import fails
+    assert check_npu_uce(RuntimeError("x")) is None
