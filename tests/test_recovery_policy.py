@@ -308,3 +308,45 @@ def test_rejoin_refused_without_the_flag_a_replica_or_survivors_in_step():
     assert "rejoins only a step" in plan_recovery(ranks, 4, 0, cfg).reason
     ranks = _restarted(parked(cluster(1, 2, 2, 2, it=5), {}), 0, incarnation=0)
     assert "never restarted" in plan_recovery(ranks, 4, 0, cfg).reason
+
+
+def test_decide_waits_for_a_restarted_rank_then_rejoins_it():
+    """ARF: a dead rank the agent restarts (rejoin_wait) starts RECOVERING, not the dying
+    checkpoint; the survivors go through the usual rounds; the plan waits until the new
+    process (incarnation 1) is parked at its rejoin point; a restart that never comes (the
+    deadline) or that the agent abandoned falls back."""
+    cfg = CFG.replace(worker_reboot=True)
+    ranks = cluster(1, 2, 2, 2)
+    for info in ranks.values():
+        info.stopped = False
+    kill(ranks, 1)
+    st = _state(ranks)
+    st.rejoin_wait[1] = 0.5
+    d = decide(1.0, st, cfg)
+    assert d.action is ActionKind.STOP_ALL and d.next_phase is Phase.RECOVERING and 1 not in d.targets, d
+    st.phase, st.phase_since = Phase.RECOVERING, 1.0
+    st.record_fault(0.5, 1, FaultKind.PROCESS, "died")
+    for r in (0, 2, 3):
+        ranks[r].stopped, ranks[r].step = True, 6
+    d = decide(1.1, st, cfg)
+    assert d.action is ActionKind.STOP_ALL and d.params["recover"] and d.targets == (0, 2, 3), d
+    st.abort_sent_at = 1.1
+    parked({r: ranks[r] for r in (0, 2, 3)}, {})
+    for r in (0, 2, 3):
+        ranks[r].stopped = True
+    assert "restarted ranks [1]" in decide(1.2, st, cfg).reason  # not registered again yet
+    for r in (0, 2, 3):  # the survivors keep their heartbeats
+        ranks[r].last_heartbeat = 1.0 + cfg.action_timeout_s
+    late = decide(1.0 + cfg.action_timeout_s, st, cfg)
+    assert late.next_phase is Phase.STOPPING and "did not rejoin" in late.reason
+    ranks[1] = type(ranks[0])(rank=1, layout=ranks[0].layout.__class__(**{**ranks[0].layout.__dict__, "dp_rank": 1,
+                                                                         "instance_id": 1}),
+                              last_heartbeat=1.25, incarnation=1, rejoins=True)
+    _restarted(ranks, 1)
+    ranks[1].stopped = True
+    d = decide(1.3, st, cfg)
+    assert d.action is ActionKind.RETRY and d.params["mode"] == "rejoin" and d.targets == (0, 1, 2, 3), d
+    assert d.params["rejoin"] == [1] and d.params["repairs"] == [[1, 0]]
+    st.rejoin_wait.clear()  # the agent abandoned it before it came back: no waiting
+    kill(ranks, 1)
+    assert decide(1.4, st, cfg).next_phase is Phase.STOPPING
