@@ -69,6 +69,9 @@ def main(argv=None) -> int:
                    help="kill: SIGKILL a rank, dying checkpoint, resume with --load (default); uce: a device "
                         "memory error (memory really damaged), repaired in place from a replica; network: a link "
                         "error inside a real collective, the step re-run in place")
+    d.add_argument("--reboot", action="store_true",
+                   help="with --fault kill: --enable-worker-reboot, the killed process is restarted alone and "
+                        "rejoins the survivors (no dying checkpoint, no --load)")
     d.add_argument("--kill-rank", "--fault-rank", dest="kill_rank", type=int, default=1,
                    help="global rank the fault hits (default 1)")
     d.add_argument("--kill-iteration", "--fault-iteration", dest="kill_iteration", type=int, default=6,

@@ -1,6 +1,8 @@
 """The main job: prove a fault-tolerant Megatron run survives a killed rank (``--fault kill``,
 below), a device memory error or a network error (``--fault uce|network``: recovered in
-the running processes, see :func:`run_in_place`).
+the running processes, see :func:`run_in_place`), or a killed rank restarted alone by the
+launcher and rejoined with the survivors (``--fault kill --reboot``: worker restart in place,
+``--enable-worker-reboot``, also :func:`run_in_place`; phases in :func:`_reboot_phases`).
 
 Three real runs of megatron-core's GPT on CPU ranks (gloo) through ``mindspeed-ha-run``,
 all with ``--enable-high-availability`` and the same seed:
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -111,6 +114,50 @@ def _in_place_phases(report: Optional[dict], fault_wall: Optional[float],
     return out
 
 
+def _reboot_phases(report: Optional[dict], kill_wall: Optional[float],
+                   first_after_wall: Optional[float]) -> Dict[str, Optional[float]]:
+    """Seconds per phase of a worker restart in place (``--fault kill --reboot``), from the
+    injector's log (SIGKILL, wall clock), the controller's report (its first recovery and
+    its first ``restarts`` entry) and the recovery log (each rank's re-run iteration done).
+
+    detect: SIGKILL -> the controller has evidence (the agent's report or the closed
+    connection); restart_process: evidence -> the launcher's agent started the new process
+    (the restarts entry's ``t_wall``; 0 when the agent was first); rendezvous: that start ->
+    the controller sends RETRY to every rank. The controller sends RETRY once the new process
+    is parked at its rejoin point, so this phase is mostly the new process's own start-up
+    (interpreter, imports, initialisation with its start-up collectives replayed, model and
+    optimizer build) plus the park message; it is not a separate rendezvous measurement.
+    rebuild_groups / repair / rollback: the slowest rank's stage (its RETRY result; ranks
+    run them at the same time; the restarted rank has no rollback);
+    first_iteration_after: RETRY sent -> the re-run iteration done on every rank (contains
+    rebuild_groups, repair, rollback); total: SIGKILL -> that.
+    """
+    keys = ("detect", "restart_process", "rendezvous", "rebuild_groups", "repair", "rollback",
+            "first_iteration_after", "total")
+    out: Dict[str, Optional[float]] = {k: None for k in keys}
+    report = report or {}
+    recs = report.get("recoveries") or []
+    restarts = report.get("restarts") or []
+    rec = recs[0] if recs else {}
+    evidence, retry = rec.get("evidence_wall"), rec.get("retry_wall")
+    started = restarts[0].get("t_wall") if restarts else None
+    if kill_wall is not None and evidence is not None:
+        out["detect"] = max(0.0, evidence - kill_wall)
+    if evidence is not None and started is not None:
+        out["restart_process"] = max(0.0, started - evidence)
+    if started is not None and retry is not None:
+        out["rendezvous"] = retry - max(started, evidence if evidence is not None else started)
+    ranks = [d for d in (rec.get("ranks") or {}).values() if isinstance(d, dict)]
+    for stage, key in (("rebuild", "rebuild_groups"), ("repair", "repair"), ("rollback", "rollback")):
+        vals = [d[stage] for d in ranks if isinstance(d.get(stage), (int, float))]
+        out[key] = max(vals) if vals else None
+    if first_after_wall is not None and retry is not None:
+        out["first_iteration_after"] = first_after_wall - retry
+    if first_after_wall is not None and kill_wall is not None:
+        out["total"] = first_after_wall - kill_wall
+    return out
+
+
 def _seconds(v: Optional[float]) -> str:
     return "n/a" if v is None else f"{v:.3f}s"
 
@@ -138,17 +185,25 @@ def _read_jsonl(path: str) -> list:
 
 
 def run_in_place(ns, workdir: str, launcher, args, summary: dict) -> int:
-    """--fault uce|network: baseline, then the same run with the fault, recovered in place.
+    """--fault uce|network, or --fault kill --reboot: baseline, then the same run with the
+    fault, recovered without ending the job.
 
-    Phase seconds (``summary["phase_seconds"]``, see :func:`_in_place_phases`): detect and
-    stop are consecutive; clean, rebuild, repair and rollback are each the slowest rank's
-    stage (ranks run them at the same time); first_iteration_after runs from the plan sent
-    to the re-run iteration done on every rank, so it contains those stages; total runs
-    from the fault to that."""
+    uce|network: the same processes recover (``recovered_in_process``: the job finished and
+    the faulty rank kept its PID; ``restarts`` 0). Phase seconds (``summary["phase_seconds"]``,
+    see :func:`_in_place_phases`): detect and stop are consecutive; clean, rebuild, repair
+    and rollback are each the slowest rank's stage (ranks run them at the same time);
+    first_iteration_after runs from the plan sent to the re-run iteration done on every
+    rank, so it contains those stages; total runs from the fault to that.
+
+    kill --reboot (``--enable-worker-reboot``): the launcher restarts the killed process
+    alone and it rejoins. ``restarted_ranks``: the ranks in the controller's ``restarts``;
+    ``restarts``: how many; ``recovered_in_process``: the job finished (exit 0) after a
+    rejoin recovery without a dying checkpoint. Phases: :func:`_reboot_phases`."""
     from mindspeed_ha.testing.harness import launch
 
     point = ns.kill_point
-    extra = ["--enable-hbmfault-repair"] if ns.fault == "uce" else []
+    reboot = ns.fault == "kill"
+    extra = {"uce": ["--enable-hbmfault-repair"], "kill": ["--enable-worker-reboot"]}.get(ns.fault, [])
     inject = f"rank={ns.kill_rank},iteration={ns.kill_iteration},point={point},fault={ns.fault}"
     report_path = os.path.join(workdir, "controller_report.json")
     inject_log = os.path.join(workdir, "injected.jsonl")
@@ -163,7 +218,7 @@ def run_in_place(ns, workdir: str, launcher, args, summary: dict) -> int:
         print("baseline run failed", file=sys.stderr)
         return 1
     print(f"[2/2] faulty: {ns.fault} on rank {ns.kill_rank} at {point} of iteration {ns.kill_iteration}, "
-          "recovered in place", flush=True)
+          + ("the process restarted alone and rejoined" if reboot else "recovered in place"), flush=True)
     t0 = time.monotonic()
     # --save: should the recovery not be possible in place, the dying checkpoint has somewhere to go
     faulty = launch(ns.nproc, args(extra + ["--save", os.path.join(workdir, "checkpoints")]), launcher=launcher,
@@ -177,13 +232,31 @@ def run_in_place(ns, workdir: str, launcher, args, summary: dict) -> int:
     after = _read_jsonl(recovery_log)
     pids_after = {int(e["rank"]): int(e["pid"]) for e in after}
     fault_pid = next((int(e["pid"]) for e in fired), None)
-    summary["recovered_in_process"] = bool(faulty.returncode == 0 and recs and fault_pid is not None
-                                           and pids_after.get(ns.kill_rank) == fault_pid)
-    summary["restarts"] = 0 if summary["recovered_in_process"] else None
+    first_after = max((e["wall"] for e in after), default=None) if len(after) >= ns.nproc else None
+    fault_wall = fired[0]["wall"] if fired else None
+    if reboot:
+        restarts = (report or {}).get("restarts") or []
+        # the dying-checkpoint path stamps the report's exit (the tracker alone says nothing:
+        # Megatron also saves at the end of training)
+        dying = report is None or report.get("exit_code") is not None or report.get("exit_wall") is not None
+        summary["restarted_ranks"] = sorted({int(e["rank"]) for e in restarts})
+        summary["restarts"] = len(restarts)
+        summary["recovered_in_process"] = bool(faulty.returncode == 0 and recs and not dying
+                                               and all(r.get("mode") == "rejoin" for r in recs))
+        first_pids: Dict[int, int] = {}
+        for rank, pid in re.findall(r"rank (\d+) registered \(pid (\d+)", faulty.stdout + faulty.stderr):
+            first_pids.setdefault(int(rank), int(pid))
+        survivors = [r for r in range(ns.nproc) if r not in summary["restarted_ranks"]]
+        summary["survivor_pids_unchanged"] = bool(survivors) and all(
+            r in first_pids and pids_after.get(r) == first_pids[r] for r in survivors)
+        summary["phase_seconds"] = _reboot_phases(report, fault_wall, first_after)
+    else:
+        summary["recovered_in_process"] = bool(faulty.returncode == 0 and recs and fault_pid is not None
+                                               and pids_after.get(ns.kill_rank) == fault_pid)
+        summary["restarts"] = 0 if summary["recovered_in_process"] else None
+        summary["phase_seconds"] = _in_place_phases(report, fault_wall, first_after)
     summary["recoveries"] = len(recs)
     summary["repairs"] = recs[0].get("repairs") if recs else None
-    first_after = max((e["wall"] for e in after), default=None) if len(after) >= ns.nproc else None
-    summary["phase_seconds"] = _in_place_phases(report, fired[0]["wall"] if fired else None, first_after)
     rows, verdict, max_diff = _compare(base.losses, faulty.losses)
     summary.update(loss_match=verdict, max_abs_loss_diff=max_diff, steps_lost=0 if verdict == "bitwise" else None)
     if not fired:
@@ -198,11 +271,16 @@ def run_in_place(ns, workdir: str, launcher, args, summary: dict) -> int:
     _print_losses(rows, "faulty-run loss")
     ps = summary["phase_seconds"]
     fmt = _seconds
+    how = (f"restarted ranks {summary['restarted_ranks']}, {summary['restarts']} restart(s); the others kept "
+           f"their PIDs: {summary['survivor_pids_unchanged']}" if reboot else "same PIDs, 0 restarts")
     print(f"\nfault: {ns.fault} on rank {ns.kill_rank} at {point} of iteration {ns.kill_iteration}; recovered in "
-          f"process: {summary['recovered_in_process']} (same PIDs, 0 restarts)")
+          f"process: {summary['recovered_in_process']} ({how})")
     print("recovery phases: " + ", ".join(f"{k} {fmt(v)}" for k, v in ps.items()))
     print(f"loss match: {verdict} (max |diff| {max_diff:.3g})")
-    return 0 if summary["recovered_in_process"] and verdict == "bitwise" else 1
+    ok = summary["recovered_in_process"] and verdict == "bitwise"
+    if reboot:
+        ok = ok and summary["restarted_ranks"] == [ns.kill_rank] and summary["survivor_pids_unchanged"]
+    return 0 if ok else 1
 
 
 def _end_on_sigterm() -> None:
@@ -223,6 +301,11 @@ def run_demo(ns) -> int:
     from mindspeed_ha.testing.harness import launch, launcher_command, tiny_gpt_args
 
     fault = getattr(ns, "fault", "kill")
+    reboot = bool(getattr(ns, "reboot", False))
+    if reboot and fault != "kill":
+        print(f"--reboot goes with --fault kill only (got --fault {fault}): a {fault} fault is recovered in the "
+              "running processes, nothing is restarted", file=sys.stderr)
+        return 2
     if ns.kill_point is None:
         ns.kill_point = FAULT_POINTS[fault][0]
     if ns.kill_point not in FAULT_POINTS[fault]:
@@ -255,8 +338,9 @@ def run_demo(ns) -> int:
             a += ["--data-path", ns.data_path]
         return a + extra
 
-    if fault != "kill":
+    if fault != "kill" or reboot:
         summary = {"fault": f"{fault} at {ns.kill_point}", "fault_rank": ns.kill_rank,
+                   "worker_reboot": reboot,
                    "fault_iteration": ns.kill_iteration, "fault_point": ns.kill_point,
                    "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                    "nproc": ns.nproc, "train_iters": iters}
