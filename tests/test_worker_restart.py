@@ -23,13 +23,14 @@ pytestmark = pytest.mark.timeout(600)
 
 ITERS = 5
 K = 3
-LAYOUTS = {"tp1pp2": (1, 2), "tp2pp1": (2, 1)}  # 4 ranks -> DP 2, 2 optimizer replicas
+#: (TP, PP, extra flags); 4 ranks -> DP 2 (2 optimizer replicas) or DP 4 with 2 replicas
+LAYOUTS = {"tp1pp2": (1, 2, []), "tp2pp1": (2, 1, []), "dp4": (1, 1, ["--ha-replica-count", "2"])}
 
 
 def _args(layout, *extra):
-    tp, pp = LAYOUTS[layout]
+    tp, pp, more = LAYOUTS[layout]
     return tiny_gpt_args(tp=tp, pp=pp, train_iters=ITERS) + [
-        "--enable-high-availability", "--enable-worker-reboot", "--ha-controller-port", "0", *extra]
+        "--enable-high-availability", "--enable-worker-reboot", "--ha-controller-port", "0", *more, *extra]
 
 
 def _run(args, env=None):
@@ -67,8 +68,8 @@ def _first_pids(log: str):
     return out
 
 
-# (layout, killed rank, point): rank 0, the PP-last rank, a TP peer
-CASES = [("tp1pp2", 0, "forward"), ("tp1pp2", 3, "backward"), ("tp2pp1", 1, "forward")]
+# (layout, killed rank, point): rank 0, the PP-last rank, a TP peer, a DP rank of DP4 N=2
+CASES = [("tp1pp2", 0, "forward"), ("tp1pp2", 3, "backward"), ("tp2pp1", 1, "forward"), ("dp4", 2, "backward")]
 
 
 @pytest.mark.parametrize("layout,rank,point", CASES, ids=[f"{c[0]}-rank{c[1]}-{c[2]}" for c in CASES])
