@@ -1,0 +1,127 @@
+"""Worker restart in place (ARF, ``--enable-worker-reboot``) vs a full job restart, side by
+side in one run (4 CPU ranks, gloo).
+
+The tiny GPT (TP1 PP2 DP2, 2 optimizer replicas) runs K+2 iterations through
+mindspeed-ha-run; rank 1 SIGKILLs itself at backward of iteration K. The launcher's agent
+restarts that process alone; it replays its start-up, parks at its rejoin point, every rank
+rebuilds its groups, the new process receives its state from a replica and every rank
+re-runs iteration K. Phases (see ``mindspeed_ha.demo._reboot_phases``, which computes them):
+detect (SIGKILL -> controller evidence), restart_process (-> the agent started the new
+process), rendezvous (-> RETRY sent: mostly the new process's own start-up up to its rejoin
+point; the controller's retry time is the proxy), rebuild_groups / repair / rollback (the
+slowest rank's stage), first_iteration_after (RETRY -> the re-run iteration done on every
+rank; contains the three stages), total (SIGKILL -> that). Sources: the injector's log, the
+controller's report (``recoveries``, ``restarts``) and the recovery log (wall clocks).
+
+The full restart it is compared with (the method of bench_in_place_recovery.py): the same
+job started again with ``--load`` of the periodic checkpoint of iteration K-1 (saved once by
+a first run with --save-interval K-1 --exit-interval K-1) and ``--train-iters K``: process
+start, imports, init, model build, checkpoint load and the one iteration, until the launcher
+returns (a restart's least cost, before the steps since the checkpoint are redone).
+
+    python scripts/bench_worker_restart.py [--repeat 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from mindspeed_ha.demo import _reboot_phases  # noqa: E402
+from mindspeed_ha.testing.harness import launch, launcher_command, tiny_gpt_args  # noqa: E402
+
+K = 4
+ITERS = K + 2
+KILL = f"rank=1,iteration={K},point=backward,fault=kill"
+
+
+def _args(*extra, reboot=True):
+    return tiny_gpt_args(tp=1, pp=2, train_iters=ITERS) + [
+        "--enable-high-availability", "--ha-controller-port", "0",
+        *(["--enable-worker-reboot"] if reboot else []), *extra]
+
+
+def _jsonl(path):
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def arf(workdir: str) -> dict:
+    fired, after, report = (os.path.join(workdir, n) for n in ("fired.jsonl", "after.jsonl", "report.json"))
+    for p in (fired, after, report):
+        if os.path.exists(p):
+            os.remove(p)
+    r = launch(4, _args(), launcher=launcher_command(4), timeout_s=600,
+               env={"MINDSPEED_HA_INJECT": KILL, "MINDSPEED_HA_INJECT_LOG": fired,
+                    "MINDSPEED_HA_RECOVERY_LOG": after, "MINDSPEED_HA_REPORT": report})
+    if r.returncode != 0:
+        raise SystemExit(f"ARF run failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
+    with open(report) as f:
+        rep = json.load(f)
+    recs = rep.get("recoveries") or []
+    if [e["rank"] for e in rep.get("restarts") or []] != [1] or len(recs) != 1 or recs[0].get("mode") != "rejoin":
+        raise SystemExit(f"not one rejoin of rank 1: restarts {rep.get('restarts')}, recoveries {recs}")
+    done = _jsonl(after)
+    if len(done) != 4:
+        raise SystemExit(f"the recovery log has {len(done)} of 4 ranks")
+    out = _reboot_phases(rep, _jsonl(fired)[0]["wall"], max(e["wall"] for e in done))
+    if any(v is None for v in out.values()):
+        raise SystemExit(f"a phase is missing: {out}")
+    return out
+
+
+def restart(workdir: str) -> float:
+    ckpt = os.path.join(workdir, "periodic")
+    if not os.path.exists(os.path.join(ckpt, "latest_checkpointed_iteration.txt")):
+        r = launch(4, _args("--save", ckpt, "--save-interval", str(K - 1), "--exit-interval", str(K - 1),
+                            reboot=False), launcher=launcher_command(4), timeout_s=600)
+        if r.returncode != 0:
+            raise SystemExit(f"periodic checkpoint run failed:\n{r.stderr[-3000:]}")
+    args = _args("--load", ckpt, reboot=False)
+    i = args.index("--train-iters")
+    args[i + 1] = str(K)
+    t0 = time.monotonic()
+    r = launch(4, args, launcher=launcher_command(4), timeout_s=600)
+    dt = time.monotonic() - t0
+    if r.returncode != 0 or sorted(r.losses) != [K]:
+        raise SystemExit(f"restart run failed ({r.returncode}, losses {sorted(r.losses)}):\n{r.stderr[-3000:]}")
+    return dt
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeat", type=int, default=2)
+    ns = p.parse_args()
+    rows, restarts = [], []
+    load = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="bench_worker_restart_") as workdir:
+        for _ in range(ns.repeat):  # interleaved: the machine's load hits both alike
+            rows.append(arf(workdir))
+            restarts.append(restart(workdir))
+    med_restart = statistics.median(restarts)
+    print(f"\nWorker restart in place (ARF), rank 1 SIGKILLed at backward of iteration {K}; TP1 PP2 DP2 "
+          f"(2 replicas), tiny GPT, 4 CPU ranks; medians of {ns.repeat} (seconds)")
+    print(f"{'phase':<28}{'median':>10}   runs")
+    for ph in rows[0]:
+        print(f"{ph:<28}{statistics.median(r[ph] for r in rows):10.3f}   "
+              + ", ".join(f"{r[ph]:.3f}" for r in rows))
+    print(f"{'full restart (--load)':<28}{med_restart:10.3f}   " + ", ".join(f"{t:.3f}" for t in restarts))
+    ratio = statistics.median(r["total"] for r in rows) / med_restart
+    print(f"{'ratio total / restart':<28}{ratio:10.3f}   (target <= 0.5)")
+    print(f"\nload average at start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, at end "
+          + " ".join(f"{x:.2f}" for x in os.getloadavg()) + f" ({os.cpu_count()} CPUs)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
