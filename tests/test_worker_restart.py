@@ -6,8 +6,10 @@ launcher restarts that process alone (the controller's report lists exactly one 
 rank); the survivors keep their PIDs (the PIDs that registered at start-up are the ones that
 finish iteration K after the recovery); the new process replays its start-up, rejoins the
 survivors' new process-group generation and receives its parameters, optimizer shard, counters,
-scheduler and RNG from a replica; every rank re-runs iteration K; the job exits 0 and the
-per-iteration losses equal the uninterrupted run's bit for bit.
+scheduler and RNG from a replica; every rank re-runs iteration K; after its group rebuild
+every rank (the new one included) finds no object still holding a replaced group (the
+reference's known misses: TP-DP / TP-CP groups, timers' barrier groups); the job exits 0 and
+the per-iteration losses equal the uninterrupted run's bit for bit.
 """
 
 import json
@@ -77,9 +79,13 @@ def test_killed_rank_restarts_alone_and_rejoins(tmp_path, baselines, layout, ran
     base = _baseline(baselines, layout)
     after, report = str(tmp_path / "after.jsonl"), str(tmp_path / "report.json")
     r = _run(_args(layout), env={"MINDSPEED_HA_INJECT": f"rank={rank},iteration={K},point={point},fault=kill",
-                                 "MINDSPEED_HA_RECOVERY_LOG": after, "MINDSPEED_HA_REPORT": report})
+                                 "MINDSPEED_HA_RECOVERY_LOG": after, "MINDSPEED_HA_REPORT": report,
+                                 "MINDSPEED_HA_TESTING_CHECK_HOLDERS": "1"})
     log = r.stdout + r.stderr
     assert r.returncode == 0, log[-8000:]
+    # every rank, the new process included, checked after its rebuild that no object still
+    # holds a replaced group (TP-DP / TP-CP groups, DDP buckets, optimizer, timers' barrier group)
+    assert len(re.findall(r"no holder of a replaced process group is left", log)) == 4, log[-8000:]
     rep = json.load(open(report))
     assert [(e["rank"], e["incarnation"]) for e in rep["restarts"]] == [(rank, 1)], rep["restarts"]
     recs = rep.get("recoveries") or []
