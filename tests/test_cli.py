@@ -1,4 +1,4 @@
-"""The command-line front end: patch listing, demo argument checks and the demo of a worker restart in place.
+"""The command-line front end: patch listing, demo argument checks, the demo of a worker restart in place."""
 
 import json
 import subprocess
