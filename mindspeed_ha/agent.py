@@ -66,6 +66,21 @@ group names / store prefixes, not a second plain ``init_process_group``.
 Only binary entrypoints (torchrun's ``python -u ...``: a ``SubprocessContext``) can be
 restarted one by one; a function entrypoint (``MultiprocessContext``) runs as torchrun
 would, with a warning.
+
+Warm spare (``MINDSPEED_HA_WARM_SPARES=1`` in the launcher's env): when the workers start
+the agent also starts ONE parked ``python -u -m mindspeed_ha.spare`` per node (see that
+module: it has imported torch, torch.distributed, megatron.core and mindspeed_ha's patches,
+not the user's script, and waits for one length-prefixed JSON message on its stdin). A
+restart then sends the spare the dead worker's ``mindspeed_ha.boot`` argv, its complete env
+(the agent's env plus the worker's, as torch's ``SubprocessHandler`` builds it, with the new
+``MINDSPEED_HA_INCARNATION`` and error file) and its per-incarnation log files (created by
+the agent, as torch's handler opens them); the spare's process becomes the worker's, in
+the context's maps like any replacement (:class:`SpareHandler` has torch's handler shape:
+``.proc``, ``.close(death_sig)``), and a new spare is started for the next restart. No
+live spare (not started yet, died, or disabled): the restart starts a new process as
+above. The spare is ended (SIGKILL to its process group) by ``_shutdown`` and, should the
+agent die, ends itself on EOF of its stdin. Spares are only used when the workers run
+``python [-u] -m mindspeed_ha.boot`` (``mindspeed-ha-run``) without NUMA binding.
 """
 
 from __future__ import annotations
@@ -74,6 +89,7 @@ import dataclasses
 import logging
 import os
 import signal
+import subprocess
 import sys
 from string import Template
 from typing import Any, Dict, List, Optional, Set, Union
@@ -82,15 +98,19 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.events import EventSource, record
 from torch.distributed.elastic.multiprocessing import Std, SubprocessContext, to_map
-from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
+from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler, get_subprocess_handler
 from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
-from mindspeed_ha import faults
+from mindspeed_ha import faults, spare
 
 log = logging.getLogger("mindspeed_ha.agent")
 
 #: the worker's incarnation: unset (0) for the workers torchrun started, n for the n-th restart of its rank
 ENV_INCARNATION = "MINDSPEED_HA_INCARNATION"
+#: ``1`` in the launcher's env: keep one warm spare process per node (see the module docstring)
+ENV_WARM_SPARES = "MINDSPEED_HA_WARM_SPARES"
+#: the module every worker of ``mindspeed-ha-run`` runs
+BOOT_MODULE = "mindspeed_ha.boot"
 #: restarts per rank when ``--max-restarts`` is not given (torchrun's default, 0, would make
 #: ``--enable-worker-reboot`` a no-op)
 DEFAULT_RESTARTS_PER_RANK = 3
@@ -142,6 +162,65 @@ def incarnation_path(path: str, incarnation: int) -> str:
     return f"{root}.incarnation{incarnation}{ext}"
 
 
+def boot_argv(entrypoint: Any, args: tuple) -> Optional[List[str]]:
+    """What follows ``-m mindspeed_ha.boot`` in a worker's command line ``entrypoint args``,
+    or None when the worker is not ``python [-u] -m mindspeed_ha.boot ...`` (no spare can
+    become it)."""
+    if not isinstance(entrypoint, str):
+        return None
+    args = tuple(str(a) for a in args)
+    for flags in (("-u",), ()):
+        head = (*flags, "-m", BOOT_MODULE)
+        if args[:len(head)] == head and len(args) > len(head):
+            return list(args[len(head):])
+    return None
+
+
+class SpareHandler(SubprocessHandler):
+    """A parked ``python -u -m mindspeed_ha.spare`` process, in the shape of torch's
+    ``SubprocessHandler`` (``.proc``, ``.local_rank_id``, ``.close(death_sig)``) so that,
+    once adopted, the process context treats it as any worker's.
+
+    Args:
+        entrypoint: the workers' interpreter (torchrun's ``sys.executable``).
+        sys_path: directory put first on the spare's ``sys.path`` (the script's), or None.
+
+    Its stdout/stderr are the agent's until :meth:`adopt` (the spare redirects them itself);
+    its env is the agent's; its own session, as torch's workers.
+    """
+
+    def __init__(self, entrypoint: str, sys_path: Optional[str] = None):  # noqa: D107 (torch's __init__ starts a worker)
+        self._stdout = self._stderr = None
+        self.local_rank_id = -1
+        cmd = [entrypoint, "-u", "-m", "mindspeed_ha.spare"] + (["--sys-path", sys_path] if sys_path else [])
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, start_new_session=True)
+
+    def adopt(self, local_rank: int, message: bytes) -> None:
+        """Make the spare local rank ``local_rank`` with ``message`` (:func:`mindspeed_ha.spare.encode`).
+
+        Raises:
+            OSError: the spare is gone (BrokenPipeError) or its pipe cannot be written.
+        """
+        self.local_rank_id = local_rank
+        stdin = self.proc.stdin
+        try:
+            stdin.write(message)
+            stdin.flush()
+        finally:
+            self._close_stdin()
+
+    def close(self, death_sig: Optional[signal.Signals] = None) -> None:
+        self._close_stdin()
+        super().close(death_sig)
+
+    def _close_stdin(self) -> None:
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        except OSError:  # a broken pipe while flushing: the spare is gone
+            pass
+
+
 class WorkerRebootAgent(LocalElasticAgent):
     """torchrun's ``LocalElasticAgent`` that restarts a dead worker alone (see the module docstring).
 
@@ -153,6 +232,8 @@ class WorkerRebootAgent(LocalElasticAgent):
         tee: torchrun's ``--tee`` (``Std`` or a map local rank -> ``Std``): which
             streams of a replacement are tailed to the console.
         local_ranks_filter: torchrun's ``--local-ranks-filter`` (None: every local rank).
+        warm_spares: keep one warm spare process (see the module docstring); None (default):
+            ``MINDSPEED_HA_WARM_SPARES=1`` in the environment.
 
     Raises:
         ValueError: ``restarts_per_rank`` < 0.
@@ -160,7 +241,7 @@ class WorkerRebootAgent(LocalElasticAgent):
 
     def __init__(self, spec, logs_specs, *, restarts_per_rank: int = DEFAULT_RESTARTS_PER_RANK,
                  hooks: Optional[Any] = None, tee: Union[Std, Dict[int, Std]] = Std.NONE,
-                 local_ranks_filter: Optional[Set[int]] = None, **kwargs):
+                 local_ranks_filter: Optional[Set[int]] = None, warm_spares: Optional[bool] = None, **kwargs):
         if restarts_per_rank < 0:
             raise ValueError(f"restarts_per_rank={restarts_per_rank}: expected >= 0 (--max-restarts)")
         super().__init__(spec, logs_specs, **kwargs)
@@ -172,6 +253,10 @@ class WorkerRebootAgent(LocalElasticAgent):
         self._incarnation: Dict[int, int] = {}  # local rank -> incarnation of its current process
         self._tails: List[TailLog] = []
         self._handed_over = False
+        if warm_spares is None:
+            warm_spares = os.environ.get(ENV_WARM_SPARES, "").strip() == "1"
+        self.warm_spares = warm_spares
+        self._spare: Optional[SpareHandler] = None
 
     # ------------------------------------------------------------------ torch's hooks
     def _start_workers(self, worker_group: WorkerGroup) -> Dict[int, Any]:
@@ -183,6 +268,8 @@ class WorkerRebootAgent(LocalElasticAgent):
         if self._handed_over:
             log.warning("--enable-worker-reboot: workers of a function entrypoint (%s) cannot be restarted one "
                         "by one; a failure ends the group as in torchrun", type(self._pcontext).__name__)
+        elif self.warm_spares:
+            self._start_spare(worker_group)
         return pids
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
@@ -217,8 +304,11 @@ class WorkerRebootAgent(LocalElasticAgent):
         return RunResult(state=WorkerState.HEALTHY)
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
-        super()._shutdown(death_sig, timeout)  # ends the replacements too: they are in the context
-        self._stop_tails()
+        try:
+            super()._shutdown(death_sig, timeout)  # ends the replacements too: they are in the context
+        finally:
+            self._stop_spare()
+            self._stop_tails()
 
     # ------------------------------------------------------------------ restarts
     def _torch_monitor(self, worker_group: WorkerGroup) -> RunResult:
@@ -256,9 +346,12 @@ class WorkerRebootAgent(LocalElasticAgent):
         error_file = incarnation_path(pc.error_files.get(local_rank, ""), n)
         if env.get("TORCHELASTIC_ERROR_FILE"):
             env["TORCHELASTIC_ERROR_FILE"] = error_file
-        handler = get_subprocess_handler(entrypoint=pc.entrypoint, args=pc.args[local_rank], env=env, stdout=stdout,
-                                         stderr=stderr, local_rank_id=local_rank,
-                                         numa_options=worker_group.spec.numa_options)
+        handler = self._adopt_spare(worker_group, local_rank, env, stdout, stderr)
+        warm = handler is not None
+        if handler is None:
+            handler = get_subprocess_handler(entrypoint=pc.entrypoint, args=pc.args[local_rank], env=env,
+                                             stdout=stdout, stderr=stderr, local_rank_id=local_rank,
+                                             numa_options=worker_group.spec.numa_options)
         pc.subprocess_handlers[local_rank] = handler
         pc.envs[local_rank], pc.stdouts[local_rank], pc.stderrs[local_rank] = env, stdout, stderr
         if local_rank in pc.error_files:
@@ -269,10 +362,75 @@ class WorkerRebootAgent(LocalElasticAgent):
         record(self._construct_event("START", EventSource.WORKER, worker), worker_group.spec.event_log_handler)
         restart = Restart(worker.global_rank, local_rank, n, handler.proc.pid, code)
         self.restarts.append(restart)
-        log.warning("worker rank %d (pid %d) exited with %d: restarted alone as pid %d, incarnation %d (%d of %d "
-                    "restarts of this rank)", worker.global_rank, old_pid, code, handler.proc.pid, n, n,
-                    self.restarts_per_rank)
+        log.warning("worker rank %d (pid %d) exited with %d: restarted alone as pid %d%s, incarnation %d (%d of %d "
+                    "restarts of this rank)", worker.global_rank, old_pid, code, handler.proc.pid,
+                    " (warm spare)" if warm else "", n, n, self.restarts_per_rank)
         self.hooks.restarted(worker.global_rank, n, handler.proc.pid, code)
+        if warm:
+            self._start_spare(worker_group)  # for the next restart
+
+    # ------------------------------------------------------------------ warm spare
+    def _start_spare(self, worker_group: WorkerGroup) -> None:
+        """Start the warm spare unless one is parked or the workers are not ``mindspeed_ha.boot``'s."""
+        if self._spare is not None and self._spare.proc.poll() is None:
+            return
+        pc = self._pcontext
+        argv = boot_argv(pc.entrypoint, pc.args[min(pc.args)]) if pc.args else None
+        if argv is None or worker_group.spec.numa_options is not None:
+            log.warning("%s=1: no warm spare (workers are not `python -m %s ...`, or NUMA binding is on)",
+                        ENV_WARM_SPARES, BOOT_MODULE)
+            self.warm_spares = False
+            return
+        sys_path = None if argv[0] == "-m" else os.path.dirname(os.path.abspath(argv[0]))
+        self._spare = SpareHandler(pc.entrypoint, sys_path)
+        log.info("warm spare started: pid %d", self._spare.proc.pid)
+
+    def _adopt_spare(self, worker_group: WorkerGroup, local_rank: int, env: Dict[str, str], stdout: str,
+                     stderr: str) -> Optional[SpareHandler]:
+        """The parked spare, now ``local_rank`` with ``env`` (the worker's part) and these log
+        files, or None (no live spare, or it could not be told)."""
+        spare_handler, self._spare = self._spare, None
+        if spare_handler is None:
+            return None
+        pc = self._pcontext
+        argv = boot_argv(pc.entrypoint, pc.args[local_rank])
+        if spare_handler.proc.poll() is not None or argv is None:
+            log.warning("warm spare (pid %d) unusable (exit code %s): restarting the worker cold; no more spares",
+                        spare_handler.proc.pid, spare_handler.proc.returncode)
+            self.warm_spares = False
+            self._end_spare(spare_handler)
+            return None
+        for path in (stdout, stderr):  # created (emptied) here, as torch's handler opens them
+            if path and path != os.devnull:
+                open(path, "w").close()
+        full_env = os.environ.copy()  # what torch's SubprocessHandler gives a worker
+        full_env.update(env)
+        try:
+            spare_handler.adopt(local_rank, spare.encode(argv, full_env, stdout, stderr))
+        except OSError as exc:
+            log.warning("warm spare (pid %d) could not be told (%s): restarting the worker cold; no more spares",
+                        spare_handler.proc.pid, exc)
+            self.warm_spares = False
+            self._end_spare(spare_handler)
+            return None
+        return spare_handler
+
+    def _stop_spare(self) -> None:
+        spare_handler, self._spare = self._spare, None
+        if spare_handler is not None:
+            self._end_spare(spare_handler)
+
+    @staticmethod
+    def _end_spare(spare_handler: SpareHandler) -> None:
+        """SIGKILL to the spare's process group, then reap it (a parked spare holds nothing)."""
+        try:
+            spare_handler.close(death_sig=signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            spare_handler.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # uninterruptible sleep; the kernel ends it later
+            log.warning("warm spare pid %d did not end within 10 s of SIGKILL", spare_handler.proc.pid)
 
     def _tail(self, worker_group: WorkerGroup, local_rank: int, stdout: str, stderr: str) -> None:
         """``--tee``: the replacement's log files to the console, prefixed as torch does."""
