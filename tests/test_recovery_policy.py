@@ -350,3 +350,23 @@ def test_decide_waits_for_a_restarted_rank_then_rejoins_it():
     st.rejoin_wait.clear()  # the agent abandoned it before it came back: no waiting
     kill(ranks, 1)
     assert decide(1.4, st, cfg).next_phase is Phase.STOPPING
+
+
+def test_round_one_does_not_wait_for_an_instance_peer_blocked_in_the_all_gather():
+    """DP4 with 2 replicas: rank 0 faults inside its update; rank 1, its optimizer-instance
+    peer, waits for it in the parameter all-gather for good (UPDATING, no fault of its own):
+    round 1 ends at once. A non-faulty rank of the other instance still UPDATING (computing)
+    is waited for."""
+    ranks = cluster(1, 1, 4, 2, it=6)
+    st = _state(ranks, Phase.RECOVERING)
+    st.phase_since = 1.0
+    st.record_fault(0.5, 0, UCE, "uce")
+    for info in ranks.values():
+        info.stopped, info.step = True, 6
+    ranks[0].status, ranks[0].fault, ranks[0].fault_where = UP, UCE, "update"
+    ranks[1].status = UP
+    ranks[2].status = UP  # other instance, still computing
+    assert decide(1.1, st, CFG).action is ActionKind.NOOP
+    ranks[2].status = U
+    d = decide(1.1, st, CFG)
+    assert d.action is ActionKind.STOP_ALL and d.params["recover"], d

@@ -447,17 +447,28 @@ def _parked_to_rejoin(state: ClusterState, rank: int, gone: Mapping[int, str]) -
 def _inside_one_update(state: ClusterState, live) -> bool:
     """Every rank is inside the optimizer update of the same iteration j (the commit
     barrier keeps them there, see patches/optimizer.py) and every rank still UPDATING
-    reported a fault of its own: the others finished it (UPDATED j) and wait. A rank
-    still UPDATING without a fault (computing, or blocked in its instance's parameter
-    all-gather) may yet finish: the caller waits up to update_settle_s for it."""
+    reported a fault of its own or is a distributed-optimizer instance peer of a faulty
+    one (blocked in that instance's parameter all-gather for good): the others finished
+    it (UPDATED j) and wait. Any other rank still UPDATING (computing) may yet finish:
+    the caller waits up to update_settle_s for it."""
     infos = [state.ranks[r] for r in live]
     its = {i.iteration for i in infos}
     if len(its) != 1:
         return False
     j = next(iter(its))
-    return all(i.step in (-1, j) and (i.status is OptimizerStatus.UPDATED
-                                      or (i.status is OptimizerStatus.UPDATING and i.fault is not None))
-               for i in infos) and any(i.status is OptimizerStatus.UPDATING for i in infos)
+    faulty = [i for i in infos if i.status is OptimizerStatus.UPDATING and i.fault is not None]
+
+    def waits_for_a_faulty_peer(i: RankInfo) -> bool:
+        # the distributed optimizer's parameter all-gather runs over one optimizer instance
+        # (same tp, pp, instance): a peer of a faulty rank there never finishes its update
+        return any(f.layout.replica_count < f.layout.dp_size and (f.layout.tp_rank, f.layout.pp_rank,
+                   f.layout.instance_id) == (i.layout.tp_rank, i.layout.pp_rank, i.layout.instance_id)
+                   for f in faulty)
+
+    return bool(faulty) and all(
+        i.step in (-1, j) and (i.status is OptimizerStatus.UPDATED or i in faulty
+                               or (i.status is OptimizerStatus.UPDATING and waits_for_a_faulty_peer(i)))
+        for i in infos)
 
 
 def _recovering(now: float, state: ClusterState, config: HAConfig, gone: Mapping[int, str]) -> Decision:
