@@ -498,8 +498,9 @@ class Controller:
         pending = st.pending
         if st.phase is Phase.RUNNING or (st.phase is Phase.RECOVERING and
                                           (pending is None or pending.kind != ActionKind.RETRY.value)):
-            st.rejoin_wait.setdefault(rank, at)
-            log.warning("rank %d: waiting for its agent to restart it and for the new process to rejoin", rank)
+            if rank not in st.rejoin_wait:
+                st.rejoin_wait[rank] = at
+                log.info("rank %d: its agent may restart it: the new process is awaited to rejoin", rank)
 
     def _stop_requested(self, rank: int, reason: str, at: float) -> None:
         if self.state.request_stop(at, rank, reason):
@@ -650,6 +651,7 @@ class Controller:
         elif t is wire.MsgType.GOODBYE:
             info.exit_code = body.exit_code
             st.mark_dead(rank, f"said goodbye (exit code {body.exit_code})", body.exit_code, now)
+            self._expect_rejoin(rank, body.exit_code, now)  # a rank that said goodbye is not restarted
             log.info("rank %d: goodbye, exit code %d", rank, body.exit_code)
         else:
             self.codec.rejected["unexpected_type"] += 1
