@@ -137,7 +137,8 @@ def main() -> None:
         raise SystemExit(0)
     (size,) = _HEADER.unpack(header)
     if size > MAX_MESSAGE_BYTES:
-        raise SystemExit(f"mindspeed_ha.spare: message of {size} bytes: at most {MAX_MESSAGE_BYTES}")
+        print(f"mindspeed_ha.spare: message of {size} bytes: at most {MAX_MESSAGE_BYTES}", file=sys.stderr)
+        raise SystemExit(2)
     body = _read_exact(0, size)
     if body is None:
         raise SystemExit(0)
