@@ -72,7 +72,7 @@ def _read_exact(fd: int, n: int) -> Optional[bytes]:
     return b"".join(chunks)
 
 
-def decode(header: bytes, body: bytes) -> Dict[str, Any]:
+def decode(body: bytes) -> Dict[str, Any]:
     """The checked message. Raises ValueError when it is not a version-1 message."""
     msg = json.loads(body.decode("utf-8"))
     if not isinstance(msg, dict) or msg.get("v") != VERSION:
@@ -143,7 +143,7 @@ def main() -> None:
     if body is None:
         raise SystemExit(0)
     try:
-        msg = decode(header, body)
+        msg = decode(body)
     except ValueError as exc:
         print(f"mindspeed_ha.spare: {exc}", file=sys.stderr)
         raise SystemExit(2)
