@@ -674,7 +674,9 @@ class HARuntime:
             raise RuntimeError(f"rank {self.rank}: no snapshot of iteration {k} to hand to a restarted process "
                                f"(have {snap.iteration if snap is not None else None})")
         args = snap.args if snap.args is not None else (self.ctx.args if self.ctx is not None else self.args)
-        return progress.capture(args, k, snap.scheduler_state, self._entry_rng, flops=snap.flops)
+        rerun = (self._rerun_state or {}).get("current_iteration")
+        return progress.capture(args, k, snap.scheduler_state, self._entry_rng, flops=snap.flops,
+                                rerun_iteration=rerun if isinstance(rerun, int) else None)
 
     def rejoin_after_setup(self, model, optimizer, opt_param_scheduler) -> None:
         """ARF, in a restarted process (``MINDSPEED_HA_INCARNATION`` >= 1), right after

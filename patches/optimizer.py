@@ -22,6 +22,8 @@ scheduler step are those the uninterrupted step computes.
 
 from __future__ import annotations
 
+import traceback
+
 from .registry import Patch
 
 
@@ -58,6 +60,7 @@ def _finish_in_place(rt, exc: BaseException, where: str, result):
     action = rt.handle_fault(exc, where=where)
     if action is None or getattr(action, "kind", None) != "retry" or action.params.get("mode") != "forward":
         raise exc
+    traceback.clear_frames(exc.__traceback__)  # the aborted frames' locals hold the old groups
     try:
         rt.recover(action)
     except Exception as failure:

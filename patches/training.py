@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import traceback
 
 from .registry import Patch
 
@@ -101,6 +102,9 @@ def _train_step(wrapped, instance, args, kwargs):
             action = rt.handle_fault(exc)
             if action is None or getattr(action, "kind", None) != "retry":
                 raise
+            # the aborted attempt's frames (kept by the traceback) hold the old process
+            # groups in their locals: cleared, so the rebuild leaves no holder behind
+            traceback.clear_frames(exc.__traceback__)
         # RETRY (in-place recovery): clean, rebuild groups, repair, roll back; then re-run
         # the step. A failure here is reported as a new fault (the controller then falls
         # back to the dying checkpoint and this rank waits for its EXIT).

@@ -113,3 +113,48 @@ def test_kill_inside_the_optimizer_update_takes_the_dying_checkpoint(tmp_path):
     assert r.returncode == faults.EXIT_DYING_CHECKPOINT_SAVED, log[-8000:]
     with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as f:
         assert int(f.read()) >= K - 1
+
+
+def test_second_restart_and_checkpoints_equal_the_uninterrupted_run(tmp_path, baselines):
+    """Two ranks killed in different iterations (the second rejoin happens after a first
+    rebuild: every generation rendezvouses in the first generation's store, or the new
+    process and the survivors never meet) with periodic saves: exit 0, two restarts, losses
+    bitwise, and the checkpoints written after the restarts equal an uninterrupted run's key
+    by key (the restarted process's rerun-state-machine count included)."""
+    from mindspeed_ha.testing.compare import compare_checkpoint_dirs
+
+    base_save, save, report = str(tmp_path / "base"), str(tmp_path / "ckpt"), str(tmp_path / "report.json")
+    base = _run(_args("tp1pp2", "--save", base_save, "--save-interval", "2"))
+    assert base.returncode == 0, base.stderr[-4000:]
+    r = _run(_args("tp1pp2", "--save", save, "--save-interval", "2"),
+             env={"MINDSPEED_HA_INJECT": "rank=0,iteration=2,point=forward,fault=kill;"
+                                         "rank=2,iteration=4,point=backward,fault=kill",
+                  "MINDSPEED_HA_REPORT": report})
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-8000:]
+    rep = json.load(open(report))
+    assert [(e["rank"], e["incarnation"]) for e in rep["restarts"]] == [(0, 1), (2, 1)], rep["restarts"]
+    assert [rec["mode"] for rec in rep["recoveries"]] == ["rejoin", "rejoin"]
+    assert r.losses == base.losses
+    for it in (2, 4):
+        name = f"iter_{it:07d}"
+        diffs = compare_checkpoint_dirs(os.path.join(save, name), os.path.join(base_save, name))
+        assert not diffs, f"{name}:\n" + "\n".join(diffs[:20])
+
+
+def test_restart_budget_spent_takes_the_dying_checkpoint_at_once(tmp_path):
+    """--max-restarts 1 and rank 1 killed twice: the agent gives up on the second death and
+    says so; the controller stops waiting for that rank (its exit report, which comes after,
+    does not re-arm the wait) and the job takes the dying checkpoint well before the
+    rejoin deadline (--ha-action-timeout, 600 s: this test's own limit is 300 s)."""
+    save = str(tmp_path / "ckpt")
+    args = _args("tp1pp2", "--save", save)
+    r = launch(4, args, launcher=launcher_command(4) + ["--max-restarts", "1"], timeout_s=300,
+               env={"MINDSPEED_HA_INJECT": "rank=1,iteration=2,point=forward,fault=kill;"
+                                           "rank=1,iteration=4,point=forward,fault=kill,incarnation=1"})
+    assert not r.timed_out, (r.stdout + r.stderr)[-6000:]
+    log = r.stdout + r.stderr
+    assert r.returncode == faults.EXIT_DYING_CHECKPOINT_SAVED, log[-8000:]
+    assert "did not rejoin within" not in log
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as f:
+        assert int(f.read()) == 3

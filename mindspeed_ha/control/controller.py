@@ -35,7 +35,7 @@ import queue
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -161,6 +161,7 @@ class Controller:
         self._action_ids = itertools.count(1)
         self.first_register_at: Optional[float] = None
         self._restarts: List[Dict[str, Any]] = []  # report_rank_restart, in order (I/O thread, under _lock)
+        self._abandoned: Set[int] = set()  # ranks the agent will not restart again (I/O thread)
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -469,6 +470,7 @@ class Controller:
                 self._expect_rejoin(rank, code, at)
             elif cmd == "abandoned":
                 rank, why, at = arg
+                self._abandoned.add(rank)  # its exit, reported after this, must not re-arm the wait
                 if self.state.rejoin_wait.pop(rank, None) is not None:
                     log.warning("rank %d: its agent will not restart it (%s): not waiting for it to rejoin", rank, why)
             elif cmd == "stop":
@@ -493,7 +495,7 @@ class Controller:
         if code is not None and (code == 0 or code in range(75, 80)):
             st.rejoin_wait.pop(rank, None)
             return
-        if info is None or not info.rejoins or st.stop_request is not None:
+        if info is None or not info.rejoins or st.stop_request is not None or rank in self._abandoned:
             return
         pending = st.pending
         if st.phase is Phase.RUNNING or (st.phase is Phase.RECOVERING and

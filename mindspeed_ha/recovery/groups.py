@@ -19,8 +19,9 @@ How the new groups are made (:func:`rebuild_process_groups`):
   NCCL's ``is_high_priority_stream`` is copied too).
 * Rendezvous: each new group is named ``<root>.ha<generation>`` where ``<root>`` is the
   old group's torch name (``_world.pg_names``) without an earlier ``.ha<n>`` suffix, and
-  rendezvouses under that name in the default group's store (the store new_group uses,
-  ``_world.pg_map[default][1]``: torchrun's TCPStore under torch's prefixes). Only the
+  rendezvouses under that name in the first generation's default group's store (the
+  store new_group uses, ``_world.pg_map[default][1]`` of the original default group:
+  torchrun's TCPStore under torch's prefixes; see :func:`_root_store`). Only the
   members take part (local synchronisation). Why not ``dist.new_group``: with
   ``use_local_synchronization=True`` torch 2.13 names a group by the hash of its ranks
   (``_process_group_name``), so two groups with the same ranks (DP and DP-with-CP when
@@ -207,7 +208,7 @@ def rebuild_process_groups(generation: int, exclude: Iterable[Any] = (),
     if reused:
         raise ValueError(f"rebuild_process_groups: generation {generation} already used on rank "
                          f"{me} (groups {reused[:3]} exist)")
-    store = world.pg_map[default][1]
+    store = _root_store(world, default)
     mapping: Dict[int, Tuple[Any, Any]] = {}  # id(old) -> (old, new): skipped by the swap
     described = []
     for name, old, ranks in plan:
@@ -264,6 +265,23 @@ def stale_holders(old_groups: Iterable[Any]) -> List[str]:
 
 
 # ---- group creation ----------------------------------------------------------------------
+
+def _root_store(world, default):
+    """The store every generation rendezvouses in: the one of the first default group
+    (its torch name without ``.ha<n>``), followed back through the retired generations.
+
+    torch records a group's store as ``PrefixStore("<name>/", store)``: taking the current
+    default's after a rebuild would nest every generation one prefix deeper
+    (``0/0.ha1/0.ha2/...``), while a process restarted since (ARF) has the first
+    generation's default and rendezvouses under ``0/0.ha2/``: they would never meet
+    (found by a fresh-eyes test: a second recovery that rejoins a new process hung).
+    """
+    older = {id(new): old for old, new, _ in _RETIRED}
+    root = default
+    while id(root) in older:
+        root = older[id(root)]
+    return world.pg_map[root][1]
+
 
 def _make_default(pg) -> None:
     """torch's own ``_update_default_pg`` (also sets the C++ global rank); else the field."""

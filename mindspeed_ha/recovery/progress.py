@@ -13,6 +13,8 @@ would also have set comes from the same holder as one small message (this module
   the data samplers from ``args.consumed_train_samples``);
 * the learning-rate scheduler's ``state_dict()`` (``OptimizerParamScheduler.load_state_dict``
   takes it back and sets the param groups' learning rate);
+* megatron-core's ``RerunStateMachine.current_iteration`` (a checkpoint holds it; a fresh
+  process would count from 0);
 * the RNG state at the entry of step k+1 (python, numpy, torch, device, the
   tensor-parallel tracker: :func:`mindspeed_ha.integrations.megatron_lm.collect_rng_state`):
   a holder with the same tensor- and pipeline-parallel rank draws the same numbers
@@ -81,7 +83,7 @@ def decode_rng(d: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def capture(args, iteration: int, scheduler_state: Optional[dict], rng_state: Optional[dict],
-            flops: Optional[float] = None) -> Dict[str, Any]:
+            flops: Optional[float] = None, rerun_iteration: Optional[int] = None) -> Dict[str, Any]:
     """The progress of completed iteration ``iteration`` (see the module docstring).
 
     Args:
@@ -90,13 +92,16 @@ def capture(args, iteration: int, scheduler_state: Optional[dict], rng_state: Op
         scheduler_state: ``opt_param_scheduler.state_dict()`` after step k (None: no scheduler).
         rng_state: ``collect_rng_state()`` at the entry of step k+1.
         flops: the training loop's FLOP count after k (None: ``args``' own).
+        rerun_iteration: megatron-core's ``RerunStateMachine.current_iteration`` after k
+            (it counts the steps this process ran; a checkpoint holds it).
     """
     fields = {f: getattr(args, f, None) for f in ARGS_FIELDS}
     fields["iteration"] = int(iteration)
     if flops is not None:
         fields["num_floating_point_operations_so_far"] = flops
     return {"v": VERSION, "args": fields, "scheduler": scheduler_state,
-            "rng": encode_rng(rng_state) if rng_state is not None else None}
+            "rng": encode_rng(rng_state) if rng_state is not None else None,
+            "rerun_iteration": rerun_iteration}
 
 
 def encode(progress: Dict[str, Any]) -> bytes:
@@ -159,6 +164,12 @@ def apply(progress: Dict[str, Any], args, opt_param_scheduler=None) -> None:
             setattr(args, field, value)
     if opt_param_scheduler is not None and progress.get("scheduler") is not None:
         opt_param_scheduler.load_state_dict(progress["scheduler"])
+    if progress.get("rerun_iteration") is not None:
+        try:
+            from megatron.core.rerun_state_machine import get_rerun_state_machine
+        except ImportError:  # pragma: no cover - megatron-core always has it
+            return
+        get_rerun_state_machine().current_iteration = int(progress["rerun_iteration"])
 
 
 __all__ = ["VERSION", "MAX_BYTES", "ARGS_FIELDS", "ProgressError", "capture", "encode", "decode", "send", "recv",
