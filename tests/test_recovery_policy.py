@@ -370,3 +370,12 @@ def test_round_one_does_not_wait_for_an_instance_peer_blocked_in_the_all_gather(
     ranks[2].status = U
     d = decide(1.1, st, CFG)
     assert d.action is ActionKind.STOP_ALL and d.params["recover"], d
+
+
+def test_reason_names_a_rank_with_the_plan_kind():
+    """A network error on rank 0 first, a UCE on rank 1: the plan is a UCE repair and says
+    so of rank 1 (found by a fresh-eyes test: it named rank 0's as the UCE)."""
+    ranks = parked(cluster(1, 1, 4, 2), {0: NET, 1: UCE})
+    plan = plan_recovery(ranks, 4, 0, CFG)
+    assert isinstance(plan, RecoveryPlan) and plan.kind is UCE and plan.fault_rank == 1, plan
+    assert plan.reason.startswith("uce fault on rank 1")

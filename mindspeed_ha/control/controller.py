@@ -720,8 +720,9 @@ class Controller:
             for r, (_, detail) in sorted((pending.results if pending is not None else {}).items()):
                 rec["ranks"][r] = detail
             log.warning("controller: recovered in place from the %s fault of rank %s in %.3f s (evidence -> every "
-                        "rank ready to re-run iteration %d)", rec["kind"], rec["rank"], now - rec["evidence_at"],
-                        rec["iteration"] + 1)
+                        "rank ready to %s iteration %d)", rec["kind"], rec["rank"], now - rec["evidence_at"],
+                        *(("go on with", rec["iteration"]) if rec.get("mode") == "forward"
+                          else ("re-run", rec["iteration"] + 1)))
         st.fault = None
         st.pending = None
         st.abort_sent_at = None

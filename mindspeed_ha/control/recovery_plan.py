@@ -207,7 +207,8 @@ def plan_recovery(ranks: Mapping[int, RankInfo], world_size: int, fault_rank: in
         else:
             orphans.append(d)
     kind = FaultKind.UCE if damaged else FaultKind.NETWORK
-    first = fault_rank if fault_rank in faults else min(faults)
+    named = [r for r, k in faults.items() if k is kind]  # the rank the reason names has that kind
+    first = fault_rank if fault_rank in named else min(named)
     generation = len(history) + 1
     if orphans:
         d = orphans[0]
