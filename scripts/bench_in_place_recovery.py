@@ -26,12 +26,11 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from mindspeed_ha.testing.harness import launch, launcher_command, tiny_gpt_args  # noqa: E402
+from mindspeed_ha.testing.harness import launch, launcher_command, read_jsonl, time_full_restart, tiny_gpt_args  # noqa: E402
 
 K = 4
 ITERS = K + 2
@@ -45,11 +44,6 @@ def _args(*extra):
                                                          "--ha-controller-port", "0", *extra]
 
 
-def _jsonl(path):
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def in_place(workdir: str, fault: str) -> dict:
@@ -64,8 +58,8 @@ def in_place(workdir: str, fault: str) -> dict:
         raise SystemExit(f"{fault}: the run failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
     with open(report) as f:
         rec = json.load(f)["recoveries"][0]
-    t_fault = _jsonl(fired)[0]["wall"]
-    t_after = max(e["wall"] for e in _jsonl(after))
+    t_fault = read_jsonl(fired)[0]["wall"]
+    t_after = max(e["wall"] for e in read_jsonl(after))
     ranks = [d for d in rec["ranks"].values() if isinstance(d, dict)]
     out = {"detect": rec["evidence_wall"] - t_fault,
            "freeze": rec["abort_wall"] - rec["evidence_wall"],
@@ -78,21 +72,7 @@ def in_place(workdir: str, fault: str) -> dict:
 
 
 def restart(workdir: str) -> float:
-    ckpt = os.path.join(workdir, "periodic")
-    if not os.path.exists(os.path.join(ckpt, "latest_checkpointed_iteration.txt")):
-        r = launch(4, _args("--save", ckpt, "--save-interval", str(K - 1), "--exit-interval", str(K - 1)),
-                   launcher=launcher_command(4), timeout_s=600)
-        if r.returncode != 0:
-            raise SystemExit(f"periodic checkpoint run failed:\n{r.stderr[-3000:]}")
-    args = [a for a in _args("--load", ckpt)]
-    i = args.index("--train-iters")
-    args[i + 1] = str(K)
-    t0 = time.monotonic()
-    r = launch(4, args, launcher=launcher_command(4), timeout_s=600)
-    dt = time.monotonic() - t0
-    if r.returncode != 0 or sorted(r.losses) != [K]:
-        raise SystemExit(f"restart run failed ({r.returncode}, losses {sorted(r.losses)}):\n{r.stderr[-3000:]}")
-    return dt
+    return time_full_restart(_args(), K, workdir)
 
 
 def main() -> int:

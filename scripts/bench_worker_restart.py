@@ -30,13 +30,12 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from mindspeed_ha.demo import _reboot_phases  # noqa: E402
-from mindspeed_ha.testing.harness import launch, launcher_command, tiny_gpt_args  # noqa: E402
+from mindspeed_ha.testing.harness import launch, launcher_command, read_jsonl, time_full_restart, tiny_gpt_args  # noqa: E402
 
 K = 4
 ITERS = K + 2
@@ -49,11 +48,6 @@ def _args(*extra, reboot=True):
         *(["--enable-worker-reboot"] if reboot else []), *extra]
 
 
-def _jsonl(path):
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def arf(workdir: str) -> dict:
@@ -71,31 +65,17 @@ def arf(workdir: str) -> dict:
     recs = rep.get("recoveries") or []
     if [e["rank"] for e in rep.get("restarts") or []] != [1] or len(recs) != 1 or recs[0].get("mode") != "rejoin":
         raise SystemExit(f"not one rejoin of rank 1: restarts {rep.get('restarts')}, recoveries {recs}")
-    done = _jsonl(after)
+    done = read_jsonl(after)
     if len(done) != 4:
         raise SystemExit(f"the recovery log has {len(done)} of 4 ranks")
-    out = _reboot_phases(rep, _jsonl(fired)[0]["wall"], max(e["wall"] for e in done))
+    out = _reboot_phases(rep, read_jsonl(fired)[0]["wall"], max(e["wall"] for e in done))
     if any(v is None for v in out.values()):
         raise SystemExit(f"a phase is missing: {out}")
     return out
 
 
 def restart(workdir: str) -> float:
-    ckpt = os.path.join(workdir, "periodic")
-    if not os.path.exists(os.path.join(ckpt, "latest_checkpointed_iteration.txt")):
-        r = launch(4, _args("--save", ckpt, "--save-interval", str(K - 1), "--exit-interval", str(K - 1),
-                            reboot=False), launcher=launcher_command(4), timeout_s=600)
-        if r.returncode != 0:
-            raise SystemExit(f"periodic checkpoint run failed:\n{r.stderr[-3000:]}")
-    args = _args("--load", ckpt, reboot=False)
-    i = args.index("--train-iters")
-    args[i + 1] = str(K)
-    t0 = time.monotonic()
-    r = launch(4, args, launcher=launcher_command(4), timeout_s=600)
-    dt = time.monotonic() - t0
-    if r.returncode != 0 or sorted(r.losses) != [K]:
-        raise SystemExit(f"restart run failed ({r.returncode}, losses {sorted(r.losses)}):\n{r.stderr[-3000:]}")
-    return dt
+    return time_full_restart(_args(reboot=False), K, workdir)
 
 
 def main() -> int:

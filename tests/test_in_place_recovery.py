@@ -17,7 +17,7 @@ import os
 import pytest
 
 from mindspeed_ha import faults
-from mindspeed_ha.testing.harness import launch, launcher_command, tiny_gpt_args
+from mindspeed_ha.testing.harness import launch, launcher_command, read_jsonl, tiny_gpt_args
 
 ITERS = 5
 K = 3
@@ -37,11 +37,6 @@ def _run(args, env=None):
     return r
 
 
-def _jsonl(path):
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +59,7 @@ def _faulty(tmp_path, layout, spec, extra_env=None):
            "MINDSPEED_HA_REPORT": report, **(extra_env or {})}
     r = _run(_args(layout), env=env)
     rep = json.load(open(report)) if os.path.exists(report) else {}
-    return r, _jsonl(fired), _jsonl(after), rep
+    return r, read_jsonl(fired), read_jsonl(after), rep
 
 
 # (layout, rank, point, fault, what, iteration)

@@ -19,7 +19,7 @@ import os
 import pytest
 
 from mindspeed_ha import faults
-from mindspeed_ha.testing.harness import launch, launcher_command, tiny_gpt_args
+from mindspeed_ha.testing.harness import launch, launcher_command, read_jsonl, tiny_gpt_args
 
 ITERS = 8
 SAVE_INTERVAL = 4
@@ -38,11 +38,6 @@ def _run(args, env=None):
     return r
 
 
-def _jsonl(path):
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def _faulty(tmp_path, k, point="forward", what="param"):
@@ -52,7 +47,7 @@ def _faulty(tmp_path, k, point="forward", what="param"):
     save = str(tmp_path / "ckpt")
     r = _run(_args(save), env=env)
     rep = json.load(open(report)) if os.path.exists(report) else {}
-    return r, _jsonl(fired), _jsonl(after), rep, save
+    return r, read_jsonl(fired), read_jsonl(after), rep, save
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +120,7 @@ def test_stock_megatron_lm_torch_dist_reload(tmp_path, megatron_lm_tarball):
     log = r.stdout + r.stderr
     assert r.returncode == 0, log[-8000:]
     assert log.count(f"reloaded the periodic checkpoint of iteration {SAVE_INTERVAL} in place") == 4, log[-8000:]
-    shot, again = _jsonl(fired), _jsonl(after)
+    shot, again = read_jsonl(fired), read_jsonl(after)
     assert len(shot) == 1 and {e["iteration"] for e in again} == {K}, (shot, again)
     assert {e["pid"] for e in again if e["rank"] == 1} == {shot[0]["pid"]}
     assert r.losses == base.losses

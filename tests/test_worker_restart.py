@@ -19,7 +19,7 @@ import re
 import pytest
 
 from mindspeed_ha import faults
-from mindspeed_ha.testing.harness import launch, launcher_command, tiny_gpt_args
+from mindspeed_ha.testing.harness import launch, launcher_command, read_jsonl, tiny_gpt_args
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -41,11 +41,6 @@ def _run(args, env=None):
     return r
 
 
-def _jsonl(path):
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +86,8 @@ def test_killed_rank_restarts_alone_and_rejoins(tmp_path, baselines, layout, ran
     recs = rep.get("recoveries") or []
     assert len(recs) == 1 and recs[0]["mode"] == "rejoin" and recs[0]["iteration"] == K - 1, recs
     first = _first_pids(log)
-    done = {e["rank"]: e["pid"] for e in _jsonl(after)}
-    assert sorted(done) == [0, 1, 2, 3] and {e["iteration"] for e in _jsonl(after)} == {K}
+    done = {e["rank"]: e["pid"] for e in read_jsonl(after)}
+    assert sorted(done) == [0, 1, 2, 3] and {e["iteration"] for e in read_jsonl(after)} == {K}
     for survivor in set(range(4)) - {rank}:
         assert done[survivor] == first[survivor], f"rank {survivor} changed process"
     assert done[rank] == rep["restarts"][0]["pid"] != first[rank]

@@ -172,12 +172,9 @@ def plan_recovery(ranks: Mapping[int, RankInfo], world_size: int, fault_rank: in
         why = in_place_possible(kind, config)
         if why is not None:
             return NoRecovery(f"rank {r}: {why}")
-    gone = [r for r, i in sorted(ranks.items()) if not i.alive or i.exit_code is not None]
-    if gone:
-        return NoRecovery(f"ranks {gone} are gone (restarting a worker is --enable-worker-reboot's job)")
-    not_parked = [r for r, i in sorted(ranks.items()) if i.fault is None or not i.stopped]
-    if not_parked:
-        return NoRecovery(f"ranks {not_parked} did not leave their step")
+    absent = _absent(ranks, ranks, " (restarting a worker is --enable-worker-reboot's job)")
+    if absent is not None:
+        return absent
     outside = {r: i.fault_where for r, i in sorted(ranks.items()) if i.fault_where not in IN_STEP}
     if outside:
         r, where = next(iter(outside.items()))
@@ -254,12 +251,9 @@ def _plan_rejoin(ranks: Mapping[int, RankInfo], rejoining: Mapping[int, RankInfo
     if not survivors:
         return NoRecovery("every rank was restarted: no survivor holds the state (the dying checkpoint cannot "
                           "either; restart from the latest periodic checkpoint)")
-    gone = [r for r, i in sorted(ranks.items()) if not i.alive or i.exit_code is not None]
-    if gone:
-        return NoRecovery(f"ranks {gone} are gone")
-    not_parked = [r for r, i in sorted(survivors.items()) if i.fault is None or not i.stopped]
-    if not_parked:
-        return NoRecovery(f"ranks {not_parked} did not leave their step")
+    absent = _absent(ranks, survivors)
+    if absent is not None:
+        return absent
     for r, i in sorted(survivors.items()):
         if i.fault not in (None, FaultKind.ABORTED, FaultKind.NETWORK):
             why = in_place_possible(i.fault, config)
@@ -293,6 +287,17 @@ def _plan_rejoin(ranks: Mapping[int, RankInfo], rejoining: Mapping[int, RankInfo
                         reason=f"ranks {sorted(rejoining)} were restarted: they rejoin and receive the state of "
                                f"iteration {k} from {[repairs[d] for d in sorted(rejoining)]}; every rank re-runs "
                                f"iteration {k + 1}")
+
+
+def _absent(ranks: Mapping[int, RankInfo], parked: Mapping[int, RankInfo], why_gone: str = "") -> Optional[NoRecovery]:
+    """NoRecovery if a rank of ``ranks`` is gone or one of ``parked`` did not leave its step."""
+    gone = [r for r, i in sorted(ranks.items()) if not i.alive or i.exit_code is not None]
+    if gone:
+        return NoRecovery(f"ranks {gone} are gone{why_gone}")
+    not_parked = [r for r, i in sorted(parked.items()) if i.fault is None or not i.stopped]
+    if not_parked:
+        return NoRecovery(f"ranks {not_parked} did not leave their step")
+    return None
 
 
 def _rollback_situation(ranks: Mapping[int, RankInfo]):

@@ -205,3 +205,49 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def time_full_restart(args: List[str], k: int, workdir: str, nproc: int = 4) -> float:
+    """Seconds a full job restart takes from the periodic checkpoint of iteration ``k - 1``
+    (benchmarks compare in-process recoveries with it): a first run (once per ``workdir``)
+    saves that checkpoint and exits (``--save-interval``/``--exit-interval k-1``); the timed
+    run is the same job started again with ``--load`` and ``--train-iters k``: process start,
+    imports, init, model build, checkpoint load and one iteration, until the launcher returns.
+    A lower bound of a real restart, which also redoes the steps since the checkpoint.
+
+    Args:
+        args: the job's training arguments with ``--train-iters`` and without ``--save`` /
+            ``--load``.
+
+    Raises:
+        SystemExit: a run failed (its stderr's tail in the message).
+    """
+    import os
+    import time
+
+    ckpt = os.path.join(workdir, "periodic")
+    if not os.path.exists(os.path.join(ckpt, "latest_checkpointed_iteration.txt")):
+        r = launch(nproc, list(args) + ["--save", ckpt, "--save-interval", str(k - 1), "--exit-interval", str(k - 1)],
+                   launcher=launcher_command(nproc), timeout_s=600)
+        if r.returncode != 0:
+            raise SystemExit(f"periodic checkpoint run failed:\n{r.stderr[-3000:]}")
+    timed = list(args) + ["--load", ckpt]
+    timed[timed.index("--train-iters") + 1] = str(k)
+    t0 = time.monotonic()
+    r = launch(nproc, timed, launcher=launcher_command(nproc), timeout_s=600)
+    dt = time.monotonic() - t0
+    if r.returncode != 0 or sorted(r.losses) != [k]:
+        raise SystemExit(f"restart run failed ({r.returncode}, losses {sorted(r.losses)}):\n{r.stderr[-3000:]}")
+    return dt
+
+
+def read_jsonl(path: str) -> list:
+    """The JSON objects of a JSON-lines file (the injector's and the recovery logs); [] when
+    the file does not exist (nothing fired)."""
+    import json
+    import os
+
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
