@@ -17,40 +17,26 @@ import os
 import pytest
 
 from mindspeed_ha import faults
-from mindspeed_ha.testing.harness import launch, launcher_command, read_jsonl, tiny_gpt_args
+from mindspeed_ha.testing.harness import Baselines, four_rank_args, read_jsonl, run_four
 
 ITERS = 5
 K = 3
-#: (TP, PP, extra flags); 4 ranks -> DP 2 (TP1 PP2, TP2 PP1) or DP 4 with 2 optimizer replicas
-LAYOUTS = {"tp1pp2": (1, 2, []), "tp2pp1": (2, 1, []), "dp4": (1, 1, ["--ha-replica-count", "2"])}
 
 
 def _args(layout, *extra):
-    tp, pp, more = LAYOUTS[layout]
-    return tiny_gpt_args(tp=tp, pp=pp, train_iters=ITERS) + [
-        "--enable-high-availability", "--enable-hbmfault-repair", "--ha-controller-port", "0", *more, *extra]
+    return four_rank_args(layout, ITERS, "--enable-hbmfault-repair", *extra)
 
 
-def _run(args, env=None):
-    r = launch(4, args, launcher=launcher_command(4), env=env, timeout_s=240)
-    assert not r.timed_out, r.stderr[-4000:]
-    return r
-
-
+_run = run_four
 
 
 @pytest.fixture(scope="module")
 def baselines():
-    return {}
+    return Baselines(_args, ITERS)
 
 
 def _baseline(baselines, layout):
-    if layout not in baselines:
-        r = _run(_args(layout))
-        assert r.returncode == 0, r.stderr[-4000:]
-        assert sorted(r.losses) == list(range(1, ITERS + 1))
-        baselines[layout] = r.losses
-    return baselines[layout]
+    return baselines.get(layout)
 
 
 def _faulty(tmp_path, layout, spec, extra_env=None):

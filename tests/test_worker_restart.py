@@ -19,42 +19,28 @@ import re
 import pytest
 
 from mindspeed_ha import faults
-from mindspeed_ha.testing.harness import launch, launcher_command, read_jsonl, tiny_gpt_args
+from mindspeed_ha.testing.harness import Baselines, four_rank_args, launch, launcher_command, read_jsonl, run_four
 
 pytestmark = pytest.mark.timeout(600)
 
 ITERS = 5
 K = 3
-#: (TP, PP, extra flags); 4 ranks -> DP 2 (2 optimizer replicas) or DP 4 with 2 replicas
-LAYOUTS = {"tp1pp2": (1, 2, []), "tp2pp1": (2, 1, []), "dp4": (1, 1, ["--ha-replica-count", "2"])}
 
 
 def _args(layout, *extra):
-    tp, pp, more = LAYOUTS[layout]
-    return tiny_gpt_args(tp=tp, pp=pp, train_iters=ITERS) + [
-        "--enable-high-availability", "--enable-worker-reboot", "--ha-controller-port", "0", *more, *extra]
+    return four_rank_args(layout, ITERS, "--enable-worker-reboot", *extra)
 
 
-def _run(args, env=None):
-    r = launch(4, args, launcher=launcher_command(4), env=env, timeout_s=300)
-    assert not r.timed_out, (r.stdout + r.stderr)[-6000:]
-    return r
-
-
+_run = run_four
 
 
 @pytest.fixture(scope="module")
 def baselines():
-    return {}
+    return Baselines(_args, ITERS)
 
 
 def _baseline(baselines, layout):
-    if layout not in baselines:
-        r = _run(_args(layout))
-        assert r.returncode == 0, r.stderr[-4000:]
-        assert sorted(r.losses) == list(range(1, ITERS + 1))
-        baselines[layout] = r.losses
-    return baselines[layout]
+    return baselines.get(layout)
 
 
 def _first_pids(log: str):

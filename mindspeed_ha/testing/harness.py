@@ -251,3 +251,39 @@ def read_jsonl(path: str) -> list:
         return []
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+#: (TP, PP, extra flags) of the 4-rank layouts the recovery tests use: DP 2 with the
+#: default 2 optimizer replicas, or DP 4 with 2 replicas
+FOUR_RANK_LAYOUTS = {"tp1pp2": (1, 2, []), "tp2pp1": (2, 1, []), "dp4": (1, 1, ["--ha-replica-count", "2"])}
+
+
+def four_rank_args(layout: str, train_iters: int, *flags: str) -> List[str]:
+    """The tiny GPT in one of :data:`FOUR_RANK_LAYOUTS` with the HA master switch, a free
+    controller port and ``flags`` (the feature under test, then per-run extras)."""
+    tp, pp, more = FOUR_RANK_LAYOUTS[layout]
+    return tiny_gpt_args(tp=tp, pp=pp, train_iters=train_iters) + [
+        "--enable-high-availability", "--ha-controller-port", "0", *more, *flags]
+
+
+def run_four(args: List[str], env: Optional[Dict[str, str]] = None, timeout_s: float = 300):
+    """:func:`launch` of 4 ranks through ``mindspeed-ha-run``; fails the test on a timeout."""
+    r = launch(4, args, launcher=launcher_command(4), env=env, timeout_s=timeout_s)
+    assert not r.timed_out, (r.stdout + r.stderr)[-6000:]
+    return r
+
+
+class Baselines:
+    """Uninterrupted runs' losses per layout, each run once per test module (a module-scoped
+    fixture holds one): :meth:`get` runs ``args_of(layout)`` the first time."""
+
+    def __init__(self, args_of, train_iters: int):
+        self.args_of, self.train_iters, self.losses = args_of, train_iters, {}
+
+    def get(self, layout: str) -> Dict[int, str]:
+        if layout not in self.losses:
+            r = run_four(self.args_of(layout))
+            assert r.returncode == 0, r.stderr[-4000:]
+            assert sorted(r.losses) == list(range(1, self.train_iters + 1))
+            self.losses[layout] = r.losses
+        return self.losses[layout]
