@@ -581,7 +581,6 @@ class HARuntime:
         import time
 
         from mindspeed_ha.control.recovery_plan import RecoveryPlan
-        from mindspeed_ha.faults import describe
         from mindspeed_ha.recovery import comm, groups, rollback, transfer
 
         plan = RecoveryPlan.from_params(action.params)
@@ -646,11 +645,9 @@ class HARuntime:
                     megatron_lm.set_rng_state(self._entry_rng)
                 lap("rollback")
         except Exception as exc:
-            log.exception("rank %d: in-place recovery failed", self.rank)
-            self.processor.action_result(action.action_id, False, describe(exc))
+            self._recovery_failed(action, exc, "in-place recovery")
             raise
-        self.recoveries += 1
-        self._just_recovered = True
+        self._recovered()
         detail = dict(times, rank=self.rank, iteration=plan.iteration, generation=plan.generation,
                       repaired=bool(repaired), mode=plan.mode)
         if plan.mode == "forward":
@@ -662,6 +659,19 @@ class HARuntime:
                         self.rank, plan.kind.value, plan.mode, plan.generation, plan.iteration + 1, times)
         self.processor.action_result(action.action_id, True, json.dumps(detail, sort_keys=True))
         return times
+
+    def _recovery_failed(self, action, exc: BaseException, what: str) -> None:
+        """A recovery stage raised: log it and send the failure as the RETRY result (the
+        controller then falls back to the dying checkpoint); the caller re-raises."""
+        from mindspeed_ha.faults import describe
+
+        log.exception("rank %d: %s failed", self.rank, what)
+        self.processor.action_result(action.action_id, False, describe(exc))
+
+    def _recovered(self) -> None:
+        """A recovery succeeded: counted; the next completed iteration is logged as the first after it."""
+        self.recoveries += 1
+        self._just_recovered = True
 
     def _progress(self, k: int) -> dict:
         """This rank's progress at the end of iteration ``k`` for a restarted process
@@ -697,7 +707,6 @@ class HARuntime:
         import time
 
         from mindspeed_ha.control.recovery_plan import RecoveryPlan
-        from mindspeed_ha.faults import describe
         from mindspeed_ha.recovery import groups, progress, rejoin, transfer
 
         self.attach(model, optimizer, opt_param_scheduler)
@@ -728,11 +737,9 @@ class HARuntime:
                 self._rejoin_rng = progress.decode_rng(received["rng"])
             times["repair"] = round(time.perf_counter() - t, 6)
         except Exception as exc:
-            log.exception("rank %d: rejoin failed", self.rank)
-            self.processor.action_result(action.action_id, False, describe(exc))
+            self._recovery_failed(action, exc, "rejoin")
             raise
-        self.recoveries += 1
-        self._just_recovered = True
+        self._recovered()
         log.warning("rank %d (incarnation %d): rejoined at iteration %d from rank %d; seconds %s", self.rank,
                     self.processor.incarnation, plan.iteration, plan.repairs[self.rank], times)
         self.processor.action_result(action.action_id, True, json.dumps(
