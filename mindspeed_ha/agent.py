@@ -120,6 +120,10 @@ HA_VERDICTS = frozenset({faults.EXIT_DYING_CHECKPOINT_SAVED, faults.EXIT_NO_COMP
                          faults.EXIT_FAILED_BEFORE_TRAINING})
 
 
+#: the exit code recorded for a rank whose process was lost with its node (never seen exiting)
+LOST_EXITCODE = -1
+
+
 class RestartHooks:
     """What :class:`WorkerRebootAgent` asks and tells its owner. These defaults refuse
     nothing and tell no one; ``mindspeed-ha-run`` passes its own (duck-typed: any object
@@ -136,6 +140,11 @@ class RestartHooks:
     def supervise(self, pcontext: SubprocessContext) -> None:
         """Called at every monitor turn while restarts are possible, before the workers are polled."""
 
+    def first_incarnation(self, rank: int) -> int:
+        """The incarnation the first process of global ``rank`` in this agent starts as
+        (0; n >= 1 for a replacement launcher's workers, which rejoin a running job)."""
+        return 0
+
     def abandoned(self, rank: int, why: str) -> None:
         """Dead ``rank`` will not be restarted, for the reason ``why`` (the agent hands over
         to torch's monitoring)."""
@@ -144,7 +153,8 @@ class RestartHooks:
 @dataclasses.dataclass(frozen=True)
 class Restart:
     """One restart: global rank, local rank, incarnation (1 = first restart), new pid, the
-    previous incarnation's exit code (negative: killed by that signal)."""
+    previous incarnation's exit code (negative: killed by that signal; ``LOST_EXITCODE``
+    for a lost node's rank started by a replacement launcher: its exit was never seen)."""
 
     rank: int
     local_rank: int
@@ -251,6 +261,7 @@ class WorkerRebootAgent(LocalElasticAgent):
         self._local_ranks_filter = local_ranks_filter
         self.restarts: List[Restart] = []  # every restart of the agent's life, oldest first
         self._incarnation: Dict[int, int] = {}  # local rank -> incarnation of its current process
+        self._first: Dict[int, int] = {}  # local rank -> incarnation its first process starts as
         self._tails: List[TailLog] = []
         self._handed_over = False
         if warm_spares is None:
@@ -262,8 +273,14 @@ class WorkerRebootAgent(LocalElasticAgent):
     def _start_workers(self, worker_group: WorkerGroup) -> Dict[int, Any]:
         """torch's start of the whole group (a new attempt): incarnations start again at 0."""
         self._stop_tails()
+        self._first = {w.local_rank: int(self.hooks.first_incarnation(w.global_rank)) for w in worker_group.workers}
         pids = super()._start_workers(worker_group)
-        self._incarnation = {local_rank: 0 for local_rank in pids}
+        self._incarnation = {local_rank: self._first.get(local_rank, 0) for local_rank in pids}
+        for w in worker_group.workers:  # a replacement launcher's workers: restarts of a lost node's ranks
+            n = self._incarnation.get(w.local_rank, 0)
+            if n > 0:
+                self.restarts.append(Restart(w.global_rank, w.local_rank, n, pids[w.local_rank], LOST_EXITCODE))
+                self.hooks.restarted(w.global_rank, n, pids[w.local_rank], LOST_EXITCODE)
         self._handed_over = not isinstance(self._pcontext, SubprocessContext)
         if self._handed_over:
             log.warning("--enable-worker-reboot: workers of a function entrypoint (%s) cannot be restarted one "
@@ -271,6 +288,13 @@ class WorkerRebootAgent(LocalElasticAgent):
         elif self.warm_spares:
             self._start_spare(worker_group)
         return pids
+
+    def _set_local_rank_env(self, worker_env, local_rank: int, spec) -> None:
+        """torch's per-worker env, plus ``MINDSPEED_HA_INCARNATION`` for a worker that
+        starts as a rejoining incarnation (``RestartHooks.first_incarnation``)."""
+        super()._set_local_rank_env(worker_env, local_rank, spec)
+        if self._first.get(local_rank, 0) > 0:
+            worker_env[ENV_INCARNATION] = str(self._first[local_rank])
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         """HEALTHY while every worker runs or was restarted; otherwise torch's own result."""

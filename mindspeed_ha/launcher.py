@@ -36,8 +36,13 @@ What it adds when the training arguments carry ``--enable-high-availability``:
   ``MINDSPEED_HA_INCARNATION``, the others keep running (``mindspeed_ha.agent``); the
   controller records each restart (report: ``restarts``). ``--max-restarts`` is the limit
   per rank (default 3 when not given: torchrun's 0 would make the flag a no-op); past it,
-  or when the controller refuses (its verdict on the job under way; until the rejoin
-  exists, any rank that had registered with it, i.e. a training rank), the path above.
+  or when the controller refuses (its verdict on the job under way), the path above.
+  Every node's agent does this: the one hosting the controller asks it in process, the
+  others over an authenticated link (``mindspeed_ha.control.agent_link``). Before its
+  workers start, a launcher on another node asks the controller which incarnation they
+  start as: a replacement launcher started after its node was lost (same command) gets
+  n >= 1, and its workers rejoin the running job instead of starting a new one.
+  ``--nnodes`` > 1 needs the same ``MINDSPEED_HA_AUTH_KEY`` in every launcher's env.
   Only on the controller's node: other nodes' workers are not restarted yet.
 
 Without the HA flag it behaves exactly like torchrun.
@@ -75,8 +80,12 @@ EXIT_MARGIN_S = 5.0
 class _Survivors:
     """State of the agent-side patch: which failures were reported, since when."""
 
-    def __init__(self, controller, grace_s: float, preemption_deadline_s: float = 20.0):
+    def __init__(self, controller, grace_s: float, preemption_deadline_s: float = 20.0, link=None):
         self.controller = controller
+        #: the agent's link to the controller on a node without it (--enable-worker-reboot), else None
+        self.link = link
+        #: global rank -> incarnation its first process of this launcher starts as (AGENT_WELCOME)
+        self.first_incarnations: Dict[int, int] = {}
         self.grace_s = grace_s
         self.first_failure: Optional[float] = None
         self.reported: Dict[int, int] = {}
@@ -96,11 +105,15 @@ class _Survivors:
             return "a graceful stop (signal to the launcher) is under way"
         if self.controller is not None:
             return self.controller.restart_refused(rank)
+        if self.link is not None:
+            return self.link.restart_refused(rank, exitcode)
         return None
 
     def restarted(self, rank: int, incarnation: int, pid: int, exitcode: int) -> None:
         if self.controller is not None:
             self.controller.report_rank_restart(rank, incarnation, pid, exitcode)
+        elif self.link is not None:
+            self.link.report_rank_restart(rank, incarnation, pid, exitcode)
 
     def supervise(self, pcontext) -> None:
         _supervise(pcontext, self)
@@ -108,6 +121,11 @@ class _Survivors:
     def abandoned(self, rank: int, why: str) -> None:
         if self.controller is not None:
             self.controller.report_restart_abandoned(rank, why)
+        elif self.link is not None:
+            self.link.report_restart_abandoned(rank, why)
+
+    def first_incarnation(self, rank: int) -> int:
+        return self.first_incarnations.get(rank, 0)
 
 
 def _say(text: str) -> None:
@@ -219,6 +237,8 @@ def _poll_lets_survivors_finish(wrapped, instance, args, kwargs):
             log.warning("worker rank %d exited with %d; %d still running", rank, code, len(running))
             if state.controller is not None:
                 state.controller.report_rank_exit(rank, code)
+            elif state.link is not None:
+                state.link.report_rank_exit(rank, code)
     controller_done = state.controller is not None and state.controller.wait_done(0) is not None
     if failed and running and not controller_done and time.monotonic() - state.first_failure < state.grace_s:
         return None  # keep waiting: survivors are saving the dying checkpoint
@@ -311,8 +331,7 @@ def _is_local_address(addr: str) -> bool:
 
 
 def _world_size(targs) -> int:
-    nnodes = str(targs.nnodes).split(":")[-1]
-    return int(nnodes) * int(targs.nproc_per_node)
+    return _nnodes(targs) * int(targs.nproc_per_node)
 
 
 def main(argv=None) -> int:
@@ -352,9 +371,13 @@ def main(argv=None) -> int:
 
     from mindspeed_ha.config import ConfigError
 
-    os.environ.setdefault("MINDSPEED_HA_AUTH_KEY", secrets.token_hex(32))
-    controller = None
+    controller = link = None
     try:
+        if _nnodes(targs) > 1 and not os.environ.get("MINDSPEED_HA_AUTH_KEY"):
+            raise ConfigError("--nnodes > 1 with --enable-high-availability: set MINDSPEED_HA_AUTH_KEY (the same "
+                              "hex key, e.g. from `python -c 'import secrets; print(secrets.token_hex(32))'`) in "
+                              "every node's launcher environment: it authenticates the control plane")
+        os.environ.setdefault("MINDSPEED_HA_AUTH_KEY", secrets.token_hex(32))
         _check_before_start(targs, ns)
         config = HAConfig.from_args(ns)
         if int(targs.node_rank) == 0 and _is_local_address(config.controller_addr):
@@ -365,10 +388,22 @@ def main(argv=None) -> int:
             controller.start()
             os.environ["MINDSPEED_HA_CONTROLLER_HOSTED"] = "1"
             os.environ["TTP_PORT"] = str(controller.port)  # the bound port (matters for port 0)
+        elif config.worker_reboot:
+            from mindspeed_ha.control.agent_link import node_link
+
+            link = node_link(config, int(targs.node_rank))
     except ConfigError as exc:  # before any worker starts: nothing is lost
         print(f"mindspeed-ha-run: error: {exc}", file=sys.stderr, flush=True)
         return 2
-    _survivors = _Survivors(controller, float(os.environ.get(ENV_GRACE, "600")), config.preemption_deadline_s)
+    _survivors = _Survivors(controller, float(os.environ.get(ENV_GRACE, "600")), config.preemption_deadline_s,
+                            link=link)
+    try:
+        if link is not None:
+            _survivors.first_incarnations = _hello(link, targs, config)
+    except Exception as exc:  # AgentLinkError: refused / no controller; nothing started
+        print(f"mindspeed-ha-run: error: {exc}", file=sys.stderr, flush=True)
+        link.close()
+        return 2
     agent = _reboot_agent(targs, argv, _survivors) if config.worker_reboot else None
     wrapt.wrap_function_wrapper(
         "torch.distributed.elastic.multiprocessing.api", "SubprocessContext._poll", _poll_lets_survivors_finish
@@ -398,7 +433,31 @@ def main(argv=None) -> int:
         if controller is not None:
             _write_report(controller)
             controller.stop()
+        if link is not None:
+            link.close()
     return code
+
+
+def _hello(link, targs, config) -> Dict[int, int]:
+    """Ask the controller which incarnation this node's workers start as (0: the job's
+    first start; n >= 1: a replacement launcher whose workers rejoin the running job).
+
+    torchrun's static rendezvous (its default with ``--master-addr``/``--node-rank``) gives
+    node ``k`` the global ranks ``k * nproc .. k * nproc + nproc - 1`` (torch 2.13
+    ``SimpleElasticAgent._assign_worker_ranks``: the sum of the lower nodes' local world
+    sizes, every node having ``--nproc-per-node`` workers).
+    """
+    nproc = int(targs.nproc_per_node)
+    ranks = [int(targs.node_rank) * nproc + i for i in range(nproc)]
+    first = link.hello(ranks, config.connect_timeout_s)
+    if any(first.values()):
+        log.warning("node %s: the job is running; ranks %s start as incarnations %s and rejoin it", targs.node_rank,
+                    ranks, [first[r] for r in ranks])
+    return first
+
+
+def _nnodes(targs) -> int:
+    return int(str(targs.nnodes).split(":")[-1])
 
 
 def _reboot_agent(targs, argv, state: _Survivors):
@@ -406,19 +465,23 @@ def _reboot_agent(targs, argv, state: _Survivors):
     factory with the launcher's settings), or None (with a warning) where it cannot act.
 
     ``--max-restarts`` (or torchrun's ``PET_MAX_RESTARTS``) becomes the limit per rank;
-    when neither is given the limit is ``DEFAULT_RESTARTS_PER_RANK`` (3). Not on a node
-    without the controller: its agent cannot ask the controller whether a restart is still
-    wanted (a new process must not register into a dying-checkpoint round).
+    when neither is given the limit is ``DEFAULT_RESTARTS_PER_RANK`` (3). On a node
+    without the controller the agent asks it over ``state.link`` whether a restart is
+    still wanted (a new process must not register into a dying-checkpoint round).
     """
     from torch.distributed.elastic.multiprocessing import Std
     from torch.distributed.run import get_args_parser
 
     from mindspeed_ha.agent import DEFAULT_RESTARTS_PER_RANK, WorkerRebootAgent
 
-    if state.controller is None:
-        log.warning("--enable-worker-reboot: the controller runs on another node; this node's workers are not "
-                    "restarted (a failure takes the dying-checkpoint path)")
+    if state.controller is None and state.link is None:
+        log.warning("--enable-worker-reboot: no link to the controller; this node's workers are not restarted (a "
+                    "failure takes the dying-checkpoint path)")
         return None
+    if _nnodes(targs) > 1 and targs.rdzv_backend not in ("static", ""):
+        log.warning("--enable-worker-reboot with --rdzv-backend %s: a replacement node joining later makes torchrun "
+                    "restart every node's workers; use the static rendezvous (--master-addr/--master-port/"
+                    "--node-rank) to restart only a lost node's", targs.rdzv_backend)
     probe = get_args_parser()
     probe.set_defaults(max_restarts=None)
     given = probe.parse_args(argv).max_restarts is not None or os.environ.get("PET_MAX_RESTARTS")

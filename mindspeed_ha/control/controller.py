@@ -306,19 +306,22 @@ class Controller:
         would register into a round that has no place for it.
         """
         with self._lock:
-            st = self.state
-            pending = st.pending
-            if st.phase not in (Phase.RUNNING, Phase.RECOVERING):
-                return f"the controller is in phase {st.phase.value} (its verdict on the job is under way)"
-            if st.phase is Phase.RECOVERING and pending is not None and pending.kind == ActionKind.RETRY.value:
-                return "an in-place recovery is already under way (its plan was sent)"
-            if st.stop_request is not None:
-                return "a graceful stop was requested"
-            info = st.ranks.get(rank)
-            if info is not None and not info.rejoins:
-                return (f"rank {rank} registered without rejoin support (needs --enable-worker-reboot): its death "
-                        "takes the dying-checkpoint path")
-            return None
+            return self._restart_refused_locked(rank)
+
+    def _restart_refused_locked(self, rank: int) -> Optional[str]:
+        st = self.state
+        pending = st.pending
+        if st.phase not in (Phase.RUNNING, Phase.RECOVERING):
+            return f"the controller is in phase {st.phase.value} (its verdict on the job is under way)"
+        if st.phase is Phase.RECOVERING and pending is not None and pending.kind == ActionKind.RETRY.value:
+            return "an in-place recovery is already under way (its plan was sent)"
+        if st.stop_request is not None:
+            return "a graceful stop was requested"
+        info = st.ranks.get(rank)
+        if info is not None and not info.rejoins:
+            return (f"rank {rank} registered without rejoin support (needs --enable-worker-reboot): its death "
+                    "takes the dying-checkpoint path")
+        return None
 
     def report_restart_abandoned(self, rank: int, why: str) -> None:
         """Agent report (``--enable-worker-reboot``): dead ``rank`` will not be restarted
@@ -464,23 +467,89 @@ class Controller:
             except queue.Empty:
                 return
             if cmd == "exit":
-                rank, code, at = arg
-                if self.state.mark_dead(rank, f"process exited with code {code} (agent report)", code, at):
-                    log.warning("rank %d: process exited with code %d (agent report)", rank, code)
-                self._expect_rejoin(rank, code, at)
+                self._rank_exited(*arg)
             elif cmd == "abandoned":
-                rank, why, at = arg
-                self._abandoned.add(rank)  # its exit, reported after this, must not re-arm the wait
-                if self.state.rejoin_wait.pop(rank, None) is not None:
-                    log.warning("rank %d: its agent will not restart it (%s): not waiting for it to rejoin", rank, why)
+                self._restart_abandoned(*arg)
             elif cmd == "stop":
                 self._stop_requested(*arg)
             elif cmd == "restart":
-                rank, incarnation, pid, code, at = arg
-                self._restarts.append({"rank": rank, "incarnation": incarnation, "pid": pid, "exit_code": code,
-                                       "at": at})
-                log.warning("rank %d: restarted by its agent as pid %d (incarnation %d; the previous one exited "
-                            "with %d)", rank, pid, incarnation, code)
+                self._rank_restarted(*arg)
+
+    def _rank_exited(self, rank: int, code: int, at: float) -> None:
+        if self.state.mark_dead(rank, f"process exited with code {code} (agent report)", code, at):
+            log.warning("rank %d: process exited with code %d (agent report)", rank, code)
+        self._expect_rejoin(rank, code, at)
+
+    def _restart_abandoned(self, rank: int, why: str, at: float) -> None:
+        self._abandoned.add(rank)  # its exit, reported after this, must not re-arm the wait
+        if self.state.rejoin_wait.pop(rank, None) is not None:
+            log.warning("rank %d: its agent will not restart it (%s): not waiting for it to rejoin", rank, why)
+
+    def _rank_restarted(self, rank: int, incarnation: int, pid: int, code: int, at: float) -> None:
+        self._restarts.append({"rank": rank, "incarnation": incarnation, "pid": pid, "exit_code": code, "at": at})
+        log.warning("rank %d: restarted by its agent as pid %d (incarnation %d; the previous one exited "
+                    "with %d)", rank, pid, incarnation, code)
+
+    # ------------------------------------------------------------------ agents of other nodes
+    def _agent(self, now: float, ident: bytes, msg: wire.Message) -> None:
+        """A message of another node's launcher (``mindspeed_ha.control.agent_link``):
+        the same decisions as the hooks this node's agent calls in process."""
+        body, t = msg.body, msg.type
+        reply: Any = None
+        if t is wire.MsgType.AGENT_HELLO:
+            reply = self._welcome(body)
+            log.log(logging.INFO if reply.accepted else logging.WARNING, "node %d's launcher (pid %d on %s), ranks "
+                    "%s: %s", body.node_rank, body.pid, body.host, list(body.ranks),
+                    f"incarnations {list(reply.incarnations)}" if reply.accepted else f"refused: {reply.detail}")
+        elif t is wire.MsgType.RESTART_QUERY:
+            if 0 <= body.rank < self.world_size:
+                reply = wire.RestartAnswer(body.rank, body.query_id, self._restart_refused_locked(body.rank) or "")
+            else:
+                reply = wire.RestartAnswer(body.rank, body.query_id, f"rank {body.rank} outside world size "
+                                                                     f"{self.world_size}")
+        elif t is wire.MsgType.AGENT_REPORT and 0 <= body.rank < self.world_size:
+            if body.event == "exit":
+                self._rank_exited(body.rank, body.exit_code, now)
+            elif body.event == "restarted":
+                self._rank_restarted(body.rank, body.incarnation, body.pid, body.exit_code, now)
+            elif body.event == "abandoned":
+                self._restart_abandoned(body.rank, body.detail, now)
+            else:
+                self.codec.rejected["unexpected_type"] += 1
+        else:
+            self.codec.rejected["bad_body"] += 1
+        if reply is not None:
+            try:
+                self._router.send_multipart([ident, self.codec.encode(reply)], zmq.NOBLOCK)
+            except (zmq.ZMQError, wire.WireError) as exc:
+                log.warning("controller: cannot answer %s of an agent: %s", t.value, exc)
+
+    def _welcome(self, body: wire.AgentHello) -> wire.AgentWelcome:
+        """Which incarnation each of ``body.ranks`` starts as: 0 for a rank that never
+        registered (the job's first start), its last incarnation + 1 for a rank whose
+        process is gone and may rejoin (a lost node's replacement launcher)."""
+        st = self.state
+        ranks = list(body.ranks)
+        bad = [r for r in ranks if not 0 <= r < self.world_size]
+        if bad or not ranks or len(set(ranks)) != len(ranks):
+            return wire.AgentWelcome(body.query_id, False, [], f"ranks {ranks}: expected distinct ranks in "
+                                                               f"0..{self.world_size - 1}")
+        incarnations = []
+        for r in ranks:
+            info = st.ranks.get(r)
+            if info is None:
+                incarnations.append(0)
+                continue
+            if info.alive:
+                return wire.AgentWelcome(body.query_id, False, [], f"rank {r} is alive (pid {info.pid} on "
+                                                                   f"{info.host})", wait=True)
+            why = self._restart_refused_locked(r)
+            if why is None and r not in st.rejoin_wait:
+                why = f"rank {r} is not awaited to rejoin (it exited with {info.exit_code})"
+            if why is not None:
+                return wire.AgentWelcome(body.query_id, False, [], why)
+            incarnations.append(info.incarnation + 1)
+        return wire.AgentWelcome(body.query_id, True, incarnations)
 
     def _expect_rejoin(self, rank: int, code: Optional[int], at: float) -> None:
         """ARF: a rank whose process died with a code its agent restarts (not 0, not a
@@ -588,6 +657,9 @@ class Controller:
         st = self.state
         if msg.type is wire.MsgType.REGISTER:
             self._register(now, ident, fd, msg.sender, body)
+            return
+        if msg.type.value in wire.AGENT_TYPES:
+            self._agent(now, ident, msg)
             return
         rank = self._rank_of_ident.get(ident)
         if rank is None or getattr(body, "rank", rank) != rank:

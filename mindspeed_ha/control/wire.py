@@ -38,7 +38,7 @@ import secrets
 import threading
 import time
 import typing
-from typing import Any, Dict, Optional, Type
+from typing import Any, Dict, List, Optional, Type
 
 import msgpack
 
@@ -50,7 +50,10 @@ log = logging.getLogger(__name__)
 #: 2: REGISTER says whether the rank verifies its state; INTEGRITY answers VERIFY
 #: 3: graceful stop: STOP_REQUEST (a rank got SIGTERM/SIGINT), DRAIN / DRAINING (finish the
 #:    current iteration, pause at an agreed one), STOPPED.pause_at
-SCHEMA_VERSION = 5
+#: 5: REGISTER.incarnation / .rejoins (worker reboot)
+#: 6: the launchers' agents on other nodes: AGENT_HELLO / AGENT_WELCOME, RESTART_QUERY /
+#:    RESTART_ANSWER, AGENT_REPORT; array fields are checked element by element
+SCHEMA_VERSION = 6
 TAG_BYTES = 32
 DEFAULT_MAX_BYTES = 1 << 20
 #: what CURVE adds to a frame on the wire (MESSAGE command, nonce, MAC: 33 bytes), rounded up
@@ -82,6 +85,11 @@ class MsgType(str, enum.Enum):
     STOP_REQUEST = "stop_request"
     DRAIN = "drain"
     DRAINING = "draining"
+    AGENT_HELLO = "agent_hello"
+    AGENT_WELCOME = "agent_welcome"
+    RESTART_QUERY = "restart_query"
+    RESTART_ANSWER = "restart_answer"
+    AGENT_REPORT = "agent_report"
 
 
 # --------------------------------------------------------------------------- bodies
@@ -255,6 +263,72 @@ class Goodbye:
     exit_code: int
 
 
+# ------------------------------------------------ the launchers' agents (--enable-worker-reboot)
+@dataclasses.dataclass(frozen=True)
+class AgentHello:
+    """agent -> controller: the launcher of ``node_rank`` (a node without the controller)
+    is about to start the workers of global ``ranks``. Re-sent until AGENT_WELCOME
+    answers the same ``query_id``."""
+
+    node_rank: int
+    ranks: List[int]
+    pid: int
+    host: str
+    query_id: int
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentWelcome:
+    """controller -> agent: answer to AGENT_HELLO.
+
+    ``incarnations[i]`` is the incarnation the worker of ``ranks[i]`` starts as: 0 on the
+    job's first start, n >= 1 when that rank's earlier process is gone and the new one
+    rejoins the running job (a replacement launcher after a lost node). ``accepted``
+    False: do not start (``detail`` says why); ``wait`` True with it: a rank is still
+    alive for the controller (its death is not detected yet): ask again.
+    """
+
+    query_id: int
+    accepted: bool
+    incarnations: List[int]
+    detail: str = ""
+    wait: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class RestartQuery:
+    """agent -> controller: worker ``rank`` exited with ``exit_code``; may it be restarted?"""
+
+    rank: int
+    exit_code: int
+    query_id: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RestartAnswer:
+    """controller -> agent: ``refused`` empty: restart ``rank``; else why not."""
+
+    rank: int
+    query_id: int
+    refused: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentReport:
+    """agent -> controller: ``event`` ``exit`` (worker ``rank`` exited with ``exit_code``, not
+    restarted by the agent's own monitor), ``restarted`` (runs again as ``pid``, its
+    ``incarnation``-th process) or ``abandoned`` (will not be restarted: ``detail``)."""
+
+    rank: int
+    event: str
+    exit_code: int = 0
+    incarnation: int = 0
+    pid: int = 0
+    detail: str = ""
+
+
+AGENT_TYPES = frozenset({"agent_hello", "restart_query", "agent_report"})
+
 BODY_TYPES: Dict[MsgType, Type[Any]] = {
     MsgType.REGISTER: Register,
     MsgType.REGISTERED: Registered,
@@ -270,6 +344,11 @@ BODY_TYPES: Dict[MsgType, Type[Any]] = {
     MsgType.STOP_REQUEST: StopRequest,
     MsgType.DRAIN: Drain,
     MsgType.DRAINING: Draining,
+    MsgType.AGENT_HELLO: AgentHello,
+    MsgType.AGENT_WELCOME: AgentWelcome,
+    MsgType.RESTART_QUERY: RestartQuery,
+    MsgType.RESTART_ANSWER: RestartAnswer,
+    MsgType.AGENT_REPORT: AgentReport,
 }
 _TYPE_OF = {cls: t for t, cls in BODY_TYPES.items()}
 
@@ -318,6 +397,11 @@ def _check(value: Any, hint: Any, where: str) -> Any:
         return _check(value, inner[0], where)
     if dataclasses.is_dataclass(hint):
         return _from_plain(hint, value, where)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise WireError("bad_body", f"{where}: expected array")
+        (item,) = typing.get_args(hint)[:1] or (Any,)
+        return [_check(v, item, f"{where}[]") for v in value]
     if origin is dict or hint is dict:
         if not isinstance(value, dict):
             raise WireError("bad_body", f"{where}: expected map")

@@ -287,3 +287,95 @@ class Baselines:
             assert sorted(r.losses) == list(range(1, self.train_iters + 1))
             self.losses[layout] = r.losses
         return self.losses[layout]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS may hand it out again later: use at once)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TwoNodeJob:
+    """One job as two ``mindspeed-ha-run`` launchers on loopback (``--nnodes 2``, node 0
+    and node 1, ``nproc`` workers each, torchrun's static rendezvous at
+    ``127.0.0.1:master_port``), the controller in node 0's launcher at ``controller_port``.
+
+    :meth:`start` starts a node's launcher (again: a replacement launcher, same command);
+    :meth:`wait` waits for it; :meth:`close` (also on ``with`` exit) SIGKILLs whatever is
+    left of every launcher's process group and removes the scratch directory. Each
+    launcher's stdout/stderr go to a file (``output(node)``), read after it ended.
+    """
+
+    def __init__(self, train_args: Sequence[str], *, nproc: int = 2, env: Optional[Mapping[str, str]] = None,
+                 module: str = TRAINER_MODULE):
+        self.scratch = tempfile.mkdtemp(prefix="mindspeed_ha_2n_")
+        self.loss_log = os.path.join(self.scratch, "loss.jsonl")
+        open(self.loss_log, "w").close()
+        self.master_port, self.controller_port = free_port(), free_port()
+        self.nproc, self.module, self.train_args = nproc, module, list(train_args)
+        self.env = dict(os.environ)
+        self.env.setdefault("OMP_NUM_THREADS", "1")
+        self.env["MINDSPEED_HA_AUTH_KEY"] = os.urandom(32).hex()
+        self.env["TTP_PORT"] = str(self.controller_port)
+        self.env.update(env or {})
+        self.procs: Dict[int, List[subprocess.Popen]] = {0: [], 1: []}
+
+    def command(self, node: int) -> List[str]:
+        return [sys.executable, "-m", "mindspeed_ha.launcher", "--nnodes", "2", "--node-rank", str(node),
+                f"--nproc-per-node={self.nproc}", "--master-addr", "127.0.0.1", "--master-port",
+                str(self.master_port), "--log-dir", os.path.join(self.scratch, f"torchrun{node}"),
+                "-m", self.module, *self.train_args, "--loss-log", self.loss_log]
+
+    def start(self, node: int, env: Optional[Mapping[str, str]] = None) -> subprocess.Popen:
+        n = len(self.procs[node])
+        run_env = dict(self.env, **(env or {}))
+        out = open(os.path.join(self.scratch, f"node{node}.{n}.out"), "w")
+        with out:
+            proc = subprocess.Popen(self.command(node), stdout=out, stderr=subprocess.STDOUT, env=run_env,
+                                    start_new_session=True, text=True)
+        self.procs[node].append(proc)
+        return proc
+
+    def wait(self, proc: subprocess.Popen, timeout_s: float) -> Optional[int]:
+        """``proc``'s exit code, or None when it ran past ``timeout_s`` (then killed)."""
+        try:
+            return proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc.pid)
+            proc.wait()
+            return None
+
+    def output(self, node: int, n: int = -1) -> str:
+        n = n % len(self.procs[node])
+        with open(os.path.join(self.scratch, f"node{node}.{n}.out")) as f:
+            return f.read()
+
+    def losses(self) -> Dict[int, str]:
+        return losses_from_log(self.loss_log)
+
+    def close(self) -> None:
+        import psutil
+
+        for procs in self.procs.values():
+            for proc in procs:
+                _kill_group(proc.pid)
+                if proc.poll() is None:
+                    proc.wait()
+        # workers run in sessions of their own (torch's handler), and a lost node's launcher
+        # cannot take them with it: every process whose command line names this job's scratch
+        for p in psutil.process_iter(["cmdline"]):
+            if any(self.scratch in part for part in (p.info["cmdline"] or ())):
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+    def __enter__(self) -> "TwoNodeJob":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -30,7 +30,9 @@ process and its connections stay; it goes on only if someone sends SIGCONT),
 ``term`` (SIGTERM to itself: a preempted worker), ``term_launcher`` / ``int_launcher`` /
 ``kill_launcher`` (SIGTERM / SIGINT / SIGKILL to its parent process, the launcher: a
 preempted job / Ctrl-C / a lost controller host; the rank itself goes on),
-``corrupt`` (silent data corruption of this rank's state, then training goes on; only at
+``kill_node`` (a lost node: SIGKILL to its launcher first, so that nothing is restarted,
+then to every other process the launcher started, the node's other workers included,
+then to itself), ``corrupt`` (silent data corruption of this rank's state, then training goes on; only at
 the points the runtime fires with its state: ``optimizer``, ``between``, ``dying``)::
 
     MINDSPEED_HA_INJECT="rank=0,iteration=2,point=between,fault=corrupt,what=exp_avg,how=bitflip"
@@ -80,7 +82,7 @@ ENV_LOG = "MINDSPEED_HA_INJECT_LOG"  # optional: append a JSON line per fired fa
 POINTS = ("forward", "backward", "grad_sync", "optimizer", "between", "data", "eval", "save", "final_save",
           "dying", "pp", "tp", "recover")
 FAULTS = ("kill", "raise", "stop", "corrupt", "term", "term_launcher", "int_launcher", "kill_launcher", "uce",
-          "network")
+          "network", "kill_node")
 #: faults that signal a process and let this rank go on: SIGTERM to itself (a preempted
 #: worker), SIGTERM to its parent, the launcher (a preempted job), SIGKILL to the launcher
 #: (the controller's host lost; the workers stay)
@@ -254,6 +256,8 @@ class Injector:
         if spec.fault == "uce":
             msg += f": {damage(target, spec.what)}"
         self._announce(msg, spec, point, iteration)
+        if spec.fault == "kill_node":
+            _kill_node()
         if spec.fault == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if spec.fault == "stop":
@@ -309,6 +313,21 @@ class Injector:
             self._announce(f"mindspeed-ha injector: network rank {self.rank} at {spec.point} of iteration "
                            f"{iteration}: {op_name} failed", spec, spec.point, iteration)
             raise InjectedFault(NETWORK_MESSAGE.format(port=os.environ.get("MASTER_PORT", "29500")))
+
+
+def _kill_node() -> None:
+    """SIGKILL this worker's launcher, then every other process it started, then this one."""
+    import psutil
+
+    launcher = psutil.Process(os.getppid())
+    others = [p for p in launcher.children(recursive=True) if p.pid != os.getpid()]
+    launcher.kill()
+    for p in others:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _op(op_name: str) -> str:

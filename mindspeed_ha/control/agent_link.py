@@ -1,0 +1,156 @@
+"""The launcher of a node without the controller, talking to the controller.
+
+With ``--enable-worker-reboot`` every node's agent restarts its own dead workers
+(:class:`mindspeed_ha.agent.WorkerRebootAgent`). On the node that hosts the controller the
+agent's hooks call it in process; on every other node they go through an
+:class:`AgentLink`: one ZeroMQ DEALER socket to the controller's port, authenticated and
+encrypted like a processor's (:mod:`auth`, CURVE with the job's ``MINDSPEED_HA_AUTH_KEY``),
+messages of :mod:`wire` (msgpack, versioned, size-limited, HMAC-tagged). The link is used
+from the agent's monitor thread only (the launcher's main thread), request by request:
+
+* :meth:`AgentLink.hello`: before the node's workers start. The controller answers the
+  incarnation each rank starts as: 0 on the job's first start; n >= 1 for a rank whose
+  process is gone and is awaited to rejoin (a replacement launcher after a lost node: its
+  workers rejoin the survivors instead of starting a new job).
+* :meth:`AgentLink.restart_refused`: a worker died; may the agent restart it?
+* :meth:`AgentLink.report_rank_restart` / :meth:`report_restart_abandoned` /
+  :meth:`report_rank_exit`: what the agent did (no answer).
+
+A controller that does not answer within ``timeout_s`` refuses the restart (the job is
+then in the hands of the processors' own controller-loss handling).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import secrets
+import socket
+import time
+from typing import Dict, List, Optional
+
+import zmq
+
+from mindspeed_ha.config import ConfigError, HAConfig
+from mindspeed_ha.control import auth, wire
+
+log = logging.getLogger(__name__)
+
+#: seconds between two AGENT_HELLO while the controller says a rank is still alive / is silent
+HELLO_RETRY_S = 0.5
+
+
+class AgentLinkError(RuntimeError):
+    """The controller refused this launcher's workers, or did not answer in time."""
+
+
+class AgentLink:
+    """Requests of one node's launcher to the job's controller (see the module doc).
+
+    Args:
+        config: the job's HA settings (controller address and port, auth key, message limit).
+        node_rank: this launcher's ``--node-rank``.
+        timeout_s: how long one request waits for its answer, seconds.
+
+    Raises:
+        ConfigError: no auth key, or ZeroMQ without CURVE.
+    """
+
+    def __init__(self, config: HAConfig, node_rank: int, timeout_s: float = 10.0):
+        self.config = config
+        self.node_rank = int(node_rank)
+        self.timeout_s = float(timeout_s)
+        self.codec = wire.Codec(config.auth_key, wire.new_sender("agent", self.node_rank), config.max_message_bytes)
+        keys = auth.derive_keys(config.auth_key)
+        self._ids = itertools.count(1)
+        self._ctx = zmq.Context()
+        try:
+            self._sock = self._ctx.socket(zmq.DEALER)
+            wire.configure_socket(self._sock, config.max_message_bytes)
+            auth.configure_client(self._sock, keys)
+            self._sock.setsockopt(zmq.ROUTING_ID, f"a{self.node_rank}-{secrets.token_hex(4)}".encode())
+            self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
+            self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            self._sock.connect(wire.endpoint(config.controller_addr, config.controller_port))
+        except BaseException:
+            self._ctx.destroy(linger=0)
+            raise
+
+    def close(self) -> None:
+        """Close the socket and its context (idempotent)."""
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
+
+    # ------------------------------------------------------------------ requests
+    def hello(self, ranks: List[int], deadline_s: float) -> Dict[int, int]:
+        """The incarnation each of global ``ranks`` starts as (see the module doc).
+
+        Asks again every ``HELLO_RETRY_S`` while the controller is silent (not started
+        yet) or says a rank is still alive (its death not detected yet), for at most
+        ``deadline_s`` seconds.
+
+        Raises:
+            AgentLinkError: refused (the reason names the rank), or no answer in time.
+        """
+        end = time.monotonic() + deadline_s
+        why = f"no answer from the controller at {self.config.controller_addr}:{self.config.controller_port}"
+        while time.monotonic() < end:
+            qid = next(self._ids)
+            self._send(wire.AgentHello(self.node_rank, list(ranks), os.getpid(), socket.gethostname(), qid))
+            ans = self._answer(wire.AgentWelcome, qid, min(HELLO_RETRY_S * 4, max(0.0, end - time.monotonic())))
+            if ans is None:
+                continue
+            if ans.accepted:
+                return dict(zip(ranks, ans.incarnations))
+            why = ans.detail
+            if not ans.wait:
+                raise AgentLinkError(f"the controller refused node {self.node_rank}'s workers: {why}")
+            time.sleep(HELLO_RETRY_S)  # the controller has not seen that rank die yet
+        raise AgentLinkError(f"node {self.node_rank}: {why} within {deadline_s} s (--ha-connect-timeout)")
+
+    def restart_refused(self, rank: int, exitcode: int) -> Optional[str]:
+        """None if the controller lets the agent restart ``rank``, else why not."""
+        qid = next(self._ids)
+        self._send(wire.RestartQuery(int(rank), int(exitcode), qid))
+        ans = self._answer(wire.RestartAnswer, qid, self.timeout_s)
+        if ans is None:
+            return f"no answer from the controller within {self.timeout_s} s"
+        return ans.refused or None
+
+    def report_rank_restart(self, rank: int, incarnation: int, pid: int, exitcode: int) -> None:
+        self._send(wire.AgentReport(int(rank), "restarted", int(exitcode), int(incarnation), int(pid)))
+
+    def report_restart_abandoned(self, rank: int, why: str) -> None:
+        self._send(wire.AgentReport(int(rank), "abandoned", detail=str(why)[:512]))
+
+    def report_rank_exit(self, rank: int, exitcode: int) -> None:
+        self._send(wire.AgentReport(int(rank), "exit", int(exitcode)))
+
+    # ------------------------------------------------------------------ transport
+    def _send(self, body) -> None:
+        try:
+            self._sock.send(self.codec.encode(body), zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("agent link: %s not sent (the controller is not reachable)", type(body).__name__)
+
+    def _answer(self, cls: type, qid: int, timeout_s: float):
+        """The first ``cls`` answer with ``query_id`` ``qid`` within ``timeout_s`` (others dropped)."""
+        end = time.monotonic() + timeout_s
+        while True:
+            left = end - time.monotonic()
+            if left <= 0 or not self._sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                return None
+            msg = self.codec.try_decode(self._sock.recv(copy=False).buffer, peer="controller",
+                                        now=time.monotonic())
+            if msg is not None and isinstance(msg.body, cls) and msg.body.query_id == qid:
+                return msg.body
+
+
+def node_link(config: HAConfig, node_rank: int) -> AgentLink:
+    """An :class:`AgentLink` for ``node_rank``; ConfigError names what is missing."""
+    if not config.auth_key:
+        raise ConfigError("--enable-worker-reboot on a node without the controller needs the job's auth key: set "
+                          "MINDSPEED_HA_AUTH_KEY (the same hex key on every node)")
+    return AgentLink(config, node_rank, timeout_s=min(10.0, config.connect_timeout_s))

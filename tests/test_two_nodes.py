@@ -1,0 +1,92 @@
+"""Two nodes on loopback: two ``mindspeed-ha-run`` launchers, ``--nnodes 2``, 2 workers each,
+torchrun's static rendezvous, the controller in node 0's launcher, TP2 PP1 DP2 (node 1's
+ranks 2 and 3 have their replicas on node 0).
+
+* A worker of node 1 dies: node 1's own agent restarts it, asking the controller over its
+  authenticated link (``mindspeed_ha.control.agent_link``); it rejoins.
+* Node 1 is lost (its launcher and both workers SIGKILLed at once, injector
+  ``fault=kill_node``): node 0's workers wait; the same launcher command started again
+  for node 1 (a replacement) learns from the controller that ranks 2 and 3 start as
+  incarnation 1, and they rejoin the survivors.
+
+Standard of proof: both launchers exit 0, the survivors keep their PIDs, the controller's
+report lists exactly the restarts of the dead ranks and one rejoin recovery, and the
+per-iteration losses equal an uninterrupted single-launcher run's bit for bit.
+"""
+
+import json
+import os
+import re
+
+import pytest
+
+from mindspeed_ha.testing.harness import Baselines, TwoNodeJob, four_rank_args
+
+pytestmark = pytest.mark.timeout(600)
+
+ITERS = 5
+K = 3
+LAYOUT = "tp2pp1"
+
+
+def _args(layout=LAYOUT):
+    return four_rank_args(layout, ITERS, "--enable-worker-reboot")
+
+
+@pytest.fixture(scope="module")
+def baseline():
+    return Baselines(_args, ITERS).get(LAYOUT)
+
+
+def _two_node_args():
+    args = _args()
+    args[args.index("--ha-controller-port") + 1] = os.environ.get("TTP_PORT", "0")  # TTP_PORT (env) wins
+    return args
+
+
+def _first_pids(log: str):
+    out = {}
+    for rank, pid in re.findall(r"rank (\d+) registered \(pid (\d+)", log):
+        out.setdefault(int(rank), int(pid))
+    return out
+
+
+def _check_rejoined(job, report, restarted, baseline):
+    rep = json.load(open(report))
+    assert sorted((e["rank"], e["incarnation"]) for e in rep["restarts"]) == [(r, 1) for r in restarted], \
+        rep["restarts"]
+    recs = rep.get("recoveries") or []
+    assert len(recs) == 1 and recs[0]["mode"] == "rejoin" and recs[0]["iteration"] == K - 1, recs
+    log0 = job.output(0)
+    first = _first_pids(log0)
+    again = {int(r): int(p) for r, p in re.findall(r"rank (\d+) re-registered as a new process \(pid (\d+)", log0)}
+    assert sorted(again) == sorted(restarted), again  # only the dead ranks came back as new processes
+    assert {e["rank"]: e["pid"] for e in rep["restarts"]} == again
+    assert set(first) == {0, 1, 2, 3}
+    assert job.losses() == baseline
+
+
+def test_worker_of_node1_restarted_by_its_own_agent(tmp_path, baseline):
+    report = str(tmp_path / "report.json")
+    with TwoNodeJob(_two_node_args(), env={"MINDSPEED_HA_INJECT": f"rank=3,iteration={K},point=backward,fault=kill",
+                                           "MINDSPEED_HA_REPORT": report}) as job:
+        n0, n1 = job.start(0), job.start(1)
+        c1, c0 = job.wait(n1, 480), job.wait(n0, 60)
+        log = job.output(0)[-6000:] + "\n----- node 1 -----\n" + job.output(1)[-6000:]
+        assert (c0, c1) == (0, 0), log
+        assert re.search(r"worker rank 3 \(pid \d+\) exited with -9: restarted alone", job.output(1)), log
+        _check_rejoined(job, report, [3], baseline)
+
+
+def test_lost_node1_rejoins_through_a_replacement_launcher(tmp_path, baseline):
+    report = str(tmp_path / "report.json")
+    with TwoNodeJob(_two_node_args(), env={"MINDSPEED_HA_REPORT": report}) as job:
+        n0 = job.start(0)
+        lost = job.start(1, env={"MINDSPEED_HA_INJECT": f"rank=2,iteration={K},point=forward,fault=kill_node"})
+        assert job.wait(lost, 480) == -9, job.output(1)[-6000:]  # the launcher itself was SIGKILLed
+        replacement = job.start(1)
+        c1, c0 = job.wait(replacement, 480), job.wait(n0, 60)
+        log = job.output(0)[-6000:] + "\n----- node 1 (replacement) -----\n" + job.output(1)[-6000:]
+        assert (c0, c1) == (0, 0), log
+        assert "ranks [2, 3] start as incarnations [1, 1] and rejoin it" in job.output(1), log
+        _check_rejoined(job, report, [2, 3], baseline)
