@@ -224,6 +224,11 @@ class HARuntime:
         self._rerun_state: Optional[dict] = None  # Megatron's rerun state machine between iterations
         self.reruns: list = []  # reload: iterations the train_step wrapper re-runs before the step
         self._rejoin_rng: Optional[dict] = None  # ARF: the RNG a restarted process starts its first step with
+        # the step in progress's forward-backward losses, gradient norm and zero count (patches/optimizer.py):
+        # what a holder hands a process restarted inside this step's update (forward_progress)
+        self.step_stats: dict = {}
+        self._catch_up: Optional[dict] = None  # ARF roll forward: the progress' forward part, until the first step
+        self.catching_up: Optional[dict] = None  # ... during that first step, the catch-up step (enter_iteration)
 
     # ---- start-up -------------------------------------------------------------------
     def on_model_parallel_initialized(self) -> None:
@@ -332,6 +337,12 @@ class HARuntime:
     # ---- step protocol ----------------------------------------------------------------
     def enter_iteration(self) -> int:
         args = self.ctx.args if self.ctx is not None else self.args
+        fwd = self._catch_up if self.completed is None else None
+        if fwd is not None:
+            # a process restarted inside the update of j: the loop counts step j after this
+            # catch-up step (its data iterators were built after j: rejoin_after_setup)
+            self._catch_up = None
+            args.consumed_train_samples -= int(fwd["samples"])
         if self.completed is None:
             # The start-up ends here: its collectives were recorded (a restarted process of
             # this rank replays them) or replayed (this is one), recovery/rejoin.py.
@@ -367,7 +378,47 @@ class HARuntime:
         # iterations it skipped (--iterations-to-skip: no train_step) are counted too.
         curr = getattr(args, "curr_iteration", None)
         self.current = curr + 1 if isinstance(curr, int) and curr >= self.completed else self.completed + 1
+        if fwd is not None:
+            self._start_catch_up(fwd)
         return self.current
+
+    def _start_catch_up(self, fwd: dict) -> None:
+        """ARF roll forward, in the restarted process's first step j (the death hit the
+        update of j; this process holds the finished state of j and the progress as at
+        the entry of j's update, :meth:`rejoin_after_setup`).
+
+        The script's own ``train_step`` and training loop run step j, so this process
+        takes part in every collective the survivors run in the rest of step j (Megatron-LM
+        core_v0.12.1 ``train_step``: the model-parallel all-reduces of the update's success
+        and of the gradient norm; ``train``: the timers' gathers of ``training_log``...)
+        and counts it (iteration, consumed samples, FLOPs, scheduler step) as they do. Two
+        calls are answered instead of computed: the forward-backward returns the holder's
+        losses of j (patches/optimizer.py ``_forward_backward``) and ``optimizer.step()``
+        returns (True, the holder's gradient norm, zero count) without touching the state.
+        The RNG is the holder's after j's forward-backward (:meth:`begin_attempt`).
+        """
+        self.catching_up = fwd
+        optimizer = self.ctx.optimizer if self.ctx is not None else None
+        if optimizer is None:
+            raise RuntimeError(f"rank {self.rank}: no optimizer attached for the catch-up step")
+        rt = self
+
+        def step(*args, **kwargs):
+            optimizer.__dict__.pop("step", None)  # once: the next step is the optimizer's own
+            rt.begin_update()  # UPDATING(j) -> UPDATED(j): the state held is that of j
+            rt.end_update()
+            return True, fwd.get("grad_norm"), fwd.get("num_zeros")
+
+        optimizer.step = step
+        log.warning("rank %d: catch-up step %d: the survivors' rest of step %d is run with them (losses and "
+                    "gradient norm %s from the holder)", self.rank, self.current, self.current, fwd.get("grad_norm"))
+
+    def catch_up_losses(self):
+        """The holder's forward-backward result of the catch-up step (see :meth:`_start_catch_up`)."""
+        from mindspeed_ha.accelerator import collective_device
+        from mindspeed_ha.recovery import progress
+
+        return progress.decode_value(self.catching_up["losses"], collective_device())
 
     def begin_update(self) -> None:
         self._update_depth += 1
@@ -393,8 +444,9 @@ class HARuntime:
     def commit_update(self) -> None:
         """Wait until every rank finished the optimizer update of the step in progress.
 
-        With in-place recovery possible (``--enable-hbmfault-repair`` or
-        ``--ha-network-retries`` > 0), a world all-reduce of one int32 after this rank's
+        With in-place recovery possible (``--enable-hbmfault-repair``,
+        ``--ha-network-retries`` > 0 or ``--enable-worker-reboot``: a worker killed inside
+        the update is restarted and rolled forward), a world all-reduce of one int32 after this rank's
         update: no rank leaves the update of j before all finished it, so a fault inside
         it finds every rank there, and the step can be finished in place (roll forward,
         :mod:`mindspeed_ha.control.recovery_plan`). Called with the status UPDATED(j)
@@ -411,7 +463,8 @@ class HARuntime:
 
     @property
     def _commit_barrier(self) -> bool:
-        return bool(self.processor is not None and (self.config.hbm_repair or self.config.network_retries > 0))
+        return bool(self.processor is not None and (self.config.hbm_repair or self.config.network_retries > 0
+                                                    or self.config.worker_reboot))
 
     def abort_update(self) -> None:
         """The update raised: leave the status UPDATING (dirty), unwind the nesting."""
@@ -419,6 +472,10 @@ class HARuntime:
 
     def iteration_done(self) -> None:
         k = self.current
+        if self.catching_up is not None:
+            self.catching_up = None
+            if self.ctx is not None:
+                self.ctx.optimizer.__dict__.pop("step", None)
         if self.snapshot is None or self.snapshot.iteration != k:  # update skipped (inf/nan)
             self._take_snapshot(k)
             if self.processor is not None:
@@ -523,6 +580,7 @@ class HARuntime:
             megatron_lm.set_rng_state(self._rejoin_rng)
             self._rejoin_rng = None
         self._entry_rng = megatron_lm.collect_rng_state()
+        self.step_stats = {}
         from mindspeed_ha.recovery.rollback import started_timers
 
         self._entry_timers = started_timers()
@@ -636,7 +694,8 @@ class HARuntime:
                     if dst in plan.rejoin:  # a restarted process: also the counters, scheduler, RNG
                         from mindspeed_ha.recovery import progress
 
-                        progress.send(self._progress(plan.iteration), dst)
+                        progress.send(self.forward_progress(plan.iteration) if plan.mode == "forward"
+                                      else self._progress(plan.iteration), dst)
             lap("repair")
             if plan.mode in ("rollback", "rejoin"):
                 for wrapper in self._replay_wrappers():
@@ -688,6 +747,44 @@ class HARuntime:
         return progress.capture(args, k, snap.scheduler_state, self._entry_rng, flops=snap.flops,
                                 rerun_iteration=rerun if isinstance(rerun, int) else None)
 
+    def forward_progress(self, j: int) -> dict:
+        """This rank's progress for a process restarted inside the optimizer update of
+        ``j`` (roll forward with rejoin), called inside that update after this rank
+        finished it: counters, scheduler and rerun count as at the end of j-1 (the loop
+        and ``train_step`` count j after the update), the RNG now (after j's
+        forward-backward), and :func:`mindspeed_ha.recovery.progress.forward_part` (the
+        losses, gradient norm and zero count of j; the samples j consumes).
+
+        Raises:
+            RuntimeError: this rank holds no forward-backward result of step ``j``.
+        """
+        from mindspeed_ha.recovery import progress
+
+        if self.current != j or "losses" not in self.step_stats:
+            raise RuntimeError(f"rank {self.rank}: no forward-backward result of step {j} to hand to a restarted "
+                               f"process (in step {self.current})")
+        args = self.ctx.args if self.ctx is not None else self.args
+        optimizer = self.ctx.optimizer if self.ctx is not None else None
+        try:  # optimizer.step()'s values where it computed none (megatron-core 0.12.1 optimizer.py)
+            from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
+
+            mixed = isinstance(optimizer, MixedPrecisionOptimizer)
+        except ImportError:  # pragma: no cover - megatron-core is a dependency
+            mixed = False
+        grad_norm = self.step_stats.get("grad_norm", 0.0 if mixed else None)
+        num_zeros = self.step_stats.get("num_zeros", 0 if mixed else None)
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+        samples = get_num_microbatches() * args.micro_batch_size * args.data_parallel_size
+        snap = self.snapshot
+        flops = snap.flops_before if snap is not None and snap.iteration == j else None
+        rerun = (self._rerun_state or {}).get("current_iteration")
+        sched = megatron_lm.scheduler_state(getattr(self.ctx, "opt_param_scheduler", None))
+        return progress.capture(args, j - 1, sched, megatron_lm.collect_rng_state(), flops=flops,
+                                rerun_iteration=rerun if isinstance(rerun, int) else None,
+                                forward=progress.forward_part(j, self.step_stats["losses"], grad_norm, num_zeros,
+                                                              samples))
+
     def rejoin_after_setup(self, model, optimizer, opt_param_scheduler) -> None:
         """ARF, in a restarted process (``MINDSPEED_HA_INCARNATION`` >= 1), right after
         Megatron built its model and optimizer (no checkpoint loaded): wait at the rejoin
@@ -718,7 +815,7 @@ class HARuntime:
         times = {}
         t = time.perf_counter()
         try:
-            if plan.mode != "rejoin" or self.rank not in plan.rejoin or self.rank not in plan.repairs:
+            if plan.mode not in ("rejoin", "forward") or self.rank not in plan.rejoin or self.rank not in plan.repairs:
                 raise RuntimeError(f"rank {self.rank}: a {plan.mode} plan does not rejoin this rank ({plan.reason})")
             exclude = [g for g in (getattr(self, "_fallback_group", None),) if g is not None]
             with rejoin.live():  # the rejoin's own communication is real, not replayed
@@ -732,9 +829,13 @@ class HARuntime:
                 chunks = self.ctx.model if self.ctx is not None else model
                 transfer.recv_state(chunks, optimizer, src, None, materialize=True)
                 received = progress.recv(src)
-            progress.apply(received, self.ctx.args if self.ctx is not None else self.args, opt_param_scheduler)
+            run_args = self.ctx.args if self.ctx is not None else self.args
+            progress.apply(received, run_args, opt_param_scheduler)
             if received.get("rng") is not None:
                 self._rejoin_rng = progress.decode_rng(received["rng"])
+            if received.get("forward") is not None:  # restarted inside the update of j: catch up step j
+                self._catch_up = received["forward"]
+                run_args.consumed_train_samples += int(self._catch_up["samples"])  # the iterators start after j
             times["repair"] = round(time.perf_counter() - t, 6)
         except Exception as exc:
             self._recovery_failed(action, exc, "rejoin")

@@ -71,6 +71,54 @@ def _finish_in_place(rt, exc: BaseException, where: str, result):
     return result
 
 
+def _note_grad_norm(wrapped, instance, args, kwargs):
+    """``clip_grad_norm`` / ``ChainedOptimizer.get_grad_norm``: remember the gradient norm
+    of the step in progress (what ``optimizer.step()`` returns; a restarted process's
+    catch-up step answers it, see :meth:`HARuntime.forward_progress`)."""
+    result = wrapped(*args, **kwargs)
+    from mindspeed_ha.runtime import get_runtime
+
+    rt = get_runtime()
+    if rt is not None and rt.current is not None:
+        rt.step_stats["grad_norm"] = result
+    return result
+
+
+def _note_zeros(wrapped, instance, args, kwargs):
+    """``count_zeros``: remember the zero count of the step in progress (as ``_note_grad_norm``)."""
+    result = wrapped(*args, **kwargs)
+    from mindspeed_ha.runtime import get_runtime
+
+    rt = get_runtime()
+    if rt is not None and rt.current is not None:
+        rt.step_stats["num_zeros"] = result
+    return result
+
+
+def _forward_backward(wrapped, instance, args, kwargs):
+    """``get_forward_backward_func()`` as ``train_step`` calls it: the schedule it returns
+    is wrapped to remember its result (the per-micro-batch losses of the step in
+    progress, which a restarted process's catch-up step needs), and in that catch-up
+    step (:attr:`HARuntime.catching_up`) replaced by one that returns the holder's
+    losses without computing (the state after the step's update was received)."""
+    schedule = wrapped(*args, **kwargs)
+    from mindspeed_ha.runtime import get_runtime
+
+    rt = get_runtime()
+    if rt is None or rt.processor is None:
+        return schedule
+
+    def forward_backward(*a, **kw):
+        if rt.catching_up is not None:
+            return rt.catch_up_losses()
+        result = schedule(*a, **kw)
+        if rt.current is not None:
+            rt.step_stats["losses"] = result
+        return result
+
+    return forward_backward
+
+
 _TARGETS = [
     ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.step_with_ready_grads"),
     ("megatron.core.optimizer.optimizer", "MixedPrecisionOptimizer.step_with_ready_grads"),
@@ -88,4 +136,21 @@ PATCHES = [
         doc="begin_update(k) / end_update(k) around the optimizer's state mutation; commit barrier; roll forward",
     )
     for module, attr in _TARGETS
+]
+PATCHES += [
+    Patch(name=f"optimizer.note_grad_norm.{cls}", module="megatron.core.optimizer.optimizer",
+          attribute=f"{cls}.{method}", wrapper=_note_grad_norm, feature="ha",
+          doc="remember the step's gradient norm (a restarted process's catch-up step answers it)")
+    for cls, method in (("MegatronOptimizer", "clip_grad_norm"), ("ChainedOptimizer", "get_grad_norm"))
+] + [
+    Patch(name=f"optimizer.note_zeros.{cls}", module="megatron.core.optimizer.optimizer",
+          attribute=f"{cls}.count_zeros", wrapper=_note_zeros, feature="ha",
+          doc="remember the step's gradient zero count (a restarted process's catch-up step answers it)")
+    for cls in ("MegatronOptimizer", "ChainedOptimizer")
+] + [
+    Patch(name=f"ha.forward_backward.{name}", module=module, attribute="get_forward_backward_func",
+          wrapper=_forward_backward, feature="ha", versions=None,
+          doc="remember the step's losses; a restarted process's catch-up step answers them (ARF roll forward)")
+    for name, module in (("megatron", "megatron.training.training"),
+                         ("trainer", "mindspeed_ha.testing.trainer.training"))
 ]

@@ -444,19 +444,21 @@ def _parked_to_rejoin(state: ClusterState, rank: int, gone: Mapping[int, str]) -
             and info.fault_where == REJOIN)
 
 
-def _inside_one_update(state: ClusterState, live) -> bool:
+def _inside_one_update(state: ClusterState, live, dead=()) -> bool:
     """Every rank is inside the optimizer update of the same iteration j (the commit
     barrier keeps them there, see patches/optimizer.py) and every rank still UPDATING
     reported a fault of its own or is a distributed-optimizer instance peer of a faulty
     one (blocked in that instance's parameter all-gather for good): the others finished
     it (UPDATED j) and wait. Any other rank still UPDATING (computing) may yet finish:
-    the caller waits up to update_settle_s for it."""
+    the caller waits up to update_settle_s for it. ``dead``: ranks being restarted (ARF):
+    they count as faulty ranks inside the update (their peers never see them finish)."""
     infos = [state.ranks[r] for r in live]
     its = {i.iteration for i in infos}
     if len(its) != 1:
         return False
     j = next(iter(its))
     faulty = [i for i in infos if i.status is OptimizerStatus.UPDATING and i.fault is not None]
+    faulty += [state.ranks[r] for r in dead if r in state.ranks]
 
     def waits_for_a_faulty_peer(i: RankInfo) -> bool:
         # the distributed optimizer's parameter all-gather runs over one optimizer instance
@@ -466,7 +468,7 @@ def _inside_one_update(state: ClusterState, live) -> bool:
                    for f in faulty)
 
     return bool(faulty) and all(
-        i.step in (-1, j) and (i.status is OptimizerStatus.UPDATED or i in faulty
+        i.step in (-1, j) and (i.status is OptimizerStatus.UPDATED or any(i is f for f in faulty)
                                or (i.status is OptimizerStatus.UPDATING and waits_for_a_faulty_peer(i)))
         for i in infos)
 
@@ -508,7 +510,7 @@ def _recovering(now: float, state: ClusterState, config: HAConfig, gone: Mapping
             k = next(iter(at))[1]
             settled = settled and all(state.ranks[r].step in (-1, k + 1) for r in live)
             if not settled:
-                settled = _inside_one_update(state, live)
+                settled = _inside_one_update(state, live, dead=tuple(rejoin))
             if not settled and elapsed < update_settle_s(config):
                 return Decision(ActionKind.NOOP, "recovering: waiting for every rank to finish the same optimizer "
                                 f"update and enter the next step (states "

@@ -41,6 +41,26 @@ Rules (in order; the first that fails gives :class:`NoRecovery`):
    iteration every rank completed).
 5. The step was not already recovered ``network_retries`` times in a row (any kind): a
    fault that comes back every time ends in the dying checkpoint.
+
+Worker restart (ARF, ``--enable-worker-reboot``): the restarted processes wait at their
+rejoin point (``fault_where == "rejoin"``) and the rules apply to the survivors:
+
+* every survivor in the rollback situation: mode ``"rejoin"``; each restarted rank gets
+  the state of k and the progress of k from a survivor with its (tp, pp, shard), every
+  rank re-runs k+1;
+* every survivor inside the optimizer update of j (the death hit that update; the commit
+  barrier, on with worker reboot too, holds every survivor there): mode ``"forward"``
+  with ``rejoin`` set. A survivor's pre-update state of j is gone once its update ran
+  (the update mutates in place), so rolling back is never exact here; rolling forward
+  is: each restarted rank (and each survivor whose update did not finish) gets the
+  finished state of j from a survivor with its (tp, pp, shard) that finished it, plus
+  (restarted ranks) the progress as at the entry of j's update; the restarted process
+  then runs a catch-up step j (the script's own ``train_step`` and loop, with the
+  forward-backward and the optimizer step answered from the source's results of j:
+  :meth:`mindspeed_ha.runtime.HARuntime.enter_iteration`), so it takes part in every
+  collective the survivors run in the rest of step j;
+* no survivor holds a restarted rank's state (no replica, or no replica finished the
+  update): the dying checkpoint.
 """
 
 from __future__ import annotations
@@ -81,7 +101,8 @@ class RecoveryPlan:
         reason: one human-readable sentence.
         mode: ``rollback``, ``forward``, ``reload`` or ``rejoin`` (the module docstring
             says which when).
-        rejoin: ranks whose process the launcher restarted (``rejoin`` mode): they join
+        rejoin: ranks whose process the launcher restarted (``rejoin`` mode, or ``forward``
+            when the death hit the optimizer update): they join
             the new group generation and receive their whole state (``repairs``).
     """
 
@@ -259,29 +280,43 @@ def _plan_rejoin(ranks: Mapping[int, RankInfo], rejoining: Mapping[int, RankInfo
             why = in_place_possible(i.fault, config)
             if why is not None:
                 return NoRecovery(f"rank {r}: {why}")
-    outside = {r: i.fault_where for r, i in sorted(survivors.items()) if i.fault_where not in ("", "train_step")}
+    outside = {r: i.fault_where for r, i in sorted(survivors.items()) if i.fault_where not in IN_STEP}
     if outside:
         r, where = next(iter(outside.items()))
-        return NoRecovery(f"rank {r} was stopped at {where}, not in train_step before its update: a restarted "
-                          "process rejoins only a step that every survivor can re-run")
-    situation = _rollback_situation(survivors)
+        return NoRecovery(f"rank {r} was stopped at {where}, not in train_step: a restarted process rejoins only "
+                          "a step that every survivor can re-run or finish")
+    in_update = {r for r, i in survivors.items() if i.fault_where in ("update", "update_done")}
+    if in_update:  # the death hit an optimizer update: every survivor is held inside it (commit barrier)
+        situation = _forward_situation(survivors, in_update)
+    else:
+        situation = _rollback_situation(survivors)
     if isinstance(situation, NoRecovery):
         return situation
-    _, k, damaged = situation
+    mode, k, damaged = situation
     done = consecutive_retries(history, k)
     limit = max(1, config.network_retries)
     if done >= limit:
-        return NoRecovery(f"iteration {k + 1} was already recovered {done} times in a row (limit {limit})")
+        return NoRecovery(f"iteration {k + 1 if mode == 'rollback' else k} was already recovered {done} times in a "
+                          f"row (limit {limit})")
     needs = set(rejoining) | set(damaged)
     repairs: Dict[int, int] = {}
     for d in sorted(needs):
         key = ranks[d].layout.shard_key
-        sources = [r for r, i in sorted(survivors.items()) if r not in needs and i.layout.shard_key == key]
+        sources = [r for r, i in sorted(survivors.items()) if r not in needs and i.layout.shard_key == key
+                   and i.fault is not FaultKind.UCE]
         if not sources:
+            what = "finished the update of that iteration" if mode == "forward" else "holds it"
             return NoRecovery(f"rank {d} has no survivor with its state (tp={key[0]}, pp={key[1]}, shard={key[2]}): "
-                              "no replica holds it")
+                              f"no replica {what}")
         repairs[d] = sources[0]
     first = fault_rank if fault_rank in rejoining else min(rejoining)
+    if mode == "forward":
+        return RecoveryPlan(iteration=k, generation=len(history) + 1, kind=FaultKind.PROCESS, fault_rank=first,
+                            repairs=repairs, mode="forward", rejoin=tuple(sorted(rejoining)),
+                            reason=f"ranks {sorted(rejoining)} were restarted inside the optimizer update of "
+                                   f"iteration {k}: they rejoin and receive the finished update of {k} from "
+                                   f"{[repairs[d] for d in sorted(rejoining)]} and catch up with the rest of step "
+                                   f"{k}; every rank continues iteration {k} after its update")
     return RecoveryPlan(iteration=k, generation=len(history) + 1, kind=FaultKind.PROCESS, fault_rank=first,
                         repairs=repairs, mode="rejoin", rejoin=tuple(sorted(rejoining)),
                         reason=f"ranks {sorted(rejoining)} were restarted: they rejoin and receive the state of "

@@ -21,6 +21,17 @@ would also have set comes from the same holder as one small message (this module
   (Megatron-LM seeds by ``seed + 100 * pp_rank`` and the TP rank, not the DP rank, unless
   ``--data-parallel-random-init``, which a rejoin refuses).
 
+When the death hit the optimizer update of iteration j (roll forward with rejoin, see
+:mod:`mindspeed_ha.control.recovery_plan`), the holder is inside that update: the message
+then holds the progress at the entry of j's update (counters and scheduler of j-1, the
+RNG after j's forward-backward, the rerun state machine's count of j-1) and a
+``forward`` part: what the restarted process's catch-up step j answers instead of
+computing (:func:`forward_part`): the forward-backward's per-micro-batch losses
+(``losses_reduced``, same PP stage as the holder, DP-reduced by the loss function), the
+gradient norm and zero count of j's ``optimizer.step()``, and the samples step j
+consumed (``num_microbatches * micro_batch_size * data_parallel_size``, Megatron-LM
+core_v0.12.1 ``train``).
+
 Wire: msgpack (no pickle), versioned, at most :data:`MAX_BYTES`; sent point to point over
 a process group as a length header (int64) and a uint8 tensor.
 """
@@ -82,8 +93,61 @@ def decode_rng(d: Dict[str, Any]) -> Dict[str, Any]:
     }
 
 
+def encode_value(value: Any) -> Any:
+    """A loss structure (dicts, lists, tuples of tensors, numbers, strings, None) ->
+    msgpack-able, tensors as bytes (dtype and shape kept).
+
+    Raises:
+        ProgressError: a value of another type.
+    """
+    if isinstance(value, torch.Tensor):
+        return {"__t": _tensor(value)}
+    if isinstance(value, dict):
+        return {"__d": [[encode_value(k), encode_value(v)] for k, v in value.items()]}
+    if isinstance(value, tuple):
+        return {"__tuple": [encode_value(v) for v in value]}
+    if isinstance(value, list):
+        return [encode_value(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise ProgressError(f"cannot send a {type(value).__name__} in a progress message")
+
+
+def decode_value(value: Any, device: Optional[torch.device] = None) -> Any:
+    """The inverse of :func:`encode_value` (tensors on ``device``, default CPU)."""
+    if isinstance(value, dict):
+        if "__t" in value:
+            t = _untensor(value["__t"])
+            return t.to(device) if device is not None else t
+        if "__d" in value:
+            return {decode_value(k, device): decode_value(v, device) for k, v in value["__d"]}
+        if "__tuple" in value:
+            return tuple(decode_value(v, device) for v in value["__tuple"])
+        raise ProgressError(f"malformed value in a progress message: keys {sorted(value)}")
+    if isinstance(value, list):
+        return [decode_value(v, device) for v in value]
+    return value
+
+
+def forward_part(iteration: int, losses: Any, grad_norm: Optional[float], num_zeros: Optional[float],
+                 samples: int) -> Dict[str, Any]:
+    """The ``forward`` part of a progress message (see the module docstring).
+
+    Args:
+        iteration: j, the step whose update the death hit.
+        losses: the forward-backward's return of step j on the holder (``losses_reduced``).
+        grad_norm: the gradient norm ``optimizer.step()`` of j computed (None: none).
+        num_zeros: its zero count (None unless ``--log-num-zeros-in-grad``).
+        samples: samples step j consumed (the loop adds them after ``train_step``).
+    """
+    return {"iteration": int(iteration), "losses": encode_value(losses),
+            "grad_norm": None if grad_norm is None else float(grad_norm),
+            "num_zeros": None if num_zeros is None else float(num_zeros), "samples": int(samples)}
+
+
 def capture(args, iteration: int, scheduler_state: Optional[dict], rng_state: Optional[dict],
-            flops: Optional[float] = None, rerun_iteration: Optional[int] = None) -> Dict[str, Any]:
+            flops: Optional[float] = None, rerun_iteration: Optional[int] = None,
+            forward: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """The progress of completed iteration ``iteration`` (see the module docstring).
 
     Args:
@@ -94,6 +158,7 @@ def capture(args, iteration: int, scheduler_state: Optional[dict], rng_state: Op
         flops: the training loop's FLOP count after k (None: ``args``' own).
         rerun_iteration: megatron-core's ``RerunStateMachine.current_iteration`` after k
             (it counts the steps this process ran; a checkpoint holds it).
+        forward: :func:`forward_part` (roll forward with rejoin), or None.
     """
     fields = {f: getattr(args, f, None) for f in ARGS_FIELDS}
     fields["iteration"] = int(iteration)
@@ -101,7 +166,7 @@ def capture(args, iteration: int, scheduler_state: Optional[dict], rng_state: Op
         fields["num_floating_point_operations_so_far"] = flops
     return {"v": VERSION, "args": fields, "scheduler": scheduler_state,
             "rng": encode_rng(rng_state) if rng_state is not None else None,
-            "rerun_iteration": rerun_iteration}
+            "rerun_iteration": rerun_iteration, "forward": forward}
 
 
 def encode(progress: Dict[str, Any]) -> bytes:
@@ -173,4 +238,4 @@ def apply(progress: Dict[str, Any], args, opt_param_scheduler=None) -> None:
 
 
 __all__ = ["VERSION", "MAX_BYTES", "ARGS_FIELDS", "ProgressError", "capture", "encode", "decode", "send", "recv",
-           "apply", "encode_rng", "decode_rng"]
+           "apply", "encode_rng", "decode_rng", "encode_value", "decode_value", "forward_part"]
