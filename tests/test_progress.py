@@ -47,3 +47,24 @@ def test_bad_messages_are_refused():
         progress.decode(b"x" * (progress.MAX_BYTES + 1))
     with pytest.raises(progress.ProgressError):
         progress.decode(b"\xc1")
+
+
+def test_forward_part_round_trips_the_losses_bit_for_bit():
+    """Roll forward with rejoin: the holder's per-micro-batch losses of step j (Megatron-LM's
+    loss functions return tensors or (sum, count) tuples of tensors) come back with their
+    dtype, shape, bits and container types; the other fields as given."""
+    losses = [{"lm loss": (torch.tensor(2.0625, dtype=torch.float32).add(1e-7), torch.tensor(64))},
+              {"lm loss": torch.tensor([1.5, float.fromhex("0x1.fffffep-1")], dtype=torch.float32), "n": 3}]
+    part = progress.forward_part(6, losses, 0.73125, None, 8)
+    msg = progress.capture(types.SimpleNamespace(consumed_train_samples=40), 5, None, None, forward=part)
+    back = progress.decode(progress.encode(msg))
+    assert back["args"]["iteration"] == 5 and back["args"]["consumed_train_samples"] == 40
+    fwd = back["forward"]
+    assert (fwd["iteration"], fwd["grad_norm"], fwd["num_zeros"], fwd["samples"]) == (6, 0.73125, None, 8)
+    got = progress.decode_value(fwd["losses"])
+    assert isinstance(got, list) and isinstance(got[0]["lm loss"], tuple) and got[1]["n"] == 3
+    for a, b in ((got[0]["lm loss"][0], losses[0]["lm loss"][0]), (got[0]["lm loss"][1], losses[0]["lm loss"][1]),
+                 (got[1]["lm loss"], losses[1]["lm loss"])):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    with pytest.raises(progress.ProgressError):
+        progress.encode_value(object())

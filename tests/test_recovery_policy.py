@@ -304,10 +304,61 @@ def test_rejoin_refused_without_the_flag_a_replica_or_survivors_in_step():
     ranks = _restarted(parked(cluster(1, 2, 2, 1, it=5), {}), 0)  # no replica
     assert "no survivor with its state" in plan_recovery(ranks, 4, 0, cfg).reason
     ranks = _restarted(parked(cluster(1, 2, 2, 2, it=5), {}), 0)
-    ranks[2].fault_where = "update_done"  # the process died inside the update: not (yet) rejoined
+    ranks[2].fault_where = "update_done"  # one survivor inside the update, the others not: no situation
+    assert "inside the optimizer update but rank 1 was not" in plan_recovery(ranks, 4, 0, cfg).reason
+    ranks = _restarted(parked(cluster(1, 2, 2, 2, it=5), {}), 0)
+    ranks[2].fault_where = "save"  # outside train_step
     assert "rejoins only a step" in plan_recovery(ranks, 4, 0, cfg).reason
     ranks = _restarted(parked(cluster(1, 2, 2, 2, it=5), {}), 0, incarnation=0)
     assert "never restarted" in plan_recovery(ranks, 4, 0, cfg).reason
+
+
+# (name, shape, dead rank, survivors whose update did not finish, expected repairs or NoRecovery text)
+REJOIN_FORWARD = [
+    ("rank 0, TP1 PP2 DP2 N=2", (1, 2, 2, 2, True), 0, set(), {0: 1}),
+    ("a TP peer, TP2 PP1 DP2 N=2", (2, 1, 2, 2, True), 1, set(), {1: 3}),
+    ("DP4 N=2: its instance peer blocked in the param all-gather", (1, 1, 4, 2, True), 2, {3}, {2: 0, 3: 1}),
+    ("DP4 N=2: no replica of its shard finished", (1, 1, 4, 2, True), 2, {0, 3}, "no replica finished"),
+    ("no replica (N=1)", (1, 2, 2, 1, True), 0, {1}, "no replica finished"),
+]
+
+
+@pytest.mark.parametrize("name,shape,dead,unfinished,expect", REJOIN_FORWARD, ids=[c[0] for c in REJOIN_FORWARD])
+def test_restarted_inside_the_update_rolls_forward(name, shape, dead, unfinished, expect):
+    """ARF, a death inside the optimizer update of j=6: every survivor is held inside it
+    (commit barrier), some finished it. A survivor's pre-update state is gone once its
+    update ran, so the plan rolls forward: the restarted rank (and each survivor whose update
+    did not finish) gets the finished state of 6 from a survivor of its shard that finished."""
+    tp, pp, dp, n, dist = shape
+    ranks = _restarted(_in_update(parked(cluster(tp, pp, dp, n, it=5, distributed=dist), {}), unfinished), dead)
+    plan = plan_recovery(ranks, tp * pp * dp, dead, CFG.replace(worker_reboot=True, hbm_repair=False))
+    if isinstance(expect, str):
+        assert isinstance(plan, NoRecovery) and expect in plan.reason, plan
+        return
+    assert isinstance(plan, RecoveryPlan) and plan.mode == "forward" and plan.kind is FaultKind.PROCESS, plan
+    assert plan.iteration == 6 and plan.rejoin == (dead,) and plan.repairs == expect
+    for d, s in plan.repairs.items():
+        assert ranks[s].fault_where == "update_done" and ranks[d].layout.shard_key == ranks[s].layout.shard_key
+    assert RecoveryPlan.from_params(plan.to_params()) == plan
+
+
+def test_decide_round_one_ends_at_once_when_survivors_wait_in_the_commit_barrier():
+    """ARF, a death inside the update of 6: the survivors finished it (UPDATED 6, still in
+    step 6: the commit barrier holds them) or wait for the dead rank in their instance's
+    parameter all-gather (UPDATING 6): round 1 ends at once (no update_settle_s wait)."""
+    cfg = CFG.replace(worker_reboot=True)
+    ranks = cluster(1, 1, 4, 2, it=6)
+    st = _state(ranks, Phase.RECOVERING)
+    st.phase_since = 1.0
+    st.record_fault(0.5, 2, FaultKind.PROCESS, "died")
+    st.rejoin_wait[2] = 0.5
+    for info in ranks.values():
+        info.stopped, info.step = True, 6
+    ranks[2].status = ranks[3].status = UP  # rank 3: the dead rank's instance peer
+    d = decide(1.1, st, cfg)
+    assert d.action is ActionKind.STOP_ALL and d.params["recover"] and d.targets == (0, 1, 3), d
+    ranks[3].layout = ranks[1].layout  # UPDATING without a dead peer: may still finish, waited for
+    assert decide(1.1, st, cfg).action is ActionKind.NOOP
 
 
 def test_decide_waits_for_a_restarted_rank_then_rejoins_it():
