@@ -229,6 +229,7 @@ class HARuntime:
         self.step_stats: dict = {}
         self._catch_up: Optional[dict] = None  # ARF roll forward: the progress' forward part, until the first step
         self.catching_up: Optional[dict] = None  # ... during that first step, the catch-up step (enter_iteration)
+        self._resume_consumed: Optional[int] = None  # ARF reload: k's consumed samples, set at the first step
 
     # ---- start-up -------------------------------------------------------------------
     def on_model_parallel_initialized(self) -> None:
@@ -343,6 +344,10 @@ class HARuntime:
             # catch-up step (its data iterators were built after j: rejoin_after_setup)
             self._catch_up = None
             args.consumed_train_samples -= int(fwd["samples"])
+        if self.completed is None and self._resume_consumed is not None:
+            # a process restarted without a replica: its iterators started after the
+            # checkpoint it loaded (the re-runs read those batches); the loop counts from k
+            args.consumed_train_samples, self._resume_consumed = self._resume_consumed, None
         if self.completed is None:
             # The start-up ends here: its collectives were recorded (a restarted process of
             # this rank replays them) or replayed (this is one), recovery/rejoin.py.
@@ -686,6 +691,12 @@ class HARuntime:
                           self.rank, ENV_TESTING_SKIP_REPAIR)
                 repairs = {}
             for dst, src in sorted(repairs.items()):
+                if plan.mode == "reload":  # ARF without a replica: the restarted rank reloads too
+                    if self.rank == src:
+                        from mindspeed_ha.recovery import progress
+
+                        progress.send(self._reload_progress(plan.iteration), dst)
+                    continue
                 if self.rank == dst:
                     transfer.recv_state(model, optimizer, src, None)
                     repaired += 1
@@ -746,6 +757,20 @@ class HARuntime:
         rerun = (self._rerun_state or {}).get("current_iteration")
         return progress.capture(args, k, snap.scheduler_state, self._entry_rng, flops=snap.flops,
                                 rerun_iteration=rerun if isinstance(rerun, int) else None)
+
+    def _reload_progress(self, k: int) -> dict:
+        """The counters of k (the last iteration every survivor completed) for a process
+        restarted without a replica (plan mode ``reload``): it loads the checkpoint
+        itself and its re-runs give it the scheduler, RNG and rerun count, so only the
+        training loop's counters are sent."""
+        from mindspeed_ha.recovery import progress
+
+        args = self.ctx.args if self.ctx is not None else self.args
+        snap = self.snapshot
+        flops = None
+        if snap is not None:
+            flops = snap.flops if snap.iteration == k else snap.flops_before if snap.iteration == k + 1 else None
+        return progress.capture(args, k, None, None, flops=flops)
 
     def forward_progress(self, j: int) -> dict:
         """This rank's progress for a process restarted inside the optimizer update of
@@ -815,7 +840,8 @@ class HARuntime:
         times = {}
         t = time.perf_counter()
         try:
-            if plan.mode not in ("rejoin", "forward") or self.rank not in plan.rejoin or self.rank not in plan.repairs:
+            if (plan.mode not in ("rejoin", "forward", "reload") or self.rank not in plan.rejoin
+                    or self.rank not in plan.repairs):
                 raise RuntimeError(f"rank {self.rank}: a {plan.mode} plan does not rejoin this rank ({plan.reason})")
             exclude = [g for g in (getattr(self, "_fallback_group", None),) if g is not None]
             with rejoin.live():  # the rejoin's own communication is real, not replayed
@@ -827,10 +853,24 @@ class HARuntime:
                 t = time.perf_counter()
                 src = plan.repairs[self.rank]
                 chunks = self.ctx.model if self.ctx is not None else model
-                transfer.recv_state(chunks, optimizer, src, None, materialize=True)
+                run_args = self.ctx.args if self.ctx is not None else self.args
+                if plan.mode == "reload":  # no replica: the latest periodic checkpoint, with the survivors
+                    from mindspeed_ha.recovery import reload
+
+                    self.reruns = reload.reload_for_rejoin(self, plan)
+                    times["reload"] = round(time.perf_counter() - t, 6)
+                    t = time.perf_counter()
+                else:
+                    transfer.recv_state(chunks, optimizer, src, None, materialize=True)
                 received = progress.recv(src)
-            run_args = self.ctx.args if self.ctx is not None else self.args
-            progress.apply(received, run_args, opt_param_scheduler)
+            if plan.mode == "reload":
+                # the data iterators (built next) start after the checkpoint: the re-runs read
+                # its batches; the loop's counters are k's from the first step on (enter_iteration)
+                loaded = run_args.consumed_train_samples
+                progress.apply(received, run_args, None)
+                self._resume_consumed, run_args.consumed_train_samples = run_args.consumed_train_samples, loaded
+            else:
+                progress.apply(received, run_args, opt_param_scheduler)
             if received.get("rng") is not None:
                 self._rejoin_rng = progress.decode_rng(received["rng"])
             if received.get("forward") is not None:  # restarted inside the update of j: catch up step j

@@ -96,6 +96,8 @@ def _train_step(wrapped, instance, args, kwargs):
                 reload.track(rt)  # no replica: the data since the last save is kept for a reload
                 if forward_step_func is not None:
                     call["forward_step_func"] = _with_injection(forward_step_func, rt, iteration)
+                if rt.reruns:  # ARF without a replica: a restarted process re-runs those after its checkpoint
+                    reload.rerun(rt, lambda: wrapped(*bound.args, **bound.kwargs))
             result = wrapped(*bound.args, **bound.kwargs)
             break
         except Exception as exc:  # SystemExit / KeyboardInterrupt pass through

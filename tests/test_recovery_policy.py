@@ -301,8 +301,10 @@ def test_rejoin_refused_without_the_flag_a_replica_or_survivors_in_step():
     ranks = _restarted(parked(cluster(1, 2, 2, 2, it=5), {}), 0)
     assert "--enable-worker-reboot" in plan_recovery(ranks, 4, 0, CFG).reason
     cfg = CFG.replace(worker_reboot=True)
-    ranks = _restarted(parked(cluster(1, 2, 2, 1, it=5), {}), 0)  # no replica
-    assert "no survivor with its state" in plan_recovery(ranks, 4, 0, cfg).reason
+    ranks = _restarted(parked(cluster(1, 2, 2, 1, it=5), {}), 0)  # no replica: every rank reloads
+    plan = plan_recovery(ranks, 4, 0, cfg)
+    assert (plan.mode, plan.iteration, plan.rejoin, plan.repairs) == ("reload", 5, (0,), {0: 1}), plan
+    assert "no survivor with its state" in plan.reason and "periodic checkpoint" in plan.reason
     ranks = _restarted(parked(cluster(1, 2, 2, 2, it=5), {}), 0)
     ranks[2].fault_where = "update_done"  # one survivor inside the update, the others not: no situation
     assert "inside the optimizer update but rank 1 was not" in plan_recovery(ranks, 4, 0, cfg).reason
@@ -318,8 +320,8 @@ REJOIN_FORWARD = [
     ("rank 0, TP1 PP2 DP2 N=2", (1, 2, 2, 2, True), 0, set(), {0: 1}),
     ("a TP peer, TP2 PP1 DP2 N=2", (2, 1, 2, 2, True), 1, set(), {1: 3}),
     ("DP4 N=2: its instance peer blocked in the param all-gather", (1, 1, 4, 2, True), 2, {3}, {2: 0, 3: 1}),
-    ("DP4 N=2: no replica of its shard finished", (1, 1, 4, 2, True), 2, {0, 3}, "no replica finished"),
-    ("no replica (N=1)", (1, 2, 2, 1, True), 0, {1}, "no replica finished"),
+    ("DP4 N=2: no replica of its shard finished: reload", (1, 1, 4, 2, True), 2, {0, 3}, "reload"),
+    ("no replica (N=1): reload", (1, 2, 2, 1, True), 0, {1}, "reload"),
 ]
 
 
@@ -332,6 +334,11 @@ def test_restarted_inside_the_update_rolls_forward(name, shape, dead, unfinished
     tp, pp, dp, n, dist = shape
     ranks = _restarted(_in_update(parked(cluster(tp, pp, dp, n, it=5, distributed=dist), {}), unfinished), dead)
     plan = plan_recovery(ranks, tp * pp * dp, dead, CFG.replace(worker_reboot=True, hbm_repair=False))
+    if expect == "reload":  # the last iteration every survivor completed: 5; 6 re-runs after the reload
+        assert isinstance(plan, RecoveryPlan) and (plan.mode, plan.iteration) == ("reload", 5), plan
+        assert plan.rejoin == (dead,) and plan.repairs == {dead: min(set(ranks) - {dead})}
+        assert RecoveryPlan.from_params(plan.to_params()) == plan
+        return
     if isinstance(expect, str):
         assert isinstance(plan, NoRecovery) and expect in plan.reason, plan
         return

@@ -137,3 +137,46 @@ def test_restart_budget_spent_takes_the_dying_checkpoint_at_once(tmp_path):
     assert "did not rejoin within" not in log
     with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as f:
         assert int(f.read()) == 3
+
+
+@pytest.mark.parametrize("point", ["backward"])
+def test_no_replica_every_rank_reloads_the_periodic_checkpoint(tmp_path, point):
+    """--distributed-optimizer-no-replica: the killed rank's optimizer shard exists nowhere in
+    memory. Rank 1 is SIGKILLed in iteration 4 after the periodic save of 2: every survivor
+    reloads checkpoint 2 in place, the restarted process loads it at its rejoin point (after
+    the group rebuild, with them), everyone re-runs 3 silently, then 4; exit 0, one restart,
+    the survivors keep their PIDs, and the losses equal an uninterrupted run's bit for bit
+    (each iteration logged once)."""
+    save, base_save = str(tmp_path / "ckpt"), str(tmp_path / "base")
+    report, after = str(tmp_path / "report.json"), str(tmp_path / "after.jsonl")
+    base = _run(_args("tp1pp2", "--distributed-optimizer-no-replica", "--save", base_save, "--save-interval", "2"))
+    assert base.returncode == 0, base.stderr[-4000:]
+    r = _run(_args("tp1pp2", "--distributed-optimizer-no-replica", "--save", save, "--save-interval", "2"),
+             env={"MINDSPEED_HA_INJECT": f"rank=1,iteration=4,point={point},fault=kill",
+                  "MINDSPEED_HA_REPORT": report, "MINDSPEED_HA_RECOVERY_LOG": after})
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-8000:]
+    rep = json.load(open(report))
+    assert [(e["rank"], e["incarnation"]) for e in rep["restarts"]] == [(1, 1)], rep["restarts"]
+    assert [(rec["mode"], rec["iteration"]) for rec in rep["recoveries"]] == [("reload", 3)], rep["recoveries"]
+    assert "rank 1: restarted: loaded the periodic checkpoint of iteration 2" in log, log[-8000:]
+    assert len(re.findall(r"re-ran iterations 3\.\.3 after the reload", log)) == 4, log[-8000:]
+    first = _first_pids(log)
+    done = {e["rank"]: e["pid"] for e in read_jsonl(after)}
+    assert sorted(done) == [0, 1, 2, 3] and {e["iteration"] for e in read_jsonl(after)} == {4}
+    for survivor in (0, 2, 3):
+        assert done[survivor] == first[survivor], f"rank {survivor} changed process"
+    assert r.losses == base.losses and sorted(r.losses) == list(range(1, ITERS + 1))
+    assert len(re.findall(r"iteration\s+3/", r.stdout)) == 1, "iteration 3 logged again by a re-run"
+
+
+def test_no_replica_without_a_periodic_checkpoint_takes_the_dying_checkpoint(tmp_path):
+    """No replica and no periodic checkpoint yet (kill in iteration 2, --save-interval 4):
+    the ranks find no checkpoint before touching their state; the job ends as it did
+    before worker restart without a replica (no hang, no wrong loss)."""
+    save = str(tmp_path / "ckpt")
+    r = _run(_args("tp1pp2", "--distributed-optimizer-no-replica", "--save", save, "--save-interval", "4"),
+             env={"MINDSPEED_HA_INJECT": "rank=1,iteration=2,point=backward,fault=kill"})
+    log = r.stdout + r.stderr
+    assert r.returncode in (faults.EXIT_DYING_CHECKPOINT_SAVED, faults.EXIT_NO_COMPLETE_DATA), log[-8000:]
+    assert "no periodic checkpoint yet" in log, log[-8000:]

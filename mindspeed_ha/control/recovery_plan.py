@@ -59,8 +59,14 @@ rejoin point (``fault_where == "rejoin"``) and the rules apply to the survivors:
   forward-backward and the optimizer step answered from the source's results of j:
   :meth:`mindspeed_ha.runtime.HARuntime.enter_iteration`), so it takes part in every
   collective the survivors run in the rest of step j;
-* no survivor holds a restarted rank's state (no replica, or no replica finished the
-  update): the dying checkpoint.
+* no survivor holds a restarted rank's state (``--distributed-optimizer-no-replica``, one
+  optimizer instance, or no replica finished the update): mode ``"reload"`` with
+  ``rejoin`` set (k = the last iteration every survivor completed): every survivor
+  reloads the latest periodic checkpoint in place (:mod:`mindspeed_ha.recovery.reload`),
+  the restarted process loads the same checkpoint at its rejoin point and receives the
+  counters of k from ``repairs[rank]``; everyone re-runs the iterations after the
+  checkpoint silently, then k+1. No checkpoint, or not replayable: the ranks find out
+  before touching their state and the job takes the dying checkpoint.
 """
 
 from __future__ import annotations
@@ -300,16 +306,29 @@ def _plan_rejoin(ranks: Mapping[int, RankInfo], rejoining: Mapping[int, RankInfo
                           f"row (limit {limit})")
     needs = set(rejoining) | set(damaged)
     repairs: Dict[int, int] = {}
+    first = fault_rank if fault_rank in rejoining else min(rejoining)
     for d in sorted(needs):
         key = ranks[d].layout.shard_key
         sources = [r for r, i in sorted(survivors.items()) if r not in needs and i.layout.shard_key == key
                    and i.fault is not FaultKind.UCE]
         if not sources:
             what = "finished the update of that iteration" if mode == "forward" else "holds it"
-            return NoRecovery(f"rank {d} has no survivor with its state (tp={key[0]}, pp={key[1]}, shard={key[2]}): "
-                              f"no replica {what}")
+            why = (f"rank {d} has no survivor with its state (tp={key[0]}, pp={key[1]}, shard={key[2]}): "
+                   f"no replica {what}")
+            # nothing in memory holds it: every rank reloads the latest periodic checkpoint
+            # (the restarted ones at their rejoin point) and re-runs the iterations after it;
+            # ``repairs`` names the survivor that sends each restarted rank its counters
+            last = k - 1 if mode == "forward" else k  # the last iteration every survivor completed
+            if last < 0:
+                return NoRecovery(why + "; no iteration completed yet")
+            src = min(survivors)
+            return RecoveryPlan(iteration=last, generation=len(history) + 1, kind=FaultKind.PROCESS, fault_rank=first,
+                                repairs={r: src for r in sorted(rejoining)}, mode="reload",
+                                rejoin=tuple(sorted(rejoining)),
+                                reason=f"ranks {sorted(rejoining)} were restarted; {why}: every rank (the restarted "
+                                       f"ones too) reloads the latest periodic checkpoint in place and re-runs the "
+                                       f"iterations after it up to {last}, then {last + 1}")
         repairs[d] = sources[0]
-    first = fault_rank if fault_rank in rejoining else min(rejoining)
     if mode == "forward":
         return RecoveryPlan(iteration=k, generation=len(history) + 1, kind=FaultKind.PROCESS, fault_rank=first,
                             repairs=repairs, mode="forward", rejoin=tuple(sorted(rejoining)),

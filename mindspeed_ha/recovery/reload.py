@@ -60,11 +60,13 @@ class ReloadError(RuntimeError):
 # ---- keeping the data since the last save ------------------------------------------------
 def possible(rt) -> bool:
     """Whether the controller may plan a reload for this job: UCE repair on
-    (``--enable-hbmfault-repair``), one copy of each optimizer shard (no replica), and
-    periodic saves (``--save`` with ``--save-interval``) to reload from."""
+    (``--enable-hbmfault-repair``) or worker restart (``--enable-worker-reboot``: a
+    restarted rank's state exists nowhere in memory), one copy of each optimizer shard
+    (no replica), and periodic saves (``--save`` with ``--save-interval``) to reload from."""
     args = _args(rt)
     lay = getattr(rt, "layout", None)
-    return bool(getattr(rt.config, "hbm_repair", False) and lay is not None and lay.replica_count == 1
+    return bool((getattr(rt.config, "hbm_repair", False) or getattr(rt.config, "worker_reboot", False))
+                and lay is not None and lay.replica_count == 1
                 and getattr(args, "save", None) and getattr(args, "save_interval", None))
 
 
@@ -203,6 +205,61 @@ def reload_in_place(rt, plan) -> List[int]:
     return reruns
 
 
+def reload_for_rejoin(rt, plan) -> List[int]:
+    """ARF without a replica, in the restarted process at its rejoin point (process groups
+    rebuilt with the survivors, model and optimizer fresh): load the latest periodic
+    checkpoint c, as every survivor does in :func:`reload_in_place` at the same time (the
+    ``torch_dist`` load is collective), with the same checks first.
+
+    ``args.consumed_train_samples`` (and the other counters the loader sets) stay those of
+    c: the data iterators, built next, start after c, so the re-runs read the batches of
+    c+1 .. k; :meth:`HARuntime.rejoin_after_setup` sets the counters of k for the training
+    loop and :meth:`HARuntime.enter_iteration` puts k's consumed samples back at the first step.
+
+    Returns:
+        The iterations c+1 .. k to re-run silently before k+1 (:func:`rerun`).
+
+    Raises:
+        ReloadError: no checkpoint, c > k, not replayable (before loading), or the loader
+            loaded another iteration.
+    """
+    k = int(plan.iteration)
+    ctx = rt.ctx
+    if ctx is None:
+        raise ReloadError("no model/optimizer attached at the rejoin point")
+    loader, args = _loader()
+    c = latest_checkpoint(getattr(args, "save", None))
+    if c > k:
+        raise ReloadError(f"the latest checkpoint ({c}) is newer than the last iteration every survivor completed "
+                          f"({k})")
+    for flag in ("no_load_optim", "no_load_rng", "finetune"):  # the ramp-up check: the survivors' (they know k's samples)
+        if getattr(args, flag, False):
+            raise ReloadError(f"--{flag.replace('_', '-')} is set: a reload would not restore the state of "
+                              f"iteration {c}")
+    saved = {name: getattr(args, name) for name in ("load", "finetune") if hasattr(args, name)}
+    try:
+        args.load = args.save
+        for name in ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples"):
+            if hasattr(args, name):
+                setattr(args, name, 0)
+        if ctx.opt_param_scheduler is not None:
+            ctx.opt_param_scheduler.num_steps = 0
+        try:
+            iteration, _ = loader(ctx.model, ctx.optimizer, ctx.opt_param_scheduler)
+        except SystemExit as exc:
+            raise ReloadError(f"the checkpoint loader exited ({exc.code})") from exc
+    finally:
+        for name, value in saved.items():
+            setattr(args, name, value)
+    if int(iteration) != c:
+        raise ReloadError(f"the loader loaded iteration {iteration}, not the latest checkpoint {c}")
+    rt._rejoin_reload = True
+    reruns = list(range(c + 1, k + 1))
+    log.warning("rank %d: restarted: loaded the periodic checkpoint of iteration %d from %s; re-running iterations "
+                "%s silently with the survivors, then %d", rt.rank, c, args.save, reruns or "none", k + 1)
+    return reruns
+
+
 def rerun(rt, run_step: Callable[[], Any]) -> None:
     """Re-run the iterations :func:`reload_in_place` returned (``rt.reruns``), then clear them.
 
@@ -223,6 +280,15 @@ def rerun(rt, run_step: Callable[[], Any]) -> None:
         return
     step = rt.current
     wrappers = rt._replay_wrappers()
+    restarted = getattr(rt, "_rejoin_reload", False)
+    if restarted:
+        # a restarted process (reload_for_rejoin) at its first step: the re-runs themselves
+        # reach k's RNG and rerun-machine count from the checkpoint's (no state of k to go
+        # back to, unlike a survivor); its status is UNKNOWN until they end
+        rt._rejoin_reload = False
+        rt._entry_rng = None
+        rt._rerun_state = None
+        _invalidate(rt)
     try:
         for i in its:
             rt.current = None
@@ -231,6 +297,14 @@ def rerun(rt, run_step: Callable[[], Any]) -> None:
                 w.mark(i)
     finally:
         rt.current = step
+    if restarted:
+        rt._entry_rng = megatron_lm.collect_rng_state()
+        rt._capture_rerun_machine()
+        snap = rt.snapshot  # the start-up snapshot of k was taken before the re-runs
+        if snap is not None and snap.iteration == its[-1]:
+            snap.rng_state = rt._entry_rng
+            snap.rerun_state = megatron_lm.capture_rerun_state()
+            snap.scheduler_state = megatron_lm.scheduler_state(getattr(rt.ctx, "opt_param_scheduler", None))
     _finish(rt, its[-1])
     log.warning("rank %d: re-ran iterations %d..%d after the reload; state of iteration %d restored",
                 rt.rank, its[0], its[-1], its[-1])
@@ -283,4 +357,4 @@ def _finish(rt, k: int) -> None:
 
 
 __all__ = ["ReloadError", "possible", "track", "on_save", "latest_checkpoint", "check_replayable",
-           "reload_in_place", "rerun"]
+           "reload_in_place", "reload_for_rejoin", "rerun"]
