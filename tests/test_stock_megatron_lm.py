@@ -264,19 +264,25 @@ def test_recovered_in_place(tree, baselines, tmp_path, name, layout, spec):
     assert r.grad_norms == base["grad_norms"]
 
 
-def test_worker_restart_rejoins(tree, baselines, tmp_path):
+@pytest.mark.parametrize("point", ["backward", "optimizer"])
+def test_worker_restart_rejoins(tree, baselines, tmp_path, point):
     """ARF on the stock script (--enable-worker-reboot): rank 3 (PP-last) SIGKILLed at backward;
     the launcher restarts it alone, its start-up is replayed (the stock start-up's
     collectives, the embedding all-reduce included), it rejoins and receives its state from a
-    replica; exit 0, the other PIDs unchanged, losses and grad norms bitwise equal."""
+    replica; exit 0, the other PIDs unchanged, losses and grad norms bitwise equal.
+    ``optimizer``: killed inside the update (roll forward with rejoin): the new process
+    catches up step KILL_AT in the stock train_step and train() (the model-parallel
+    all-reduces after optimizer.step(), training_log: rank 3 prints the log line of
+    KILL_AT, its loss and grad norm those of the holder)."""
     after, report = str(tmp_path / "after.jsonl"), str(tmp_path / "report.json")
     args = _args("pp2", enable_worker_reboot=True)
-    r = _run(tree, args, env={"MINDSPEED_HA_INJECT": f"rank=3,iteration={KILL_AT},point=backward,fault=kill",
+    r = _run(tree, args, env={"MINDSPEED_HA_INJECT": f"rank=3,iteration={KILL_AT},point={point},fault=kill",
                               "MINDSPEED_HA_RECOVERY_LOG": after, "MINDSPEED_HA_REPORT": report})
     assert r.returncode == 0, (r.stdout + r.stderr)[-8000:]
     with open(report) as f:
         rep = json.load(f)
     assert [(e["rank"], e["incarnation"]) for e in rep["restarts"]] == [(3, 1)]
+    assert [rec["mode"] for rec in rep["recoveries"]] == ["forward" if point == "optimizer" else "rejoin"]
     with open(after) as f:
         again = [json.loads(line) for line in f]
     assert sorted(e["rank"] for e in again) == [0, 1, 2, 3] and {e["iteration"] for e in again} == {KILL_AT}
