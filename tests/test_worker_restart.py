@@ -139,18 +139,26 @@ def test_restart_budget_spent_takes_the_dying_checkpoint_at_once(tmp_path):
         assert int(f.read()) == 3
 
 
-@pytest.mark.parametrize("point", ["backward"])
-def test_no_replica_every_rank_reloads_the_periodic_checkpoint(tmp_path, point):
-    """--distributed-optimizer-no-replica: the killed rank's optimizer shard exists nowhere in
-    memory. Rank 1 is SIGKILLed in iteration 4 after the periodic save of 2: every survivor
-    reloads checkpoint 2 in place, the restarted process loads it at its rejoin point (after
-    the group rebuild, with them), everyone re-runs 3 silently, then 4; exit 0, one restart,
-    the survivors keep their PIDs, and the losses equal an uninterrupted run's bit for bit
-    (each iteration logged once)."""
-    save, base_save = str(tmp_path / "ckpt"), str(tmp_path / "base")
-    report, after = str(tmp_path / "report.json"), str(tmp_path / "after.jsonl")
-    base = _run(_args("tp1pp2", "--distributed-optimizer-no-replica", "--save", base_save, "--save-interval", "2"))
+@pytest.fixture(scope="module")
+def no_replica_base(tmp_path_factory):
+    """Losses of the uninterrupted no-replica run with periodic saves."""
+    base = _run(_args("tp1pp2", "--distributed-optimizer-no-replica", "--save",
+                      str(tmp_path_factory.mktemp("base")), "--save-interval", "2"))
     assert base.returncode == 0, base.stderr[-4000:]
+    return base.losses
+
+
+@pytest.mark.parametrize("point", ["backward", "optimizer"])
+def test_no_replica_every_rank_reloads_the_periodic_checkpoint(tmp_path, no_replica_base, point):
+    """--distributed-optimizer-no-replica: the killed rank's optimizer shard exists nowhere in
+    memory. Rank 1 is SIGKILLed in iteration 4 after the periodic save of 2 (at backward, or
+    inside the optimizer update: its DP peer, rank 0, waits for it in the parameter
+    all-gather, its pre-update state gone): every survivor reloads checkpoint 2 in place,
+    the restarted process loads it at its rejoin point (after the group rebuild, with them),
+    everyone re-runs 3 silently, then 4; exit 0, one restart, the survivors keep their
+    PIDs, and the losses equal an uninterrupted run's bit for bit (each iteration logged once)."""
+    save = str(tmp_path / "ckpt")
+    report, after = str(tmp_path / "report.json"), str(tmp_path / "after.jsonl")
     r = _run(_args("tp1pp2", "--distributed-optimizer-no-replica", "--save", save, "--save-interval", "2"),
              env={"MINDSPEED_HA_INJECT": f"rank=1,iteration=4,point={point},fault=kill",
                   "MINDSPEED_HA_REPORT": report, "MINDSPEED_HA_RECOVERY_LOG": after})
@@ -166,7 +174,7 @@ def test_no_replica_every_rank_reloads_the_periodic_checkpoint(tmp_path, point):
     assert sorted(done) == [0, 1, 2, 3] and {e["iteration"] for e in read_jsonl(after)} == {4}
     for survivor in (0, 2, 3):
         assert done[survivor] == first[survivor], f"rank {survivor} changed process"
-    assert r.losses == base.losses and sorted(r.losses) == list(range(1, ITERS + 1))
+    assert r.losses == no_replica_base and sorted(r.losses) == list(range(1, ITERS + 1))
     assert len(re.findall(r"iteration\s+3/", r.stdout)) == 1, "iteration 3 logged again by a re-run"
 
 
