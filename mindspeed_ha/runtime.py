@@ -95,6 +95,20 @@ def _check_no_stale_holders(rank: int) -> None:
     log.warning("rank %d: no holder of a replaced process group is left (%s)", rank, ENV_TESTING_CHECK_HOLDERS)
 
 
+def _check_catch_up_possible() -> None:
+    """A catch-up step (roll forward with rejoin) answers the forward-backward once:
+    megatron-core's rerun state machine must be off (``--rerun-mode disabled``, the
+    default), else its validation re-runs and data-iterator checkpoints would differ
+    from the survivors'. Raises RuntimeError (the job takes the dying checkpoint)."""
+    try:
+        from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
+    except ImportError:  # pragma: no cover - megatron-core always has it
+        return
+    mode = get_rerun_state_machine().mode
+    if mode != RerunMode.DISABLED:
+        raise RuntimeError(f"a catch-up step needs --rerun-mode disabled (it is {mode.value})")
+
+
 def _reported(exc: BaseException) -> bool:
     """Whether ``exc`` or an exception it was raised from or during was reported already."""
     seen = set()
@@ -367,6 +381,8 @@ class HARuntime:
                 snap.rng_states = megatron_lm.gather_rng_states(snap.rng_state, args)
             if self.processor is not None:
                 self.processor.end_update(self.completed)
+                if fwd is not None:  # the state held is that of j, whose update is caught up below: dirty
+                    self.processor.begin_update(self.completed + 1)
             self._capture_rerun_machine()
         elif self.snapshot is not None and self.snapshot.iteration == self.completed:
             # The training loop counted the iteration (consumed samples...): a no-op when
@@ -410,8 +426,7 @@ class HARuntime:
 
         def step(*args, **kwargs):
             optimizer.__dict__.pop("step", None)  # once: the next step is the optimizer's own
-            rt.begin_update()  # UPDATING(j) -> UPDATED(j): the state held is that of j
-            rt.end_update()
+            rt.end_update_by_repair()  # UPDATING(j) (since enter_iteration) -> UPDATED(j), snapshot of j
             return True, fwd.get("grad_norm"), fwd.get("num_zeros")
 
         optimizer.step = step
@@ -874,6 +889,7 @@ class HARuntime:
             if received.get("rng") is not None:
                 self._rejoin_rng = progress.decode_rng(received["rng"])
             if received.get("forward") is not None:  # restarted inside the update of j: catch up step j
+                _check_catch_up_possible()
                 self._catch_up = received["forward"]
                 run_args.consumed_train_samples += int(self._catch_up["samples"])  # the iterators start after j
             times["repair"] = round(time.perf_counter() - t, 6)
