@@ -18,6 +18,16 @@ receive the finished state from a replica that finished it, and every rank retur
 here as if its update had run (``True``, megatron-core 0.12.1's value for a done update),
 so ``train_step`` goes on with its own frame: the grad norm, the losses and the
 scheduler step are those the uninterrupted step computes.
+
+Worker restart (``--enable-worker-reboot``) turns the commit barrier on too: a rank
+SIGKILLed inside the update of j leaves every survivor inside it (some finished it, their
+pre-update state gone), so the job rolls forward with the restarted process: it receives
+the finished state of j from a replica and runs a catch-up step j, in which the script's
+``train_step`` gets the holder's forward-backward losses and ``optimizer.step()`` values
+instead of computing them (``_forward_backward`` below; what the holder sends was
+remembered by the same patches: the losses, ``clip_grad_norm`` / ``get_grad_norm``,
+``count_zeros``), so it joins the survivors' rest of step j (Megatron-LM core_v0.12.1
+``train_step``'s model-parallel all-reduces after ``optimizer.step()``, ``train``'s logging).
 """
 
 from __future__ import annotations
