@@ -242,7 +242,7 @@ def run_in_place(ns, workdir: str, launcher, args, summary: dict) -> int:
         summary["restarted_ranks"] = sorted({int(e["rank"]) for e in restarts})
         summary["restarts"] = len(restarts)
         summary["recovered_in_process"] = bool(faulty.returncode == 0 and recs and not dying
-                                               and all(r.get("mode") == "rejoin" for r in recs))
+                                               and all(r.get("mode") in ("rejoin", "forward", "reload") for r in recs))
         first_pids: Dict[int, int] = {}
         for rank, pid in re.findall(r"rank (\d+) registered \(pid (\d+)", faulty.stdout + faulty.stderr):
             first_pids.setdefault(int(rank), int(pid))

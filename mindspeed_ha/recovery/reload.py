@@ -232,7 +232,8 @@ def reload_for_rejoin(rt, plan) -> List[int]:
     if c > k:
         raise ReloadError(f"the latest checkpoint ({c}) is newer than the last iteration every survivor completed "
                           f"({k})")
-    for flag in ("no_load_optim", "no_load_rng", "finetune"):  # the ramp-up check: the survivors' (they know k's samples)
+    # the ramp-up check is the survivors' (they know the samples consumed up to k)
+    for flag in ("no_load_optim", "no_load_rng", "finetune"):
         if getattr(args, flag, False):
             raise ReloadError(f"--{flag.replace('_', '-')} is set: a reload would not restore the state of "
                               f"iteration {c}")
