@@ -15,6 +15,10 @@ would also have set comes from the same holder as one small message (this module
   takes it back and sets the param groups' learning rate);
 * megatron-core's ``RerunStateMachine.current_iteration`` (a checkpoint holds it; a fresh
   process would count from 0);
+* megatron-core's dist-checkpointing queue index (``dist_checkpointing.strategies.base.
+  async_calls.call_idx``, megatron-core 0.12.1 ``async_utils.AsyncCallsQueue``): every
+  ``torch_dist`` save all-reduces it and asserts all ranks agree ("Unmatched async
+  calls"), so a restarted process counts the saves its holder made;
 * the RNG state at the entry of step k+1 (python, numpy, torch, device, the
   tensor-parallel tracker: :func:`mindspeed_ha.integrations.megatron_lm.collect_rng_state`):
   a holder with the same tensor- and pipeline-parallel rank draws the same numbers
@@ -166,7 +170,21 @@ def capture(args, iteration: int, scheduler_state: Optional[dict], rng_state: Op
         fields["num_floating_point_operations_so_far"] = flops
     return {"v": VERSION, "args": fields, "scheduler": scheduler_state,
             "rng": encode_rng(rng_state) if rng_state is not None else None,
-            "rerun_iteration": rerun_iteration, "forward": forward}
+            "rerun_iteration": rerun_iteration, "forward": forward, "ckpt_call_idx": _ckpt_call_idx()}
+
+
+_DIST_CKPT_BASE = "megatron.core.dist_checkpointing.strategies.base"
+
+
+def _ckpt_call_idx() -> Optional[int]:
+    """The dist-checkpointing queue's index of the last save (None: that module was never
+    imported here, i.e. no ``torch_dist`` save)."""
+    import sys
+
+    mod = sys.modules.get(_DIST_CKPT_BASE)
+    calls = getattr(mod, "async_calls", None) if mod is not None else None
+    idx = getattr(calls, "call_idx", None)
+    return int(idx) if isinstance(idx, int) else None
 
 
 def encode(progress: Dict[str, Any]) -> bytes:
@@ -229,6 +247,12 @@ def apply(progress: Dict[str, Any], args, opt_param_scheduler=None) -> None:
             setattr(args, field, value)
     if opt_param_scheduler is not None and progress.get("scheduler") is not None:
         opt_param_scheduler.load_state_dict(progress["scheduler"])
+    if progress.get("ckpt_call_idx") is not None:
+        import importlib
+
+        calls = getattr(importlib.import_module(_DIST_CKPT_BASE), "async_calls", None)
+        if calls is not None and hasattr(calls, "call_idx"):
+            calls.call_idx = int(progress["ckpt_call_idx"])
     if progress.get("rerun_iteration") is not None:
         try:
             from megatron.core.rerun_state_machine import get_rerun_state_machine
