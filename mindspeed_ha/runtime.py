@@ -835,6 +835,14 @@ class HARuntime:
         data iterators, built next, start at the received consumed samples; the training
         loop at the received iteration.
 
+        Plan mode ``forward`` (the death hit the optimizer update of j): the state received
+        is j's finished update, the progress that at the entry of j's update; the first
+        step is a catch-up step j (:meth:`_start_catch_up`). Mode ``reload`` (no replica):
+        the latest periodic checkpoint c is loaded instead of received
+        (:func:`mindspeed_ha.recovery.reload.reload_for_rejoin`, collective with the
+        survivors' loads), the source sends the loop's counters of k only, the data
+        iterators start after c and the first step re-runs c+1..k silently first.
+
         Raises:
             RuntimeError: the controller did not answer RETRY (the job takes another path;
                 its EXIT ends this process), or a stage failed (reported as the RETRY result).
