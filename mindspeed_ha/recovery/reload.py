@@ -76,9 +76,12 @@ def track(rt) -> None:
     reload is :func:`possible`. A few microseconds."""
     if rt.completed is None or not possible(rt):
         return
+    # a process restarted without a replica: its iterators start after the checkpoint c it
+    # loaded (reload_for_rejoin), so what they take first are c's successors
+    since, rt._kept_from = getattr(rt, "_kept_from", None), None
     for wrapper in rt._replay_wrappers():
         if not wrapper.keeping:
-            wrapper.keep_since(rt.completed)
+            wrapper.keep_since(rt.completed if since is None else since)
 
 
 def on_save(rt, iteration: int) -> None:
@@ -255,6 +258,7 @@ def reload_for_rejoin(rt, plan) -> List[int]:
     if int(iteration) != c:
         raise ReloadError(f"the loader loaded iteration {iteration}, not the latest checkpoint {c}")
     rt._rejoin_reload = True
+    rt._kept_from = c  # the data iterators it builds next start after c (track)
     reruns = list(range(c + 1, k + 1))
     log.warning("rank %d: restarted: loaded the periodic checkpoint of iteration %d from %s; re-running iterations "
                 "%s silently with the survivors, then %d", rt.rank, c, args.save, reruns or "none", k + 1)
