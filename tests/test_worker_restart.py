@@ -10,6 +10,13 @@ scheduler and RNG from a replica; every rank re-runs iteration K; after its grou
 every rank (the new one included) finds no object still holding a replaced group (the
 reference's known misses: TP-DP / TP-CP groups, timers' barrier groups); the job exits 0 and
 the per-iteration losses equal the uninterrupted run's bit for bit.
+
+A kill inside the optimizer update (the survivors wait in its commit barrier, some finished
+it) is rolled forward (plan mode ``forward`` with the restarted rank): the new process gets
+the finished update from a replica that finished it and runs a catch-up step with the
+survivors, 0 steps lost. Without a replica (``--distributed-optimizer-no-replica``) every
+rank reloads the latest periodic checkpoint (mode ``reload``; the new process at its rejoin
+point) and re-runs the iterations after it silently; no checkpoint yet: exit 76.
 """
 
 import json
