@@ -95,11 +95,15 @@ def _check_no_stale_holders(rank: int) -> None:
     log.warning("rank %d: no holder of a replaced process group is left (%s)", rank, ENV_TESTING_CHECK_HOLDERS)
 
 
-def _check_catch_up_possible() -> None:
+def _check_catch_up_possible(args) -> None:
     """A catch-up step (roll forward with rejoin) answers the forward-backward once:
     megatron-core's rerun state machine must be off (``--rerun-mode disabled``, the
     default), else its validation re-runs and data-iterator checkpoints would differ
-    from the survivors'. Raises RuntimeError (the job takes the dying checkpoint)."""
+    from the survivors'; no batch-size ramp-up (``--rampup-batch-size``: Megatron-LM's
+    loop sizes the step from the consumed samples, which the catch-up step holds at j's
+    end until it starts). Raises RuntimeError (the job takes the dying checkpoint)."""
+    if getattr(args, "rampup_batch_size", None):
+        raise RuntimeError("a catch-up step is not exact with --rampup-batch-size")
     try:
         from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
     except ImportError:  # pragma: no cover - megatron-core always has it
@@ -897,7 +901,7 @@ class HARuntime:
             if received.get("rng") is not None:
                 self._rejoin_rng = progress.decode_rng(received["rng"])
             if received.get("forward") is not None:  # restarted inside the update of j: catch up step j
-                _check_catch_up_possible()
+                _check_catch_up_possible(run_args)
                 self._catch_up = received["forward"]
                 run_args.consumed_train_samples += int(self._catch_up["samples"])  # the iterators start after j
             times["repair"] = round(time.perf_counter() - t, 6)
