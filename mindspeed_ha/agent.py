@@ -140,6 +140,10 @@ class RestartHooks:
     def supervise(self, pcontext: SubprocessContext) -> None:
         """Called at every monitor turn while restarts are possible, before the workers are polled."""
 
+    def skip_exit_barrier(self) -> Optional[str]:
+        """Why the agent should not wait in torch's exit barrier, or None (it waits)."""
+        return None
+
     def first_incarnation(self, rank: int) -> int:
         """The incarnation the first process of global ``rank`` in this agent starts as
         (0; n >= 1 for a replacement launcher's workers, which rejoin a running job)."""
@@ -288,6 +292,33 @@ class WorkerRebootAgent(LocalElasticAgent):
         elif self.warm_spares:
             self._start_spare(worker_group)
         return pids
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        """torch's rendezvous; for a replacement launcher of node 0 (its workers rejoin a
+        running job, ``RestartHooks.first_incarnation`` > 0) under torchrun's static
+        rendezvous, the store it hosts is made without waiting for the other agents to
+        connect (torch 2.13 ``StaticTCPRendezvous.next_rendezvous`` creates it with
+        ``wait_for_workers`` True: the other nodes' agents connected to the lost one once
+        and never come again, so it would wait out the rendezvous timeout)."""
+        handler = worker_group.spec.rdzv_handler
+        lws = worker_group.spec.local_world_size
+        if (type(handler).__name__ == "StaticTCPRendezvous" and getattr(handler, "rank", None) == 0
+                and getattr(handler, "_store", "absent") is None
+                and any(self.hooks.first_incarnation(i) for i in range(lws))):  # node 0: ranks 0..lws-1
+            from torch.distributed import TCPStore
+
+            handler._store = TCPStore(handler.master_addr, handler.master_port, handler.world_size, True,
+                                      handler.timeout, multi_tenant=True, wait_for_workers=False)
+        super()._rendezvous(worker_group)
+
+    def _exit_barrier(self) -> None:
+        """torch's exit barrier (every agent waits for the others in the rendezvous store),
+        unless the owner's hooks say why not (``RestartHooks.skip_exit_barrier``)."""
+        why = self.hooks.skip_exit_barrier()
+        if why:
+            log.info("exit barrier skipped: %s", why)
+            return
+        super()._exit_barrier()
 
     def _set_local_rank_env(self, worker_env, local_rank: int, spec) -> None:
         """torch's per-worker env, plus ``MINDSPEED_HA_INCARNATION`` for a worker that

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import functools
 import json
 import logging
@@ -61,6 +62,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Dict, Optional, Set
 
@@ -70,6 +72,10 @@ log = logging.getLogger("mindspeed_ha.launcher")
 
 ENV_GRACE = "MINDSPEED_HA_DYING_GRACE_S"
 ENV_REPORT = "MINDSPEED_HA_REPORT"
+#: directory under which a multi-node job keeps its controller lease (default: <--save>/.mindspeed_ha)
+ENV_LEASE_ROOT = "MINDSPEED_HA_LEASE_ROOT"
+#: the address this node's launcher advertises when it takes over as the controller
+ENV_NODE_ADDR = "MINDSPEED_HA_NODE_ADDR"
 #: seconds after the preemption deadline before the launcher SIGKILLs the workers left
 #: (the controller's EXIT(77) at the deadline normally ends them first)
 PREEMPT_KILL_MARGIN_S = 5.0
@@ -96,6 +102,7 @@ class _Survivors:
         self.stop_signal: Optional[int] = None
         self.stop_killed = False  # the preemption backstop SIGKILLed workers
         self.done_at: Optional[float] = None  # when the controller was first seen DONE
+        self.lease = None  # the job's LeaseDir (controller failover), or None
 
     # --enable-worker-reboot: the hooks of mindspeed_ha.agent.WorkerRebootAgent (RestartHooks)
     def restart_refused(self, rank: int, exitcode: int) -> Optional[str]:
@@ -126,6 +133,12 @@ class _Survivors:
 
     def first_incarnation(self, rank: int) -> int:
         return self.first_incarnations.get(rank, 0)
+
+    def skip_exit_barrier(self) -> Optional[str]:
+        if self.lease is not None:
+            return ("controller failover is on: torchrun's store (node 0's agent) may be gone; the controller "
+                    "saw every worker end")
+        return None
 
 
 def _say(text: str) -> None:
@@ -371,7 +384,7 @@ def main(argv=None) -> int:
 
     from mindspeed_ha.config import ConfigError
 
-    controller = link = None
+    controller = link = lease = None
     try:
         if _nnodes(targs) > 1 and not os.environ.get("MINDSPEED_HA_AUTH_KEY"):
             raise ConfigError("--nnodes > 1 with --enable-high-availability: set MINDSPEED_HA_AUTH_KEY (the same "
@@ -380,7 +393,16 @@ def main(argv=None) -> int:
         os.environ.setdefault("MINDSPEED_HA_AUTH_KEY", secrets.token_hex(32))
         _check_before_start(targs, ns)
         config = HAConfig.from_args(ns)
-        if int(targs.node_rank) == 0 and _is_local_address(config.controller_addr):
+        lease = _lease_dir(targs, ns, config)
+        if lease is not None:
+            os.environ.setdefault("TORCH_ELASTIC_WORKER_IDENTICAL", "1")  # ranks without the (maybe lost) store
+            os.environ["MINDSPEED_HA_CONTROLLER_HOSTED"] = "1"  # the launchers run the controllers
+        primary = int(targs.node_rank) == 0 and _is_local_address(config.controller_addr)
+        if primary and lease is not None and _leader_alive(lease):
+            primary = False  # a replacement node 0: the job runs on, led by a successor
+            log.warning("node 0: the job is led by the controller of term %d (node %d): this launcher joins it",
+                        lease.current().term, lease.current().node_rank)
+        if primary:
             from mindspeed_ha.control.controller import Controller
 
             controller = Controller(config, world_size=_world_size(targs),
@@ -388,15 +410,21 @@ def main(argv=None) -> int:
             controller.start()
             os.environ["MINDSPEED_HA_CONTROLLER_HOSTED"] = "1"
             os.environ["TTP_PORT"] = str(controller.port)  # the bound port (matters for port 0)
+            if lease is not None:
+                _lead(controller, lease, 0, config.controller_addr, 0, int(targs.node_rank))
         elif config.worker_reboot:
             from mindspeed_ha.control.agent_link import node_link
 
-            link = node_link(config, int(targs.node_rank))
+            link = node_link(config, int(targs.node_rank), lease)
     except ConfigError as exc:  # before any worker starts: nothing is lost
         print(f"mindspeed-ha-run: error: {exc}", file=sys.stderr, flush=True)
         return 2
     _survivors = _Survivors(controller, float(os.environ.get(ENV_GRACE, "600")), config.preemption_deadline_s,
                             link=link)
+    _survivors.lease = lease
+    standby = None
+    if lease is not None and controller is None:
+        standby = _Standby(_survivors, lease, config, targs)
     try:
         if link is not None:
             _survivors.first_incarnations = _hello(link, targs, config)
@@ -430,11 +458,19 @@ def main(argv=None) -> int:
             code = EXIT_FAULT_UNRECOVERABLE
         print(f"mindspeed-ha-run: {_outcome_text(controller, code)}", file=sys.stderr, flush=True)
     finally:
+        if standby is not None:
+            standby.stop()
+        controller = _survivors.controller  # a standby may have taken over
         if controller is not None:
             _write_report(controller)
             controller.stop()
-        if link is not None:
-            link.close()
+            lead = controller.leadership
+            if lead is not None:
+                lead.stop()
+                if controller.wait_done(0) is not None and controller.stepped_down is None:
+                    lease.clear()  # the job is over: nobody leads it any more
+        if _survivors.link is not None:
+            _survivors.link.close()
     return code
 
 
@@ -454,6 +490,120 @@ def _hello(link, targs, config) -> Dict[int, int]:
         log.warning("node %s: the job is running; ranks %s start as incarnations %s and rejoin it", targs.node_rank,
                     ranks, [first[r] for r in ranks])
     return first
+
+
+def _lease_dir(targs, ns, config):
+    """The job's lease directory (controller failover, :mod:`mindspeed_ha.control.lease`),
+    or None: only with ``--nnodes`` > 1 and ``--enable-worker-reboot``, under
+    ``MINDSPEED_HA_LEASE_ROOT`` or else ``<--save>/.mindspeed_ha``; exported to the workers
+    as ``MINDSPEED_HA_LEASE_DIR``."""
+    from mindspeed_ha.control.lease import ENV_LEASE_DIR, LeaseDir, lease_dir, lease_seconds
+
+    root = os.environ.get(ENV_LEASE_ROOT) or (os.path.join(ns.save, ".mindspeed_ha") if ns.save else None)
+    if _nnodes(targs) < 2 or not config.worker_reboot:
+        return None
+    if root is None:
+        log.warning("--nnodes %s without --save or %s: no controller failover (losing node 0 ends the job)",
+                    targs.nnodes, ENV_LEASE_ROOT)
+        return None
+    try:
+        lease_seconds()
+    except ValueError as exc:
+        from mindspeed_ha.config import ConfigError
+
+        raise ConfigError(str(exc)) from None
+    path = lease_dir(os.path.abspath(root), config.auth_key)
+    os.environ[ENV_LEASE_DIR] = path
+    return LeaseDir(path)
+
+
+def _leader_alive(lease) -> bool:
+    """Whether the highest term of ``lease`` has a live leader: its counter moves, or a
+    successor takes the next term, within three leases (a standby takes over about one
+    lease after the leader's last renewal). A term left by an earlier run of the same job
+    (nothing moves) is cleared."""
+    from mindspeed_ha.control.lease import lease_seconds
+
+    first = lease.current()
+    if first is None:
+        return False
+    lease_s, beat = lease_seconds(), lease.beat(first.term)
+    end = time.monotonic() + 3 * lease_s
+    while time.monotonic() < end:
+        time.sleep(lease_s / 8)  # polling a file the leader rewrites: nothing to wait on
+        cur = lease.current()
+        if cur is not None and (cur.term != first.term or lease.beat(cur.term) != beat):
+            return True
+    log.warning("lease directory %s: a term left by an earlier run (its lease did not move for %.1f s): cleared",
+                lease.path, 3 * lease_s)
+    lease.clear()
+    return False
+
+
+def _lead(controller, lease, term: int, host: str, store_port: int, node_rank: int) -> bool:
+    """Take ``term`` for ``controller`` (listening on ``host``); False if someone else has."""
+    from mindspeed_ha.control.lease import Leadership, Term, lease_seconds
+
+    t = Term(term, host, controller.port, store_port, node_rank, os.getpid())
+    if not lease.take(t):
+        return False
+    controller.lease = lease
+    controller.leadership = Leadership(lease, t, lease_seconds())
+    log.warning("controller failover: this launcher (node %d) leads term %d at %s:%d", node_rank, term, host,
+                controller.port)
+    return True
+
+
+class _Standby(threading.Thread):
+    """A launcher without the controller watches the leader's lease and, when it runs out,
+    tries to take the next term: a TCPStore for the process-group rebuilds (the first
+    one lived in node 0's agent) and a successor controller that takes over the roster;
+    on success the launcher's hooks use it in process instead of the link."""
+
+    def __init__(self, state: _Survivors, lease, config, targs):
+        super().__init__(name="mindspeed-ha-standby", daemon=True)
+        from mindspeed_ha.control.lease import Watch, lease_seconds
+
+        self.state, self.lease, self.config, self.targs = state, lease, config, targs
+        self.watch = Watch(lease, lease_seconds())
+        self.store = None
+        self._halt = threading.Event()
+        self.start()
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(5)
+
+    def run(self) -> None:
+        from mindspeed_ha.control.lease import lease_seconds
+
+        while not self._halt.wait(lease_seconds() / 8):
+            expired = self.watch.expired()
+            if expired is not None and self._take_over(expired.term + 1):
+                return
+
+    def _take_over(self, term: int) -> bool:
+        import torch.distributed as dist
+
+        from mindspeed_ha.control.controller import Controller
+
+        host = os.environ.get(ENV_NODE_ADDR) or ("127.0.0.1" if self.config.controller_addr in ("127.0.0.1",
+                                                                                              "localhost")
+                                                 else socket.gethostname())
+        store = dist.TCPStore(host, 0, None, True, datetime.timedelta(seconds=300), wait_for_workers=False)
+        controller = Controller(self.config, world_size=_world_size(self.targs), bind_addr=host, port=0)
+        controller.take_over(self.lease.read_roster())
+        controller.rebuild_store = f"{host}:{store.port}"
+        controller.start()
+        if not _lead(controller, self.lease, term, host, store.port, int(self.targs.node_rank)):
+            controller.stop()
+            return False
+        self.store = store  # kept alive with the launcher
+        link, self.state.link = self.state.link, None
+        self.state.controller = controller
+        if link is not None:
+            link.close()
+        return True
 
 
 def _nnodes(targs) -> int:

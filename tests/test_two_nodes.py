@@ -90,3 +90,33 @@ def test_lost_node1_rejoins_through_a_replacement_launcher(tmp_path, baseline):
         assert (c0, c1) == (0, 0), log
         assert "ranks [2, 3] start as incarnations [1, 1] and rejoin it" in job.output(1), log
         _check_rejoined(job, report, [2, 3], baseline)
+
+
+def _failover_env(tmp_path):
+    return {"MINDSPEED_HA_LEASE_ROOT": str(tmp_path / "lease"), "MINDSPEED_HA_LEASE_S": "2",
+            "MINDSPEED_HA_NODE_ADDR": "127.0.0.1"}
+
+
+def test_lost_node0_controller_fails_over_and_node0_rejoins(tmp_path, baseline):
+    """Node 0 (its launcher with the controller and torchrun's store, and ranks 0 and 1) is
+    lost at iteration K: node 1's launcher takes term 1 once the lease runs out and
+    leads; ranks 2 and 3 follow it; a replacement node 0 launcher joins the successor
+    and its ranks rejoin from their replicas on node 1."""
+    reports = {n: str(tmp_path / f"report{n}.json") for n in (0, 1)}
+    env = _failover_env(tmp_path)
+    with TwoNodeJob(_two_node_args(), env=env) as job:
+        lost = job.start(0, env={"MINDSPEED_HA_INJECT": f"rank=0,iteration={K},point=forward,fault=kill_node",
+                                 "MINDSPEED_HA_REPORT": reports[0]})
+        n1 = job.start(1, env={"MINDSPEED_HA_REPORT": reports[1]})
+        assert job.wait(lost, 480) == -9, job.output(0)[-6000:]
+        replacement = job.start(0)
+        c0, c1 = job.wait(replacement, 480), job.wait(n1, 60)
+        log = job.output(0)[-6000:] + "\n----- node 1 -----\n" + job.output(1)[-8000:]
+        assert (c0, c1) == (0, 0), log
+        assert "this launcher (node 1) leads term 1" in job.output(1), log
+        assert "ranks [0, 1] start as incarnations [1, 1] and rejoin it" in job.output(0), log
+        rep = json.load(open(reports[1]))  # the successor's report
+        assert sorted((e["rank"], e["incarnation"]) for e in rep["restarts"]) == [(0, 1), (1, 1)], rep["restarts"]
+        recs = rep.get("recoveries") or []
+        assert [r["mode"] for r in recs] == ["rejoin"] and recs[0]["iteration"] == K - 1, recs
+        assert job.losses() == baseline

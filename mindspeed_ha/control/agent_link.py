@@ -57,10 +57,13 @@ class AgentLink:
         ConfigError: no auth key, or ZeroMQ without CURVE.
     """
 
-    def __init__(self, config: HAConfig, node_rank: int, timeout_s: float = 10.0):
+    def __init__(self, config: HAConfig, node_rank: int, timeout_s: float = 10.0, lease=None):
         self.config = config
         self.node_rank = int(node_rank)
         self.timeout_s = float(timeout_s)
+        self.lease = lease  # LeaseDir: the controller is the leader of its highest term
+        self.endpoint = (config.controller_addr, config.controller_port)
+        self.term = -1
         self.codec = wire.Codec(config.auth_key, wire.new_sender("agent", self.node_rank), config.max_message_bytes)
         keys = auth.derive_keys(config.auth_key)
         self._ids = itertools.count(1)
@@ -72,10 +75,24 @@ class AgentLink:
             self._sock.setsockopt(zmq.ROUTING_ID, f"a{self.node_rank}-{secrets.token_hex(4)}".encode())
             self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
             self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-            self._sock.connect(wire.endpoint(config.controller_addr, config.controller_port))
+            self._follow()
+            self._sock.connect(wire.endpoint(*self.endpoint))
         except BaseException:
             self._ctx.destroy(linger=0)
             raise
+
+    def _follow(self) -> None:
+        """Point the link at the leader of the highest term (controller failover)."""
+        cur = self.lease.current() if self.lease is not None else None
+        if cur is None or cur.term <= self.term:
+            return
+        if self.term >= 0 or self._sock.get(zmq.LAST_ENDPOINT):
+            try:
+                self._sock.disconnect(wire.endpoint(*self.endpoint))
+            except zmq.ZMQError:
+                pass
+            self._sock.connect(wire.endpoint(cur.host, cur.port))
+        self.endpoint, self.term = (cur.host, cur.port), cur.term
 
     def close(self) -> None:
         """Close the socket and its context (idempotent)."""
@@ -95,8 +112,9 @@ class AgentLink:
             AgentLinkError: refused (the reason names the rank), or no answer in time.
         """
         end = time.monotonic() + deadline_s
-        why = f"no answer from the controller at {self.config.controller_addr}:{self.config.controller_port}"
+        why = f"no answer from the controller at {self.endpoint[0]}:{self.endpoint[1]}"
         while time.monotonic() < end:
+            self._follow()
             qid = next(self._ids)
             self._send(wire.AgentHello(self.node_rank, list(ranks), os.getpid(), socket.gethostname(), qid))
             ans = self._answer(wire.AgentWelcome, qid, min(HELLO_RETRY_S * 4, max(0.0, end - time.monotonic())))
@@ -112,6 +130,7 @@ class AgentLink:
 
     def restart_refused(self, rank: int, exitcode: int) -> Optional[str]:
         """None if the controller lets the agent restart ``rank``, else why not."""
+        self._follow()
         qid = next(self._ids)
         self._send(wire.RestartQuery(int(rank), int(exitcode), qid))
         ans = self._answer(wire.RestartAnswer, qid, self.timeout_s)
@@ -130,6 +149,7 @@ class AgentLink:
 
     # ------------------------------------------------------------------ transport
     def _send(self, body) -> None:
+        self._follow()
         try:
             self._sock.send(self.codec.encode(body), zmq.NOBLOCK)
         except zmq.Again:
@@ -148,9 +168,10 @@ class AgentLink:
                 return msg.body
 
 
-def node_link(config: HAConfig, node_rank: int) -> AgentLink:
-    """An :class:`AgentLink` for ``node_rank``; ConfigError names what is missing."""
+def node_link(config: HAConfig, node_rank: int, lease=None) -> AgentLink:
+    """An :class:`AgentLink` for ``node_rank`` (following the leader of ``lease``, a
+    LeaseDir, when given); ConfigError names what is missing."""
     if not config.auth_key:
         raise ConfigError("--enable-worker-reboot on a node without the controller needs the job's auth key: set "
                           "MINDSPEED_HA_AUTH_KEY (the same hex key on every node)")
-    return AgentLink(config, node_rank, timeout_s=min(10.0, config.connect_timeout_s))
+    return AgentLink(config, node_rank, timeout_s=min(10.0, config.connect_timeout_s), lease=lease)

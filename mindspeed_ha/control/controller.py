@@ -44,7 +44,8 @@ from mindspeed_ha.config import ENV_AUTH_KEY, ENV_TTP_PORT, ConfigError, HAConfi
 from mindspeed_ha.control import admission, auth, wire
 from mindspeed_ha.control.integrity import IntegrityReport
 from mindspeed_ha.control.policy import ActionKind, Decision, DumpPlan, decide
-from mindspeed_ha.control.state import ClusterState, OptimizerStatus, PendingAction, Phase, RankInfo, StopRequest
+from mindspeed_ha.control.state import (ClusterState, Layout, OptimizerStatus, PendingAction, Phase, RankInfo,
+                                        StopRequest)
 from mindspeed_ha.faults import FaultKind
 
 log = logging.getLogger(__name__)
@@ -162,6 +163,17 @@ class Controller:
         self.first_register_at: Optional[float] = None
         self._restarts: List[Dict[str, Any]] = []  # report_rank_restart, in order (I/O thread, under _lock)
         self._abandoned: Set[int] = set()  # ranks the agent will not restart again (I/O thread)
+        # controller failover (mindspeed_ha.control.lease): set by the launcher before start()
+        #: the term this controller holds (``Leadership``), or None (no failover: always acts)
+        self.leadership: Any = None
+        #: the job's LeaseDir: the roster (who registered, with what layout) is kept there for a successor
+        self.lease: Any = None
+        #: "host:port" of the TCPStore a successor hosts for the process-group rebuilds (RETRY
+        #: params ``store``): the first generation's store died with node 0's agent
+        self.rebuild_store: Optional[str] = None
+        self.stepped_down: Optional[str] = None  # why this controller stopped acting (a successor leads)
+        self._takeover_at: Optional[float] = None  # a successor: when it started (see take_over)
+        self._roster_dirty = False
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -310,6 +322,8 @@ class Controller:
 
     def _restart_refused_locked(self, rank: int) -> Optional[str]:
         st = self.state
+        if self.stepped_down is not None:
+            return f"this controller stepped down ({self.stepped_down})"
         pending = st.pending
         if st.phase not in (Phase.RUNNING, Phase.RECOVERING):
             return f"the controller is in phase {st.phase.value} (its verdict on the job is under way)"
@@ -540,6 +554,11 @@ class Controller:
             if info is None:
                 incarnations.append(0)
                 continue
+            if info.alive and info.sender == "" and self._takeover_at is not None:
+                # a successor still waits for it to register again: a launcher replacing its node says it is gone
+                st.mark_dead(r, "its node's launcher was replaced (lost with the previous leader's node)", None,
+                             self._takeover_at)
+                self._expect_rejoin(r, None, self._takeover_at)
             if info.alive:
                 return wire.AgentWelcome(body.query_id, False, [], f"rank {r} is alive (pid {info.pid} on "
                                                                    f"{info.host})", wait=True)
@@ -762,6 +781,7 @@ class Controller:
             self._bind_fd(fd, body.rank)
             if self.first_register_at is None:
                 self.first_register_at = now
+            self._roster_dirty = True
             if not st.run_id:
                 st.run_id = body.run_id
             if repeat:
@@ -786,6 +806,7 @@ class Controller:
         from the RETRY results), forget the fault, so the next one starts afresh."""
         st = self.state
         pending = st.pending
+        self._roster_dirty = True
         if st.recoveries:
             rec = st.recoveries[-1]
             rec["done_at"] = now
@@ -807,11 +828,78 @@ class Controller:
 
     # ------------------------------------------------------------------ decisions
     def _step(self, now: float) -> None:
+        if self.leadership is not None and not self.leadership.may_act():
+            if self.stepped_down is None:
+                self.stepped_down = self.leadership.lost or "leadership lost"
+                log.error("controller: STEPPING DOWN (term %d): %s; this controller acts no more",
+                          self.leadership.term.term, self.stepped_down)
+            return
+        if self._roster_dirty and self.lease is not None:
+            self._write_roster()
+        if self._takeover_at is not None and not self._takeover_window(now):
+            return
         for _ in range(8):  # chain decisions that need no new input (e.g. DONE right after EXIT)
             d = decide(now, self.state, self.config)
             if d.action is ActionKind.NOOP and d.next_phase is None:
                 return
             self._apply(now, d)
+
+    # ------------------------------------------------------------------ failover
+    def take_over(self, roster: Dict[str, Any]) -> None:
+        """Start as the successor of a lost leader (before :meth:`start`).
+
+        ``roster``: the predecessor's :meth:`roster` (``ranks``: rank -> registration;
+        ``recoveries``: its in-place recoveries, so that the next process-group generation
+        is a new one, their times dropped: another clock). Every rank of it is expected to register again (a survivor's processor finds this controller in
+        the lease directory); no decision is taken until all did or
+        ``heartbeat_timeout_s`` passed. A rank that did not is dead since the takeover
+        (lost with the leader's node): with worker reboot its new process is awaited.
+        """
+        now = self.clock()
+        self._takeover_at = now
+        self.state.recoveries.extend(
+            dict(r, **{k: None for k in r if k.endswith("_at")}, inherited=True) for r in roster.get("recoveries", ()))
+        for rank, rec in roster.get("ranks", {}).items():
+            info = RankInfo(rank=int(rank), layout=Layout(**rec["layout"]), last_heartbeat=now, pid=int(rec["pid"]),
+                            host=str(rec["host"]), save_dir=rec.get("save_dir"), sender="")
+            info.incarnation = int(rec.get("incarnation", 0))
+            info.rejoins = bool(rec.get("rejoins", False))
+            info.verifies = bool(rec.get("verifies", False))
+            self.state.ranks[int(rank)] = info
+        if self.state.ranks:
+            self.first_register_at = now
+
+    def _takeover_window(self, now: float) -> bool:
+        """True once a successor's registration window is over (then: the ranks that did
+        not register again are dead)."""
+        st = self.state
+        missing = sorted(r for r, i in st.ranks.items() if i.sender == "" and i.alive)
+        if missing and now - self._takeover_at <= self.config.heartbeat_timeout_s:
+            return False
+        for r in missing:
+            st.mark_dead(r, "did not register with the new leader (lost with the previous leader's node)", None,
+                         self._takeover_at)
+            log.warning("rank %d: did not register with the new leader within %.1f s: lost", r,
+                        self.config.heartbeat_timeout_s)
+            self._expect_rejoin(r, None, self._takeover_at)
+        self._takeover_at = None
+        return True
+
+    def roster(self) -> Dict[str, Any]:
+        """What a successor needs (JSON-able): ``ranks``, rank -> what its processor
+        registered; ``recoveries``, the in-place recoveries so far."""
+        ranks = {str(r): {"layout": dataclasses.asdict(i.layout), "pid": i.pid, "host": i.host,
+                          "save_dir": i.save_dir, "incarnation": i.incarnation, "rejoins": i.rejoins,
+                          "verifies": i.verifies} for r, i in self.state.ranks.items()}
+        recoveries = [{k: v for k, v in r.items() if k != "ranks"} | {"ranks": {}} for r in self.state.recoveries]
+        return {"ranks": ranks, "recoveries": recoveries}
+
+    def _write_roster(self) -> None:
+        self._roster_dirty = False
+        try:
+            self.lease.write_roster(self.roster())
+        except OSError as exc:
+            log.warning("controller: cannot write the roster to %s: %s", self.lease.path, exc)
 
     def _apply(self, now: float, d: Decision) -> None:
         st = self.state
@@ -855,8 +943,11 @@ class Controller:
                                       "evidence_at": fault.at if fault is not None else now,
                                       "stop_at": st.phase_since, "abort_at": st.abort_sent_at, "retry_at": now,
                                       "done_at": None, "ranks": {}})
+            params = dict(d.params)
+            if d.action is ActionKind.RETRY and self.rebuild_store:
+                params["store"] = self.rebuild_store
             for r in d.targets:
-                self._send(r, wire.Action(aid, d.action.value, dict(d.params)))
+                self._send(r, wire.Action(aid, d.action.value, params))
         if d.next_phase is not None and d.next_phase is not old:
             st.set_phase(d.next_phase, now)
         self.events.append(Event(now, st.phase, d.action, d.reason))

@@ -66,6 +66,7 @@ import zmq
 from mindspeed_ha.config import ENV_AUTH_KEY, ENV_CONNECT_TIMEOUT, ConfigError, HAConfig
 from mindspeed_ha.control import auth, wire
 from mindspeed_ha.control.integrity import IntegrityReport
+from mindspeed_ha.control.lease import ENV_LEASE_DIR, LeaseDir, lease_seconds
 from mindspeed_ha.control.policy import ActionKind, DumpPlan, agree_pause, plan_without_controller
 from mindspeed_ha.control.state import Layout, OptimizerStatus, RankInfo, RankState
 from mindspeed_ha.faults import (
@@ -94,6 +95,8 @@ _CONNECTION_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 
 #: how long a GOODBYE may take to leave when the processor closes (ms); every other close: 0
 GOODBYE_LINGER_MS = 500
+#: seconds between two looks into the lease directory while the control connection is closed
+LEASE_POLL_S = 0.25
 
 #: actions whose arrival is delivered to the main thread (report_fault / begin_update)
 MAIN_THREAD_KINDS = frozenset({ActionKind.RETRY.value, ActionKind.RESUME.value, ActionKind.EXIT.value})
@@ -142,6 +145,17 @@ class Processor:
         self.world_size = world_size or layout.tp_size * layout.pp_size * layout.dp_size * layout.cp_size
         self.addr = addr or config.controller_addr
         self.port = config.controller_port if port is None else port
+        # controller failover: the leader of the highest term in the job's lease directory
+        lease_path = os.environ.get(ENV_LEASE_DIR)
+        self._lease = LeaseDir(lease_path) if lease_path else None
+        self._lease_s = lease_seconds() if lease_path else 0.0
+        self._term = -1
+        self._next_lease_check = 0.0
+        self._left: set = set()  # (host, port) of the leaders this rank left: their events are old news
+        if self._lease is not None and addr is None and port is None:
+            cur = self._lease.current()
+            if cur is not None:  # e.g. a rank restarted after its node was lost: the leader moved
+                self.addr, self.port, self._term = cur.host, cur.port, cur.term
         self.run_id = run_id
         self.exit_handler: ExitHandler = exit_handler or default_exit_handler
         self.codec = wire.Codec(config.auth_key, wire.new_sender("rank", rank), config.max_message_bytes)
@@ -184,6 +198,7 @@ class Processor:
         self._paused_at: Optional[int] = None
         self._completed: Optional[int] = None
         self._in_fault = False
+        self._last_fault: Optional[wire.Fault] = None  # re-sent to a new leader while in_fault
         self._recovering = False  # STOP(recover) until RETRY: the step must not go on (guarded by _cond)
         self._observed = False  # STOP(freeze=False) until RETRY: send each status change at once
         self._step = -1  # the train_step the training thread entered (pause_point), -1 before
@@ -466,7 +481,8 @@ class Processor:
             self._in_fault = True
             self._main_action = None
             status, _ = self._state.snapshot()
-            self._queue_locked(wire.Fault(self.rank, int(iteration), kind.value, message, status.value, where))
+            self._last_fault = wire.Fault(self.rank, int(iteration), kind.value, message, status.value, where)
+            self._queue_locked(self._last_fault)
             log.error("rank %d: %s fault at iteration %d reported: %s", self.rank, kind.value, iteration, message)
             try:
                 while self._main_action is None:
@@ -583,7 +599,8 @@ class Processor:
                 self._check_controller(now)
                 wake_at = next_hb if self._registered.is_set() else next_register
                 if self._disconnected_at is not None and self.controller_lost_at is None:
-                    wake_at = min(wake_at, self._disconnected_at + self.lost_after_s)
+                    wake_at = min(wake_at, self._disconnected_at + self._lost_after(),
+                                  now + LEASE_POLL_S if self._lease is not None else wake_at)
                 ready = dict(poller.poll(max(1, int((wake_at - time.monotonic()) * 1000))))
                 if self._wake_r in ready:
                     try:
@@ -601,7 +618,7 @@ class Processor:
                     msg = self.codec.try_decode(frame.buffer, peer="controller")
                     if msg is not None and self.controller_lost_at is None:
                         self._handle(msg)
-                if self.controller_lost_at is None:
+                if self.controller_lost_at is None and self._registered.is_set():
                     with self._cond:
                         self._queue_stop_request_locked()
                     self._flush_outbox()
@@ -620,6 +637,8 @@ class Processor:
             except zmq.Again:
                 return
             now = time.monotonic()
+            if _host_port(evt.get("endpoint", b"")) in self._left:
+                continue  # the connection to a previous leader
             if evt["event"] == zmq.EVENT_DISCONNECTED:
                 if self._disconnected_at is None and self._registered.is_set() and self.controller_lost_at is None:
                     self._disconnected_at = now
@@ -630,10 +649,45 @@ class Processor:
                             self.port, now - self._disconnected_at)
                 self._disconnected_at = None
 
+    def _lost_after(self) -> float:
+        """Seconds of closed connection before the controller is lost: ``lost_after_s``,
+        plus, with a lease directory, two leases (the leader's lease runs out, a standby
+        takes the next term and starts)."""
+        return self.lost_after_s + 2 * self._lease_s
+
+    def _follow_leader(self, now: float) -> bool:
+        """The connection is closed: if a higher term than ours has a leader, connect to
+        it and register again (the fault this rank waits on is reported again). True if so."""
+        if self._lease is None or now < self._next_lease_check:
+            return False
+        self._next_lease_check = now + LEASE_POLL_S
+        cur = self._lease.current()
+        if cur is None or cur.term <= self._term:
+            return False
+        try:
+            self._sock.disconnect(wire.endpoint(self.addr, self.port))
+        except zmq.ZMQError:
+            pass
+        old = (self.addr, self.port, self._term)
+        if (cur.host, cur.port) != (self.addr, self.port):
+            self._left.add(_host_port(wire.endpoint(self.addr, self.port).encode()))
+        self.addr, self.port, self._term = cur.host, cur.port, cur.term
+        self._sock.connect(wire.endpoint(self.addr, self.port))
+        self._registered.clear()
+        self._disconnected_at = None
+        with self._cond:
+            if self._in_fault and self._last_fault is not None:
+                self._outbox.appendleft(self._last_fault)
+        log.warning("rank %d: the controller at %s:%s (term %d) is gone; following the leader of term %d at %s:%s "
+                    "(node %d)", self.rank, old[0], old[1], old[2], cur.term, cur.host, cur.port, cur.node_rank)
+        return True
+
     def _check_controller(self, now: float) -> None:
         """Declare the controller lost (once), and end a rank whose stop request nobody answered."""
+        if self.controller_lost_at is None and self._disconnected_at is not None and self._follow_leader(now):
+            return
         if self.controller_lost_at is None and self._disconnected_at is not None \
-                and now - self._disconnected_at > self.lost_after_s:
+                and now - self._disconnected_at > self._lost_after():
             self.controller_lost_at = now
             with self._cond:
                 done = self._exited is not None or self._closed
@@ -826,6 +880,10 @@ class Processor:
         elif t is wire.MsgType.DRAIN:
             self._drain(body)
         elif t is wire.MsgType.ACTION:
+            if body.params.get("store"):  # a successor's rendezvous store (controller failover)
+                from mindspeed_ha.recovery import groups
+
+                groups.use_rendezvous_store(str(body.params["store"]))
             with self._actions_cv:
                 self._actions.append(body)
                 self._actions_cv.notify()
@@ -927,6 +985,15 @@ class Processor:
         with self._cond:
             self._exit_returned = True
             self._cond.notify_all()
+
+
+def _host_port(endpoint: bytes) -> Tuple[str, str]:
+    """(host, port) of a ZeroMQ tcp endpoint, IPv4-mapped IPv6 hosts as IPv4 (libzmq names
+    a reconnected peer ``tcp://[::ffff:127.0.0.1]:port``)."""
+    text = endpoint.decode(errors="replace").split("://", 1)[-1]
+    host, _, port = text.rpartition(":")
+    host = host.strip("[]")
+    return (host[7:] if host.startswith("::ffff:") else host), port
 
 
 def _rank_info(record: Dict[str, Any]) -> RankInfo:

@@ -266,9 +266,41 @@ def stale_holders(old_groups: Iterable[Any]) -> List[str]:
 
 # ---- group creation ----------------------------------------------------------------------
 
+#: "host:port" of the TCPStore the rebuilds rendezvous in instead of the first generation's
+#: store (set by :func:`use_rendezvous_store`), and the client made for it
+_OVERRIDE: Dict[str, Any] = {"endpoint": None, "store": None}
+
+
+def use_rendezvous_store(endpoint: Optional[str]) -> None:
+    """Rendezvous the next rebuilds in the TCPStore at ``endpoint`` ("host:port"; None:
+    the first generation's store again).
+
+    After a controller failover the first generation's store (torchrun's, in node 0's
+    agent) may be gone with node 0; the new leader's launcher hosts a store and names it
+    in the recovery plan (RETRY ``store``), the same on every rank. The client connects
+    at the next rebuild (on its thread).
+    """
+    if endpoint != _OVERRIDE["endpoint"]:
+        _OVERRIDE.update(endpoint=endpoint, store=None)
+
+
+def _override_store():
+    endpoint = _OVERRIDE["endpoint"]
+    if endpoint is None:
+        return None
+    if _OVERRIDE["store"] is None:
+        import torch.distributed as dist
+
+        host, port = endpoint.rsplit(":", 1)
+        _OVERRIDE["store"] = dist.PrefixStore("mindspeed_ha/", dist.TCPStore(
+            host.strip("[]"), int(port), is_master=False, timeout=timedelta(seconds=60)))
+    return _OVERRIDE["store"]
+
+
 def _root_store(world, default):
     """The store every generation rendezvouses in: the one of the first default group
-    (its torch name without ``.ha<n>``), followed back through the retired generations.
+    (its torch name without ``.ha<n>``), followed back through the retired generations;
+    after a controller failover, the new leader's (:func:`use_rendezvous_store`).
 
     torch records a group's store as ``PrefixStore("<name>/", store)``: taking the current
     default's after a rebuild would nest every generation one prefix deeper
@@ -276,6 +308,9 @@ def _root_store(world, default):
     generation's default and rendezvouses under ``0/0.ha2/``: they would never meet
     (found by a fresh-eyes test: a second recovery that rejoins a new process hung).
     """
+    override = _override_store()
+    if override is not None:
+        return override
     older = {id(new): old for old, new, _ in _RETIRED}
     root = default
     while id(root) in older:

@@ -266,6 +266,7 @@ def startup_done() -> Optional[int]:
                                       f"> {MAX_BLOB_BYTES}"), [])
             store, rank = _default_store_and_rank()
             store.set(KEY.format(rank=rank), blob)
+            _write_lease_copy(rank, blob)
             _written = len(blob)
             _finish()
             log.info("rejoin: start-up record of rank %d written: %d ops, %d bytes", rank,
@@ -390,9 +391,40 @@ def load(store=None, rank: Optional[int] = None) -> dict:
         rank = r if rank is None else rank
     key = KEY.format(rank=rank)
     if not store.check([key]):
+        blob = _read_lease_copy(rank)
+        if blob is not None:  # node 0 and torchrun's store with it were lost: the lease directory's copy
+            return decode(blob)
         raise RejoinError(f"rejoin: no start-up record {key!r} in the store (the first incarnation of "
                           f"rank {rank} did not reach its first train_step); a rejoin is impossible")
     return decode(bytes(store.get(key)))
+
+
+def _lease_copy_path(rank: int) -> Optional[str]:
+    from mindspeed_ha.control.lease import ENV_LEASE_DIR
+
+    base = os.environ.get(ENV_LEASE_DIR)
+    return os.path.join(base, f"startup-rank{rank}.msgpack") if base else None
+
+
+def _write_lease_copy(rank: int, blob: bytes) -> None:
+    """With controller failover (a lease directory on the shared filesystem), a copy of the
+    record there: torchrun's store lives in node 0's agent and dies with node 0."""
+    path = _lease_copy_path(rank)
+    if path is None:
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(blob)
+    os.replace(tmp, path)
+
+
+def _read_lease_copy(rank: int) -> Optional[bytes]:
+    path = _lease_copy_path(rank)
+    if path is None or not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        return f.read()
 
 
 # --------------------------------------------------------------------------- deferred groups

@@ -1,0 +1,257 @@
+"""Which controller leads the job: terms and a lease on the shared checkpoint filesystem.
+
+The controller runs in node 0's launcher; every other node's launcher is a standby. When
+the leader is lost with its node, one standby takes over. The rule that keeps two
+controllers from ever both acting (split brain) uses the one thing every node of a
+Megatron job already shares and that outlives any node: the checkpoint filesystem
+(``--save``, e.g. Lustre, GPFS, NFS), which every rank writes its dying checkpoint to.
+A node that cannot reach it cannot save anything either.
+
+* **Terms.** Leadership comes in numbered terms. Term ``t`` is held by whoever created
+  the file ``term-<t>.json`` in the job's lease directory. The file is created whole and
+  exclusively: written under a private name, then hard-linked to its final name
+  (``link(2)`` fails with EEXIST when the name exists, atomically, also on NFS). At most
+  one controller per term, ever. The leader is the holder of the highest term. The file
+  says where it listens (host, controller port, rendezvous store port).
+* **Lease.** The holder of term ``t`` renews its lease every ``lease_s / 4`` by replacing
+  ``beat-<t>`` (a counter, written then renamed). A standby never compares clocks across
+  nodes: it notes, on its own monotonic clock, when it last saw the counter change. After
+  ``lease_s`` without a change it may take term ``t + 1``.
+* **Fencing.** A leader acts only while it holds the highest term *and* its last
+  successful renewal is younger than ``lease_s / 2``. It checks both before every
+  decision it sends (:meth:`Leadership.may_act`). A standby waits a full ``lease_s`` of
+  silence. So a leader that was paused or cut off from the filesystem has stopped acting
+  at least ``lease_s / 2`` before anyone else can start (assuming the clocks' rates
+  differ by less than 2x: the usual lease assumption, no synchronised clocks). Once it
+  sees a higher term it steps down for good.
+
+A node that loses the filesystem but not the network keeps its workers but cannot lead.
+A network partition with the filesystem reachable from both sides leaves the incumbent in
+charge while it renews; the other side's standby never takes over, and its ranks wait for
+a leader until their deadline (then the usual controller-lost path). Without a shared
+directory (no ``--save`` and no ``MINDSPEED_HA_LEASE_DIR``) there is no failover: losing
+node 0 ends the job as before (exit 78, or the ranks' own dying checkpoint).
+
+Sources: the lease-with-fencing pattern of Chubby (Burrows, OSDI 2006, section 2.8) and
+the term numbers of Raft (Ongaro and Ousterhout, ATC 2014); the exclusive create by
+``link(2)``: the Linux ``open(2)`` manual, O_EXCL ("... create a unique file ... and use
+link(2) to make a link to the lockfile" on NFS).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import hashlib
+import json
+import os
+import re
+import shutil
+import threading
+import time
+from typing import Callable, Optional
+
+ENV_LEASE_DIR = "MINDSPEED_HA_LEASE_DIR"
+ENV_LEASE_S = "MINDSPEED_HA_LEASE_S"
+DEFAULT_LEASE_S = 10.0
+_TERM = re.compile(r"^term-(\d+)\.json$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Term:
+    """One leadership term: who holds it and where it listens."""
+
+    term: int
+    host: str
+    port: int  # the controller's port
+    store_port: int  # the TCPStore the holder hosts for process-group rebuilds (0: none)
+    node_rank: int
+    pid: int
+
+
+def lease_dir(base: str, auth_key: bytes) -> str:
+    """The job's lease directory under ``base``: one per job key (hex digest of the key's
+    SHA-256, 16 characters), so jobs sharing a filesystem never see each other's terms."""
+    return os.path.join(base, hashlib.sha256(b"mindspeed-ha/lease/" + auth_key).hexdigest()[:16])
+
+
+def lease_seconds() -> float:
+    """``MINDSPEED_HA_LEASE_S`` (seconds > 0), default ``DEFAULT_LEASE_S``.
+
+    Raises:
+        ValueError: naming the variable and the accepted range.
+    """
+    raw = os.environ.get(ENV_LEASE_S, "")
+    try:
+        value = float(raw) if raw else DEFAULT_LEASE_S
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{ENV_LEASE_S}={raw!r}: expected seconds > 0 (default {DEFAULT_LEASE_S})")
+    return value
+
+
+class LeaseDir:
+    """The files of one job's lease directory (see the module doc)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def current(self) -> Optional[Term]:
+        """The highest term taken so far, or None."""
+        try:
+            names = os.listdir(self.path)
+        except FileNotFoundError:
+            return None
+        terms = sorted((int(m.group(1)) for m in map(_TERM.match, names) if m), reverse=True)
+        for t in terms:
+            try:
+                with open(os.path.join(self.path, f"term-{t}.json")) as f:
+                    return Term(**json.load(f))
+            except (OSError, ValueError, TypeError):  # vanished with a clear(): look lower
+                continue
+        return None
+
+    def take(self, term: Term) -> bool:
+        """Create ``term-<term.term>.json`` exclusively with ``term``'s fields. False if
+        that term is taken already (someone else holds it)."""
+        os.makedirs(self.path, exist_ok=True)
+        tmp = os.path.join(self.path, f".term-{term.term}.{os.getpid()}.{threading.get_ident()}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(dataclasses.asdict(term), f)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, os.path.join(self.path, f"term-{term.term}.json"))
+            return True
+        except OSError as exc:
+            if exc.errno == errno.EEXIST:
+                return False
+            raise
+        finally:
+            os.unlink(tmp)
+
+    def renew(self, term: int, beat: int) -> None:
+        """Write the lease counter of ``term`` (raises OSError when the filesystem fails)."""
+        tmp = os.path.join(self.path, f".beat-{term}.{os.getpid()}.tmp")
+        with open(tmp, "w") as f:
+            f.write(str(beat))
+        os.replace(tmp, os.path.join(self.path, f"beat-{term}"))
+
+    def beat(self, term: int) -> Optional[int]:
+        try:
+            with open(os.path.join(self.path, f"beat-{term}")) as f:
+                return int(f.read() or -1)
+        except (OSError, ValueError):
+            return None
+
+    def write_roster(self, roster: dict) -> None:
+        """Replace ``roster.json`` (the leader's registrations, for a successor) atomically."""
+        os.makedirs(self.path, exist_ok=True)
+        tmp = os.path.join(self.path, f".roster.{os.getpid()}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(roster, f)
+        os.replace(tmp, os.path.join(self.path, "roster.json"))
+
+    def read_roster(self) -> dict:
+        """The last roster written ({} when none)."""
+        try:
+            with open(os.path.join(self.path, "roster.json")) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return {}
+
+    def clear(self) -> None:
+        """Remove the directory (the job ended: nobody leads it any more)."""
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+class Leadership:
+    """The lease of a term this process holds: renewed by a thread of its own.
+
+    Args:
+        lease: the job's :class:`LeaseDir`.
+        term: the term taken (:meth:`LeaseDir.take` returned True).
+        lease_s: the lease, seconds.
+        on_lost: called once (from the renewing thread) when leadership is lost: a higher
+            term appeared, or no renewal succeeded for ``lease_s / 2``.
+    """
+
+    def __init__(self, lease: LeaseDir, term: Term, lease_s: float,
+                 on_lost: Optional[Callable[[str], None]] = None, clock: Callable[[], float] = time.monotonic):
+        self.lease, self.term, self.lease_s, self.clock = lease, term, lease_s, clock
+        self.on_lost = on_lost
+        self._beat = 0
+        self._renewed_at = clock()
+        self.lost: Optional[str] = None
+        self._stop = threading.Event()
+        self.lease.renew(term.term, self._beat)
+        self._thread = threading.Thread(target=self._run, name="mindspeed-ha-lease", daemon=True)
+        self._thread.start()
+
+    def may_act(self) -> bool:
+        """True while this process holds the highest term with a lease younger than
+        ``lease_s / 2`` (checked from the filesystem at each call: one listdir)."""
+        if self.lost is not None:
+            return False
+        if self.clock() - self._renewed_at > self.lease_s / 2:
+            self._lose(f"no lease renewal for {self.clock() - self._renewed_at:.1f} s (lease {self.lease_s} s)")
+            return False
+        cur = self.lease.current()
+        if cur is not None and cur.term > self.term.term:
+            self._lose(f"term {cur.term} was taken by node {cur.node_rank} ({cur.host}:{cur.port})")
+            return False
+        return True
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _lose(self, why: str) -> None:
+        if self.lost is None:
+            self.lost = why
+            if self.on_lost is not None:
+                self.on_lost(why)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.lease_s / 4):
+            if self.lost is not None:
+                return
+            cur = self.lease.current()
+            if cur is not None and cur.term > self.term.term:
+                self._lose(f"term {cur.term} was taken by node {cur.node_rank} ({cur.host}:{cur.port})")
+                return
+            try:
+                self._beat += 1
+                self.lease.renew(self.term.term, self._beat)
+                self._renewed_at = self.clock()
+            except OSError:
+                if self.clock() - self._renewed_at > self.lease_s / 2:
+                    self._lose(f"the lease directory {self.lease.path} is not writable")
+                    return
+
+
+class Watch:
+    """A standby's view of the leader's lease, on its own clock (no cross-node clocks).
+
+    :meth:`expired` is True once the highest term's counter has not changed for
+    ``lease_s`` seconds of this process's monotonic clock (a new term, or a term with
+    no counter yet, starts the wait again).
+    """
+
+    def __init__(self, lease: LeaseDir, lease_s: float, clock: Callable[[], float] = time.monotonic):
+        self.lease, self.lease_s, self.clock = lease, lease_s, clock
+        self._seen = (None, None)
+        self._since = clock()
+
+    def expired(self) -> Optional[Term]:
+        """The expired term (the one a standby may succeed), or None while it lives."""
+        cur = self.lease.current()
+        key = (None if cur is None else cur.term, None if cur is None else self.lease.beat(cur.term))
+        now = self.clock()
+        if key != self._seen:
+            self._seen, self._since = key, now
+            return None
+        if cur is not None and now - self._since > self.lease_s:
+            return cur
+        return None
