@@ -103,6 +103,8 @@ class _Survivors:
         self.stop_killed = False  # the preemption backstop SIGKILLed workers
         self.done_at: Optional[float] = None  # when the controller was first seen DONE
         self.lease = None  # the job's LeaseDir (controller failover), or None
+        self.relink = None  # () -> an AgentLink to the leader (controller failover)
+        self.retired = None  # this launcher's controller once it stepped down
 
     # --enable-worker-reboot: the hooks of mindspeed_ha.agent.WorkerRebootAgent (RestartHooks)
     def restart_refused(self, rank: int, exitcode: int) -> Optional[str]:
@@ -224,6 +226,11 @@ def _supervise(instance, state: _Survivors) -> None:
     """Every monitor turn: remember the process context (for the signal handler), the
     preemption backstop, and the end of the workers the controller gave up on."""
     state.pcontext = instance
+    if state.controller is not None and state.controller.stepped_down is not None and state.relink is not None:
+        # controller failover: this launcher's controller stepped down; its agent asks the leader
+        log.warning("this launcher's controller stepped down (%s): its agent follows the leader",
+                    state.controller.stepped_down)
+        state.retired, state.controller, state.link = state.controller, None, state.relink()
     _preemption_backstop(instance, state)
     if state.controller is not None:
         _end_unresponsive_workers(instance, state)
@@ -422,6 +429,10 @@ def main(argv=None) -> int:
     _survivors = _Survivors(controller, float(os.environ.get(ENV_GRACE, "600")), config.preemption_deadline_s,
                             link=link)
     _survivors.lease = lease
+    if lease is not None:
+        from mindspeed_ha.control.agent_link import node_link
+
+        _survivors.relink = functools.partial(node_link, config, int(targs.node_rank), lease)
     standby = None
     if lease is not None and controller is None:
         standby = _Standby(_survivors, lease, config, targs)
@@ -460,7 +471,7 @@ def main(argv=None) -> int:
     finally:
         if standby is not None:
             standby.stop()
-        controller = _survivors.controller  # a standby may have taken over
+        controller = _survivors.controller or _survivors.retired  # a standby may have taken over
         if controller is not None:
             _write_report(controller)
             controller.stop()

@@ -464,6 +464,9 @@ class Controller:
         is left waits for the next turn. Then ``decide`` runs whatever the inbound
         rate. Each item is stamped with the clock read when it is handled.
         """
+        if self._fenced():
+            self._drop_input()
+            return
         self._drain_cmds()
         if self._zap is not None:
             self._zap.serve(MAX_ZAP_PER_TURN)
@@ -827,12 +830,33 @@ class Controller:
             info.stopped = False
 
     # ------------------------------------------------------------------ decisions
+    def _fenced(self) -> bool:
+        """Controller failover: True once this controller may not act (its lease ran out or
+        a successor took a higher term); from then on it handles nothing, for good."""
+        if self.stepped_down is None and self.leadership is not None and not self.leadership.may_act():
+            self.stepped_down = self.leadership.lost or "leadership lost"
+            log.error("controller: STEPPING DOWN (term %d): %s; this controller acts no more",
+                      self.leadership.term.term, self.stepped_down)
+        return self.stepped_down is not None
+
+    def _drop_input(self) -> None:
+        """A stepped-down controller reads and drops what arrives (it answers nothing)."""
+        while True:
+            try:
+                self._cmds.get_nowait()
+            except queue.Empty:
+                break
+        for _ in range(MAX_FRAMES_PER_TURN):
+            try:
+                self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+        if self._zap is not None:
+            self._zap.serve(MAX_ZAP_PER_TURN)
+        self._drain_monitor(MAX_EVENTS_PER_TURN)
+
     def _step(self, now: float) -> None:
-        if self.leadership is not None and not self.leadership.may_act():
-            if self.stepped_down is None:
-                self.stepped_down = self.leadership.lost or "leadership lost"
-                log.error("controller: STEPPING DOWN (term %d): %s; this controller acts no more",
-                          self.leadership.term.term, self.stepped_down)
+        if self._fenced():
             return
         if self._roster_dirty and self.lease is not None:
             self._write_roster()

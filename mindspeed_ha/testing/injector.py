@@ -30,7 +30,8 @@ process and its connections stay; it goes on only if someone sends SIGCONT),
 ``term`` (SIGTERM to itself: a preempted worker), ``term_launcher`` / ``int_launcher`` /
 ``kill_launcher`` (SIGTERM / SIGINT / SIGKILL to its parent process, the launcher: a
 preempted job / Ctrl-C / a lost controller host; the rank itself goes on),
-``kill_node`` (a lost node: SIGKILL to its launcher first, so that nothing is restarted,
+``stop_launcher`` (SIGSTOP to the launcher: a controller host that freezes, e.g. a long
+stall, and may come back: the split-brain case of controller failover), ``kill_node`` (a lost node: SIGKILL to its launcher first, so that nothing is restarted,
 then to every other process the launcher started, the node's other workers included,
 then to itself), ``corrupt`` (silent data corruption of this rank's state, then training goes on; only at
 the points the runtime fires with its state: ``optimizer``, ``between``, ``dying``)::
@@ -82,12 +83,13 @@ ENV_LOG = "MINDSPEED_HA_INJECT_LOG"  # optional: append a JSON line per fired fa
 POINTS = ("forward", "backward", "grad_sync", "optimizer", "between", "data", "eval", "save", "final_save",
           "dying", "pp", "tp", "recover")
 FAULTS = ("kill", "raise", "stop", "corrupt", "term", "term_launcher", "int_launcher", "kill_launcher", "uce",
-          "network", "kill_node")
+          "network", "kill_node", "stop_launcher")
 #: faults that signal a process and let this rank go on: SIGTERM to itself (a preempted
 #: worker), SIGTERM to its parent, the launcher (a preempted job), SIGKILL to the launcher
 #: (the controller's host lost; the workers stay)
 _SIGNALS = {"term": ("self", "SIGTERM"), "term_launcher": ("parent", "SIGTERM"),
-            "int_launcher": ("parent", "SIGINT"), "kill_launcher": ("parent", "SIGKILL")}
+            "int_launcher": ("parent", "SIGINT"), "kill_launcher": ("parent", "SIGKILL"),
+            "stop_launcher": ("parent", "SIGSTOP")}
 CORRUPT_WHAT = ("param", "main_param", "exp_avg", "exp_avg_sq")
 CORRUPT_HOW = ("nan", "bitflip")
 CORRUPT_POINTS = ("optimizer", "between", "dying")  # fired by the runtime, with its state
