@@ -81,28 +81,28 @@ def _finish_in_place(rt, exc: BaseException, where: str, result):
     return result
 
 
-def _note_grad_norm(wrapped, instance, args, kwargs):
-    """``clip_grad_norm`` / ``ChainedOptimizer.get_grad_norm``: remember the gradient norm
-    of the step in progress (what ``optimizer.step()`` returns; a restarted process's
-    catch-up step answers it, see :meth:`HARuntime.forward_progress`)."""
-    result = wrapped(*args, **kwargs)
-    from mindspeed_ha.runtime import get_runtime
+def _noting(key: str, what: str):
+    """A wrapper that remembers ``what`` returns, as ``rt.step_stats[key]``, for the step in
+    progress (what ``optimizer.step()`` returns; a restarted process's catch-up step answers
+    it, see :meth:`HARuntime.forward_progress`)."""
 
-    rt = get_runtime()
-    if rt is not None and rt.current is not None:
-        rt.step_stats["grad_norm"] = result
-    return result
+    def note(wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        from mindspeed_ha.runtime import get_runtime
+
+        rt = get_runtime()
+        if rt is not None and rt.current is not None:
+            rt.step_stats[key] = result
+        return result
+
+    note.__doc__ = f"``{what}``: remember its result for the step in progress (``step_stats[{key!r}]``)."
+    return note
 
 
-def _note_zeros(wrapped, instance, args, kwargs):
-    """``count_zeros``: remember the zero count of the step in progress (as ``_note_grad_norm``)."""
-    result = wrapped(*args, **kwargs)
-    from mindspeed_ha.runtime import get_runtime
-
-    rt = get_runtime()
-    if rt is not None and rt.current is not None:
-        rt.step_stats["num_zeros"] = result
-    return result
+#: ``clip_grad_norm`` / ``ChainedOptimizer.get_grad_norm``
+_note_grad_norm = _noting("grad_norm", "clip_grad_norm")
+#: ``count_zeros``
+_note_zeros = _noting("num_zeros", "count_zeros")
 
 
 def _forward_backward(wrapped, instance, args, kwargs):

@@ -163,14 +163,7 @@ def reload_in_place(rt, plan) -> List[int]:
             ReloadError). After the status was set UNKNOWN a failure leaves it so: no
             dying checkpoint uses this rank's state.
     """
-    k = int(plan.iteration)
-    ctx = rt.ctx
-    if ctx is None:
-        raise ReloadError("no model/optimizer attached (the fault hit before the first step)")
-    loader, args = _loader()
-    c = latest_checkpoint(getattr(args, "save", None))
-    if c > k:
-        raise ReloadError(f"the latest checkpoint ({c}) is newer than the last iteration every rank completed ({k})")
+    k, ctx, loader, args, c = _target(rt, plan, "no model/optimizer attached (the fault hit before the first step)")
     check_replayable(args, c, k)
     wrappers = rt._replay_wrappers()
     missing = [w for w in wrappers if not w.can_rewind_to(c)]
@@ -226,15 +219,7 @@ def reload_for_rejoin(rt, plan) -> List[int]:
         ReloadError: no checkpoint, c > k, not replayable (before loading), or the loader
             loaded another iteration.
     """
-    k = int(plan.iteration)
-    ctx = rt.ctx
-    if ctx is None:
-        raise ReloadError("no model/optimizer attached at the rejoin point")
-    loader, args = _loader()
-    c = latest_checkpoint(getattr(args, "save", None))
-    if c > k:
-        raise ReloadError(f"the latest checkpoint ({c}) is newer than the last iteration every survivor completed "
-                          f"({k})")
+    k, ctx, loader, args, c = _target(rt, plan, "no model/optimizer attached at the rejoin point")
     # the ramp-up check is the survivors' (they know the samples consumed up to k)
     for flag in ("no_load_optim", "no_load_rng", "finetune"):
         if getattr(args, flag, False):
@@ -363,3 +348,22 @@ def _finish(rt, k: int) -> None:
 
 __all__ = ["ReloadError", "possible", "track", "on_save", "latest_checkpoint", "check_replayable",
            "reload_in_place", "reload_for_rejoin", "rerun"]
+
+
+def _target(rt, plan, unattached: str):
+    """(k, ctx, loader, args, c): the plan's iteration k, the rank's state, the script's
+    loader and args, and the latest periodic checkpoint c <= k.
+
+    Raises:
+        ReloadError: no state attached (``unattached``), or c > k.
+    """
+    k = int(plan.iteration)
+    ctx = rt.ctx
+    if ctx is None:
+        raise ReloadError(unattached)
+    loader, args = _loader()
+    c = latest_checkpoint(getattr(args, "save", None))
+    if c > k:
+        raise ReloadError(f"the latest checkpoint ({c}) is newer than the last iteration every survivor completed "
+                          f"({k})")
+    return k, ctx, loader, args, c
