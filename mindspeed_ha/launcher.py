@@ -104,6 +104,7 @@ class _Survivors:
         self.done_at: Optional[float] = None  # when the controller was first seen DONE
         self.lease = None  # the job's LeaseDir (controller failover), or None
         self.relink = None  # () -> an AgentLink to the leader (controller failover)
+        self.old_links = []  # links replaced by an in-process controller, closed at the end
         self.retired = None  # this launcher's controller once it stepped down
 
     # --enable-worker-reboot: the hooks of mindspeed_ha.agent.WorkerRebootAgent (RestartHooks)
@@ -112,26 +113,29 @@ class _Survivors:
         has not begun a verdict on the job (see ``Controller.restart_refused``)."""
         if self.stop_at is not None:
             return "a graceful stop (signal to the launcher) is under way"
-        if self.controller is not None:
-            return self.controller.restart_refused(rank)
-        if self.link is not None:
-            return self.link.restart_refused(rank, exitcode)
+        controller, link = self.controller, self.link  # a standby may swap them (its thread)
+        if controller is not None:
+            return controller.restart_refused(rank)
+        if link is not None:
+            return link.restart_refused(rank, exitcode)
         return None
 
     def restarted(self, rank: int, incarnation: int, pid: int, exitcode: int) -> None:
-        if self.controller is not None:
-            self.controller.report_rank_restart(rank, incarnation, pid, exitcode)
-        elif self.link is not None:
-            self.link.report_rank_restart(rank, incarnation, pid, exitcode)
+        controller, link = self.controller, self.link
+        if controller is not None:
+            controller.report_rank_restart(rank, incarnation, pid, exitcode)
+        elif link is not None:
+            link.report_rank_restart(rank, incarnation, pid, exitcode)
 
     def supervise(self, pcontext) -> None:
         _supervise(pcontext, self)
 
     def abandoned(self, rank: int, why: str) -> None:
-        if self.controller is not None:
-            self.controller.report_restart_abandoned(rank, why)
-        elif self.link is not None:
-            self.link.report_restart_abandoned(rank, why)
+        controller, link = self.controller, self.link
+        if controller is not None:
+            controller.report_restart_abandoned(rank, why)
+        elif link is not None:
+            link.report_restart_abandoned(rank, why)
 
     def first_incarnation(self, rank: int) -> int:
         return self.first_incarnations.get(rank, 0)
@@ -255,10 +259,11 @@ def _poll_lets_survivors_finish(wrapped, instance, args, kwargs):
             if state.first_failure is None:
                 state.first_failure = time.monotonic()
             log.warning("worker rank %d exited with %d; %d still running", rank, code, len(running))
-            if state.controller is not None:
-                state.controller.report_rank_exit(rank, code)
-            elif state.link is not None:
-                state.link.report_rank_exit(rank, code)
+            controller, link = state.controller, state.link
+            if controller is not None:
+                controller.report_rank_exit(rank, code)
+            elif link is not None:
+                link.report_rank_exit(rank, code)
     controller_done = state.controller is not None and state.controller.wait_done(0) is not None
     if failed and running and not controller_done and time.monotonic() - state.first_failure < state.grace_s:
         return None  # keep waiting: survivors are saving the dying checkpoint
@@ -405,7 +410,10 @@ def main(argv=None) -> int:
             os.environ.setdefault("TORCH_ELASTIC_WORKER_IDENTICAL", "1")  # ranks without the (maybe lost) store
             os.environ["MINDSPEED_HA_CONTROLLER_HOSTED"] = "1"  # the launchers run the controllers
         primary = int(targs.node_rank) == 0 and _is_local_address(config.controller_addr)
-        if primary and lease is not None and _leader_alive(lease):
+        first_term = 0
+        if primary and lease is not None and lease.current() is not None and not _leader_alive(lease):
+            first_term = lease.current().term + 1  # a term left by an earlier run: never reuse a term
+        elif primary and lease is not None and lease.current() is not None:
             primary = False  # a replacement node 0: the job runs on, led by a successor
             log.warning("node 0: the job is led by the controller of term %d (node %d): this launcher joins it",
                         lease.current().term, lease.current().node_rank)
@@ -418,7 +426,11 @@ def main(argv=None) -> int:
             os.environ["MINDSPEED_HA_CONTROLLER_HOSTED"] = "1"
             os.environ["TTP_PORT"] = str(controller.port)  # the bound port (matters for port 0)
             if lease is not None:
-                _lead(controller, lease, 0, config.controller_addr, 0, int(targs.node_rank))
+                lease.drop_roster()  # an earlier run's: a successor must not take its ranks
+                if not _lead(controller, lease, first_term, config.controller_addr, 0, int(targs.node_rank)):
+                    controller.stop()
+                    raise ConfigError(f"controller failover: term {first_term} in {lease.path} was taken by another "
+                                      "launcher: is a second node 0 running this job?")
         elif config.worker_reboot:
             from mindspeed_ha.control.agent_link import node_link
 
@@ -473,6 +485,8 @@ def main(argv=None) -> int:
             standby.stop()
         controller = _survivors.controller or _survivors.retired  # a standby may have taken over
         if controller is not None:
+            if controller.leadership is not None and controller.stepped_down is None:
+                controller.wait_done(EXIT_MARGIN_S)  # the other nodes' goodbyes may still be on their way
             _write_report(controller)
             controller.stop()
             lead = controller.leadership
@@ -480,8 +494,9 @@ def main(argv=None) -> int:
                 lead.stop()
                 if controller.wait_done(0) is not None and controller.stepped_down is None:
                     lease.clear()  # the job is over: nobody leads it any more
-        if _survivors.link is not None:
-            _survivors.link.close()
+        for old in [_survivors.link, *_survivors.old_links]:
+            if old is not None:
+                old.close()
     return code
 
 
@@ -511,6 +526,7 @@ def _lease_dir(targs, ns, config):
     from mindspeed_ha.control.lease import ENV_LEASE_DIR, LeaseDir, lease_dir, lease_seconds
 
     root = os.environ.get(ENV_LEASE_ROOT) or (os.path.join(ns.save, ".mindspeed_ha") if ns.save else None)
+    os.environ.pop(ENV_LEASE_DIR, None)  # never an inherited one
     if _nnodes(targs) < 2 or not config.worker_reboot:
         return None
     if root is None:
@@ -532,7 +548,8 @@ def _leader_alive(lease) -> bool:
     """Whether the highest term of ``lease`` has a live leader: its counter moves, or a
     successor takes the next term, within three leases (a standby takes over about one
     lease after the leader's last renewal). A term left by an earlier run of the same job
-    (nothing moves) is cleared."""
+    (nothing moves) is not: the new run leads the next term (terms are never reused or
+    removed while a job may run)."""
     from mindspeed_ha.control.lease import lease_seconds
 
     first = lease.current()
@@ -545,9 +562,8 @@ def _leader_alive(lease) -> bool:
         cur = lease.current()
         if cur is not None and (cur.term != first.term or lease.beat(cur.term) != beat):
             return True
-    log.warning("lease directory %s: a term left by an earlier run (its lease did not move for %.1f s): cleared",
-                lease.path, 3 * lease_s)
-    lease.clear()
+    log.warning("lease directory %s: term %d was left by an earlier run (its lease did not move for %.1f s): "
+                "this run leads the next term", lease.path, first.term, 3 * lease_s)
     return False
 
 
@@ -583,15 +599,20 @@ class _Standby(threading.Thread):
 
     def stop(self) -> None:
         self._halt.set()
-        self.join(5)
+        self.join()  # a takeover in progress finishes (its term is then this launcher's to end)
 
     def run(self) -> None:
         from mindspeed_ha.control.lease import lease_seconds
 
         while not self._halt.wait(lease_seconds() / 8):
             expired = self.watch.expired()
-            if expired is not None and self._take_over(expired.term + 1):
-                return
+            if expired is None or self._halt.is_set():
+                continue
+            try:
+                if self._take_over(expired.term + 1):
+                    return
+            except Exception:  # noqa: BLE001 - log it and keep watching: the next term may be ours
+                log.exception("controller failover: taking term %d failed", expired.term + 1)
 
     def _take_over(self, term: int) -> bool:
         import torch.distributed as dist
@@ -606,14 +627,19 @@ class _Standby(threading.Thread):
         controller.take_over(self.lease.read_roster())
         controller.rebuild_store = f"{host}:{store.port}"
         controller.start()
-        if not _lead(controller, self.lease, term, host, store.port, int(self.targs.node_rank)):
+        try:
+            led = _lead(controller, self.lease, term, host, store.port, int(self.targs.node_rank))
+        except BaseException:
+            controller.stop()
+            raise
+        if not led:
             controller.stop()
             return False
         self.store = store  # kept alive with the launcher
-        link, self.state.link = self.state.link, None
+        # the main thread may be inside a request on the link: it is closed at the launcher's end
         self.state.controller = controller
-        if link is not None:
-            link.close()
+        self.state.old_links.append(self.state.link)
+        self.state.link = None
         return True
 
 

@@ -46,8 +46,11 @@ def test_a_stalled_leader_stops_acting_before_a_standby_may_take_over(tmp_path):
     assert lease.take(_term(0))
     clock = _Clock()
     leader = Leadership(lease, _term(0), lease_s=4.0, clock=clock)
-    leader.stop()  # its renewing thread stalls (a frozen process): no renewal from now on
     standby = Watch(lease, lease_s=4.0, clock=clock)
+    assert standby.expired() is None
+    lease.renew(0, 1)  # the standby sees the lease alive once
+    leader._renewed_at = clock.t
+    leader.stop()  # then its renewing thread stalls (a frozen process): no renewal from now on
     assert standby.expired() is None and leader.may_act()
     clock.t = 2.5  # past half a lease without renewal: the leader fences itself ...
     assert not leader.may_act() and "no lease renewal" in leader.lost
@@ -73,5 +76,30 @@ def test_a_live_lease_never_expires_and_a_higher_term_deposes(tmp_path):
         lease.renew(0, beat)  # renewals keep coming
         leader._renewed_at = clock.t
         assert standby.expired() is None and leader.may_act()
+    deposed = Leadership(lease, _term(0), lease_s=0.4, on_lost=lost.append)  # real clock, renewing thread
     assert lease.take(_term(1, node=1))  # e.g. an operator's mistake: a second leader appears
-    assert not leader.may_act() and lost and "term 1" in lost[0]
+    deposed._thread.join(5)  # its next turn sees term 1 and gives up
+    assert not deposed.may_act() and lost and "term 1" in lost[0]
+
+def test_a_frozen_leader_that_wakes_up_late_never_renews(tmp_path):
+    """The renewing thread may run first after a freeze: it must see it is too late and not
+    renew (else may_act would be True again while a successor leads)."""
+    lease = LeaseDir(str(tmp_path / "lease"))
+    assert lease.take(_term(0))
+    clock = _Clock()
+    leader = Leadership(lease, _term(0), lease_s=0.2, clock=clock)
+    clock.t = 100.0  # frozen for 100 s, as its thread saw it on waking
+    leader._thread.join(5)  # its next turn finds the renewal too old and gives up
+    assert not leader._thread.is_alive() and leader.lost and "no lease renewal" in leader.lost
+    assert lease.beat(0) == 0 and not leader.may_act()
+
+
+def test_a_term_left_by_an_earlier_run_never_expires(tmp_path):
+    lease = LeaseDir(str(tmp_path / "lease"))
+    assert lease.take(_term(3))
+    lease.renew(3, 7)  # the last beat of a job that ended without clearing its lease
+    clock = _Clock()
+    standby = Watch(lease, lease_s=1.0, clock=clock)
+    for t in range(1, 10):
+        clock.t = float(t)
+        assert standby.expired() is None

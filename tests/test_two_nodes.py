@@ -165,3 +165,25 @@ def test_split_brain_a_frozen_leader_steps_down_and_never_acts_again(tmp_path):
         assert len(re.findall(r"following the leader of term 1", out0 + out1)) == 4, log
         assert not re.search(r"exited with -?\d+: restarted alone", out0 + out1) and "recovered in place" not in out1, log
         assert job.losses() == baseline
+
+
+def test_a_lease_left_by_an_earlier_run_is_not_taken_for_a_live_leader(tmp_path, baseline):
+    """The same job run again (same key) finds the lease directory of a run that ended
+    without clearing it (term 5, a stale roster): node 0 waits to see it is dead, leads
+    term 6, node 1's standby never succeeds the dead term, and no rank starts as a rejoin."""
+    from mindspeed_ha.control.lease import LeaseDir, Term, lease_dir
+
+    env = _failover_env(tmp_path)
+    with TwoNodeJob(_two_node_args(), env=env) as job:
+        stale = LeaseDir(lease_dir(os.path.abspath(env["MINDSPEED_HA_LEASE_ROOT"]),
+                                   bytes.fromhex(job.env["MINDSPEED_HA_AUTH_KEY"])))
+        assert stale.take(Term(5, "127.0.0.1", 1, 1, 1, 1))
+        stale.renew(5, 42)
+        stale.write_roster({"ranks": {"0": {"layout": {}, "pid": 1, "host": "gone"}}, "recoveries": []})
+        n0, n1 = job.start(0), job.start(1)
+        c0, c1 = job.wait(n0, 480), job.wait(n1, 60)
+        log = job.output(0)[-6000:] + "\n----- node 1 -----\n" + job.output(1)[-6000:]
+        assert (c0, c1) == (0, 0), log
+        assert "this launcher (node 0) leads term 6" in job.output(0), log
+        assert "leads term" not in job.output(1) and "incarnations [0, 0]" in job.output(0) + job.output(1), log
+        assert job.losses() == baseline

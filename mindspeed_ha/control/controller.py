@@ -835,8 +835,9 @@ class Controller:
         a successor took a higher term); from then on it handles nothing, for good."""
         if self.stepped_down is None and self.leadership is not None and not self.leadership.may_act():
             self.stepped_down = self.leadership.lost or "leadership lost"
-            log.error("controller: STEPPING DOWN (term %d): %s; this controller acts no more",
+            log.error("controller: STEPPING DOWN (term %d): %s; this controller acts no more and closes its port",
                       self.leadership.term.term, self.stepped_down)
+            self._stopping.set()  # the I/O thread ends and closes the sockets: the ranks see it and follow
         return self.stepped_down is not None
 
     def _drop_input(self) -> None:
@@ -970,6 +971,8 @@ class Controller:
             params = dict(d.params)
             if d.action is ActionKind.RETRY and self.rebuild_store:
                 params["store"] = self.rebuild_store
+            if d.action is ActionKind.RETRY and self.lease is not None:
+                self._write_roster()  # a successor must count this generation, even if it never completes
             for r in d.targets:
                 self._send(r, wire.Action(aid, d.action.value, params))
         if d.next_phase is not None and d.next_phase is not old:

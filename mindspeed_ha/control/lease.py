@@ -153,6 +153,13 @@ class LeaseDir:
             json.dump(roster, f)
         os.replace(tmp, os.path.join(self.path, "roster.json"))
 
+    def drop_roster(self) -> None:
+        """Remove ``roster.json`` (an earlier run's: a new leader writes its own)."""
+        try:
+            os.remove(os.path.join(self.path, "roster.json"))
+        except FileNotFoundError:
+            pass
+
     def read_roster(self) -> dict:
         """The last roster written ({} when none)."""
         try:
@@ -190,16 +197,12 @@ class Leadership:
         self._thread.start()
 
     def may_act(self) -> bool:
-        """True while this process holds the highest term with a lease younger than
-        ``lease_s / 2`` (checked from the filesystem at each call: one listdir)."""
+        """True while this process holds its term with a lease younger than ``lease_s / 2``
+        (in memory: the renewing thread looks for higher terms and never renews late)."""
         if self.lost is not None:
             return False
         if self.clock() - self._renewed_at > self.lease_s / 2:
             self._lose(f"no lease renewal for {self.clock() - self._renewed_at:.1f} s (lease {self.lease_s} s)")
-            return False
-        cur = self.lease.current()
-        if cur is not None and cur.term > self.term.term:
-            self._lose(f"term {cur.term} was taken by node {cur.node_rank} ({cur.host}:{cur.port})")
             return False
         return True
 
@@ -216,6 +219,9 @@ class Leadership:
     def _run(self) -> None:
         while not self._stop.wait(self.lease_s / 4):
             if self.lost is not None:
+                return
+            if self.clock() - self._renewed_at > self.lease_s / 2:  # this process was frozen: too late
+                self._lose(f"no lease renewal for {self.clock() - self._renewed_at:.1f} s (lease {self.lease_s} s)")
                 return
             cur = self.lease.current()
             if cur is not None and cur.term > self.term.term:
@@ -234,15 +240,17 @@ class Leadership:
 class Watch:
     """A standby's view of the leader's lease, on its own clock (no cross-node clocks).
 
-    :meth:`expired` is True once the highest term's counter has not changed for
-    ``lease_s`` seconds of this process's monotonic clock (a new term, or a term with
-    no counter yet, starts the wait again).
+    :meth:`expired` is True once the highest term's counter, after this watch saw it
+    move at least once, has not changed for ``lease_s`` seconds of this process's
+    monotonic clock (a new term starts the wait again). A term never seen alive (left
+    by an earlier run of the job) never expires: a standby never succeeds it.
     """
 
     def __init__(self, lease: LeaseDir, lease_s: float, clock: Callable[[], float] = time.monotonic):
         self.lease, self.lease_s, self.clock = lease, lease_s, clock
         self._seen = (None, None)
         self._since = clock()
+        self._alive: set = set()  # terms whose counter this watch saw move
 
     def expired(self) -> Optional[Term]:
         """The expired term (the one a standby may succeed), or None while it lives."""
@@ -250,8 +258,10 @@ class Watch:
         key = (None if cur is None else cur.term, None if cur is None else self.lease.beat(cur.term))
         now = self.clock()
         if key != self._seen:
+            if key[0] is not None and key[0] == self._seen[0]:
+                self._alive.add(key[0])
             self._seen, self._since = key, now
             return None
-        if cur is not None and now - self._since > self.lease_s:
+        if cur is not None and cur.term in self._alive and now - self._since > self.lease_s:
             return cur
         return None

@@ -618,7 +618,7 @@ class Processor:
                     msg = self.codec.try_decode(frame.buffer, peer="controller")
                     if msg is not None and self.controller_lost_at is None:
                         self._handle(msg)
-                if self.controller_lost_at is None and self._registered.is_set():
+                if self.controller_lost_at is None and self._registered.is_set() and self._disconnected_at is None:
                     with self._cond:
                         self._queue_stop_request_locked()
                     self._flush_outbox()
@@ -674,7 +674,7 @@ class Processor:
         self.addr, self.port, self._term = cur.host, cur.port, cur.term
         self._sock.connect(wire.endpoint(self.addr, self.port))
         self._registered.clear()
-        self._disconnected_at = None
+        self._disconnected_at = now  # until the new leader answers REGISTER (or the loss deadline)
         with self._cond:
             if self._in_fault and self._last_fault is not None:
                 self._outbox.appendleft(self._last_fault)
@@ -853,6 +853,7 @@ class Processor:
         t, body = msg.type, msg.body
         if t is wire.MsgType.REGISTERED:
             if body.accepted:
+                self._disconnected_at = None  # e.g. a new leader answered
                 if not self._registered.is_set():  # once: answers to repeated REGISTERs are not news
                     log.info("rank %d registered with the controller at %s:%s (REGISTER sent %d times)",
                              self.rank, self.addr, self.port, self._register_attempts)

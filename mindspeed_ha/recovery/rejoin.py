@@ -412,11 +412,14 @@ def _write_lease_copy(rank: int, blob: bytes) -> None:
     path = _lease_copy_path(rank)
     if path is None:
         return
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(blob)
-    os.replace(tmp, path)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(blob)
+        os.replace(tmp, path)
+    except OSError as exc:  # best effort: only a rejoin after node 0's loss needs it
+        log.warning("rejoin: cannot keep rank %d's start-up record in %s: %s", rank, path, exc)
 
 
 def _read_lease_copy(rank: int) -> Optional[bytes]:
