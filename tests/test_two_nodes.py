@@ -93,7 +93,7 @@ def test_lost_node1_rejoins_through_a_replacement_launcher(tmp_path, baseline):
 
 
 def _failover_env(tmp_path):
-    return {"MINDSPEED_HA_LEASE_ROOT": str(tmp_path / "lease"), "MINDSPEED_HA_LEASE_S": "2",
+    return {"MINDSPEED_HA_LEASE_ROOT": str(tmp_path / "lease"), "MINDSPEED_HA_LEASE_S": "5",  # renewal every 1.25 s: load never fences a live leader
             "MINDSPEED_HA_NODE_ADDR": "127.0.0.1"}
 
 
@@ -134,7 +134,7 @@ def _wait_for_text(job, node, text, proc, timeout_s=240):
     return text in job.output(node)
 
 
-SPLIT_ITERS = 80  # long enough for the takeover (a lease, then the ranks' heartbeat timeout) mid-run
+SPLIT_ITERS = 120  # long enough for the takeover (a lease, then the ranks' heartbeat timeout) mid-run
 
 
 def test_split_brain_a_frozen_leader_steps_down_and_never_acts_again(tmp_path):
