@@ -264,7 +264,11 @@ def _rejoin_after_setup(wrapped, instance, args, kwargs):
     rt = get_runtime()
     if rt is not None and rt.processor is not None and rt.processor.incarnation > 0 and rt.config.worker_reboot:
         model, optimizer, opt_param_scheduler = result[:3]
-        rt.rejoin_after_setup(model, optimizer, opt_param_scheduler)
+        try:
+            rt.rejoin_after_setup(model, optimizer, opt_param_scheduler)
+        except Exception as exc:  # the rejoin failed (already reported): the controller's verdict ends the rank
+            rt.handle_fault(exc, where="rejoin")
+            raise
     return result
 
 
