@@ -171,26 +171,7 @@ def reload_in_place(rt, plan) -> List[int]:
         raise ReloadError(f"the data iterator does not hold the batches taken after iteration {c} (keep mode is on "
                           "only with --enable-hbmfault-repair, no replica, --save and --save-interval)")
     _invalidate(rt)
-    saved = {name: getattr(args, name) for name in _LOADER_ARGS if hasattr(args, name)}
-    try:
-        args.load = args.save
-        for name in ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples"):
-            if hasattr(args, name):
-                setattr(args, name, 0)  # Megatron-LM's loader asserts 0 (a fresh start)
-        if ctx.opt_param_scheduler is not None:
-            # OptimizerParamScheduler.load_state_dict steps by the saved count from the
-            # current one (megatron/core/optimizer_param_scheduler.py: step(increment=
-            # num_steps)): 0 at start-up; in place it would count twice
-            ctx.opt_param_scheduler.num_steps = 0
-        try:
-            iteration, _ = loader(ctx.model, ctx.optimizer, ctx.opt_param_scheduler)
-        except SystemExit as exc:  # Megatron-LM's loader exits on some errors
-            raise ReloadError(f"the checkpoint loader exited ({exc.code})") from exc
-    finally:
-        for name, value in saved.items():
-            setattr(args, name, value)
-    if int(iteration) != c:
-        raise ReloadError(f"the loader loaded iteration {iteration}, not the latest checkpoint {c}")
+    _load_latest(ctx, loader, args, c)
     for w in wrappers:
         w.rewind_to(c)
     reruns = list(range(c + 1, k + 1))
@@ -225,23 +206,7 @@ def reload_for_rejoin(rt, plan) -> List[int]:
         if getattr(args, flag, False):
             raise ReloadError(f"--{flag.replace('_', '-')} is set: a reload would not restore the state of "
                               f"iteration {c}")
-    saved = {name: getattr(args, name) for name in ("load", "finetune") if hasattr(args, name)}
-    try:
-        args.load = args.save
-        for name in ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples"):
-            if hasattr(args, name):
-                setattr(args, name, 0)
-        if ctx.opt_param_scheduler is not None:
-            ctx.opt_param_scheduler.num_steps = 0
-        try:
-            iteration, _ = loader(ctx.model, ctx.optimizer, ctx.opt_param_scheduler)
-        except SystemExit as exc:
-            raise ReloadError(f"the checkpoint loader exited ({exc.code})") from exc
-    finally:
-        for name, value in saved.items():
-            setattr(args, name, value)
-    if int(iteration) != c:
-        raise ReloadError(f"the loader loaded iteration {iteration}, not the latest checkpoint {c}")
+    _load_latest(ctx, loader, args, c, restore=("load", "finetune"))
     rt._rejoin_reload = True
     rt._kept_from = c  # the data iterators it builds next start after c (track)
     reruns = list(range(c + 1, k + 1))
@@ -367,3 +332,32 @@ def _target(rt, plan, unattached: str):
         raise ReloadError(f"the latest checkpoint ({c}) is newer than the last iteration every survivor completed "
                           f"({k})")
     return k, ctx, loader, args, c
+
+
+def _load_latest(ctx, loader, args, c: int, restore=_LOADER_ARGS) -> None:
+    """Load checkpoint ``c`` of ``--save`` into ``ctx`` with the script's own ``loader``, as a
+    fresh start would; the arguments named in ``restore`` get their values back afterwards.
+
+    Raises:
+        ReloadError: the loader exited, or loaded another iteration than ``c``.
+    """
+    saved = {name: getattr(args, name) for name in restore if hasattr(args, name)}
+    try:
+        args.load = args.save
+        for name in ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples"):
+            if hasattr(args, name):
+                setattr(args, name, 0)  # Megatron-LM's loader asserts 0 (a fresh start)
+        if ctx.opt_param_scheduler is not None:
+            # OptimizerParamScheduler.load_state_dict steps by the saved count from the
+            # current one (megatron/core/optimizer_param_scheduler.py: step(increment=
+            # num_steps)): 0 at start-up; in place it would count twice
+            ctx.opt_param_scheduler.num_steps = 0
+        try:
+            iteration, _ = loader(ctx.model, ctx.optimizer, ctx.opt_param_scheduler)
+        except SystemExit as exc:  # Megatron-LM's loader exits on some errors
+            raise ReloadError(f"the checkpoint loader exited ({exc.code})") from exc
+    finally:
+        for name, value in saved.items():
+            setattr(args, name, value)
+    if int(iteration) != c:
+        raise ReloadError(f"the loader loaded iteration {iteration}, not the latest checkpoint {c}")
