@@ -85,6 +85,7 @@ agent die, ends itself on EOF of its stdin. Spares are only used when the worker
 
 from __future__ import annotations
 
+from mindspeed_ha import env as ha_env
 import dataclasses
 import logging
 import os
@@ -106,9 +107,9 @@ from mindspeed_ha import faults, spare
 log = logging.getLogger("mindspeed_ha.agent")
 
 #: the worker's incarnation: unset (0) for the workers torchrun started, n for the n-th restart of its rank
-ENV_INCARNATION = "MINDSPEED_HA_INCARNATION"
+ENV_INCARNATION = ha_env.INCARNATION
 #: ``1`` in the launcher's env: keep one warm spare process per node (see the module docstring)
-ENV_WARM_SPARES = "MINDSPEED_HA_WARM_SPARES"
+ENV_WARM_SPARES = ha_env.WARM_SPARES
 #: the module every worker of ``mindspeed-ha-run`` runs
 BOOT_MODULE = "mindspeed_ha.boot"
 #: restarts per rank when ``--max-restarts`` is not given (torchrun's default, 0, would make

@@ -20,6 +20,7 @@ iteration was lost and the losses match bit for bit (or within 1e-6 relative: "c
 
 from __future__ import annotations
 
+from mindspeed_ha import env as ha_env
 import json
 import os
 import re
@@ -222,8 +223,8 @@ def run_in_place(ns, workdir: str, launcher, args, summary: dict) -> int:
     t0 = time.monotonic()
     # --save: should the recovery not be possible in place, the dying checkpoint has somewhere to go
     faulty = launch(ns.nproc, args(extra + ["--save", os.path.join(workdir, "checkpoints")]), launcher=launcher,
-                    timeout_s=900, env={"MINDSPEED_HA_INJECT": inject, "MINDSPEED_HA_REPORT": report_path,
-                         "MINDSPEED_HA_INJECT_LOG": inject_log, "MINDSPEED_HA_RECOVERY_LOG": recovery_log})
+                    timeout_s=900, env={ha_env.INJECT: inject, ha_env.REPORT: report_path,
+                         ha_env.INJECT_LOG: inject_log, ha_env.RECOVERY_LOG: recovery_log})
     summary["faulty_seconds"] = round(time.monotonic() - t0, 2)
     summary["faulty_exit_code"] = faulty.returncode
     report = _read_json(report_path)
@@ -373,8 +374,8 @@ def run_demo(ns) -> int:
         print(f"[2/3] faulty: kill rank {ns.kill_rank} at {ns.kill_point} of iteration {ns.kill_iteration}", flush=True)
         t0 = time.monotonic()
         faulty = launch(ns.nproc, args(["--save", ckpt]), launcher=launcher, timeout_s=900,
-                        env={"MINDSPEED_HA_INJECT": inject, "MINDSPEED_HA_REPORT": report_path,
-                             "MINDSPEED_HA_INJECT_LOG": inject_log})
+                        env={ha_env.INJECT: inject, ha_env.REPORT: report_path,
+                             ha_env.INJECT_LOG: inject_log})
         summary["faulty_seconds"] = round(time.monotonic() - t0, 2)
         summary["faulty_exit_code"] = faulty.returncode
         controller_report = _read_json(report_path)

@@ -37,6 +37,8 @@ Megatron-LM's names and file contents come from :mod:`mindspeed_ha.integrations.
 
 from __future__ import annotations
 
+from mindspeed_ha import env as ha_env
+from mindspeed_ha.errors import IntegrityError  # noqa: F401  (one error tree)
 import contextlib
 import copy
 import gc
@@ -58,7 +60,7 @@ log = logging.getLogger("mindspeed_ha.dying")
 _STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
 
 #: set to "1" to keep the staging directory of a failed dying checkpoint (debugging)
-ENV_KEEP_FAILED_STAGING = "MINDSPEED_HA_KEEP_FAILED_STAGING"
+ENV_KEEP_FAILED_STAGING = ha_env.KEEP_FAILED_STAGING
 
 
 @dataclass
@@ -221,10 +223,6 @@ def local_optimizer_shard(optimizer) -> Dict[str, Any]:
 
 
 # ---- integrity: the digests the policy compares (control.integrity) -------------------
-class IntegrityError(RuntimeError):
-    """A part of the state is not what was verified: wrong layout, or its digest changed."""
-
-
 class _Digest:
     """blake2b over names, dtypes, shapes and bytes, in a fixed order; counts non-finite values.
 

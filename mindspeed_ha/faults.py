@@ -1,4 +1,6 @@
-"""Fault kinds, the HA error hierarchy, a table-driven classifier and exit codes.
+"""Exit codes and a table-driven classifier of exceptions into fault kinds.
+
+The kinds and the error tree they label live in :mod:`mindspeed_ha.errors`.
 
 :func:`classify` maps any exception raised inside the training step to a
 :class:`FaultKind` by exception type and message text, walking the whole chain
@@ -10,7 +12,6 @@ matched by class name.
 
 from __future__ import annotations
 
-import enum
 import re
 from typing import Iterator, List, Optional, Pattern, Sequence, Tuple
 
@@ -46,61 +47,10 @@ EXIT_RESUME_FAILED = EXIT_FAILED_BEFORE_TRAINING
 """Alias: a resume that fails in ``load_checkpoint`` is the common case of 79."""
 
 
-# --------------------------------------------------------------------------- kinds
-class FaultKind(str, enum.Enum):
-    """What broke. Values are the wire spelling."""
-
-    UCE = "uce"
-    """Device memory uncorrectable error (HBM multi-bit ECC); the rank's tensors are suspect."""
-    NETWORK = "network"
-    """Communication failure (NCCL, HCCL, gloo, TCP store); local state is intact."""
-    PROCESS = "process"
-    """A peer process died (observed by a collective or reported by the agent)."""
-    UNKNOWN = "unknown"
-    """Anything else (a bug, a data error): not recoverable by retry."""
-    ABORTED = "aborted"
-    """This rank's step was interrupted by the controller's recovery (its collective was
-    aborted, see :mod:`mindspeed_ha.recovery.comm`): a consequence of another rank's
-    fault, its own state is intact."""
-
-
-# --------------------------------------------------------------------------- errors
-class HAError(RuntimeError):
-    """Base of every mindspeed-ha error. ``kind`` classifies it without text matching."""
-
-    kind: FaultKind = FaultKind.UNKNOWN
-
-
-class DeviceMemoryError(HAError):
-    """Uncorrectable device memory error (raise ``from`` the framework's error)."""
-
-    kind = FaultKind.UCE
-
-
-class CommunicationError(HAError):
-    """Collective or point-to-point communication failed."""
-
-    kind = FaultKind.NETWORK
-
-
-class ProcessFailure(HAError):
-    """A peer worker process died."""
-
-    kind = FaultKind.PROCESS
-
-
-class ControlPlaneError(HAError):
-    """The controller/processor link failed (not a training fault)."""
-
-    kind = FaultKind.NETWORK
-
-
-class ControllerLostError(ControlPlaneError):
-    """A frozen processor waited past its deadline without an action."""
-
-
-class IllegalTransition(HAError):
-    """A state machine was asked for a move its transition table forbids."""
+from mindspeed_ha.errors import (  # noqa: E402,F401  (the classifier's vocabulary lives in errors)
+    CommunicationError, ControllerLostError, ControlPlaneError, DeviceMemoryError, FaultKind, HAError,
+    IllegalTransition, ProcessFailure,
+)
 
 
 # --------------------------------------------------------------------------- table

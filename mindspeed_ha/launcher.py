@@ -50,6 +50,7 @@ Without the HA flag it behaves exactly like torchrun.
 
 from __future__ import annotations
 
+from mindspeed_ha import env as ha_env
 import argparse
 import contextlib
 import datetime
@@ -70,12 +71,12 @@ import wrapt
 
 log = logging.getLogger("mindspeed_ha.launcher")
 
-ENV_GRACE = "MINDSPEED_HA_DYING_GRACE_S"
-ENV_REPORT = "MINDSPEED_HA_REPORT"
+ENV_GRACE = ha_env.DYING_GRACE_S
+ENV_REPORT = ha_env.REPORT
 #: directory under which a multi-node job keeps its controller lease (default: <--save>/.mindspeed_ha)
-ENV_LEASE_ROOT = "MINDSPEED_HA_LEASE_ROOT"
+ENV_LEASE_ROOT = ha_env.LEASE_ROOT
 #: the address this node's launcher advertises when it takes over as the controller
-ENV_NODE_ADDR = "MINDSPEED_HA_NODE_ADDR"
+ENV_NODE_ADDR = ha_env.NODE_ADDR
 #: seconds after the preemption deadline before the launcher SIGKILLs the workers left
 #: (the controller's EXIT(77) at the deadline normally ends them first)
 PREEMPT_KILL_MARGIN_S = 5.0
@@ -318,11 +319,11 @@ def _check_before_start(targs, ns) -> None:
         raise ConfigError(f"{ENV_GRACE}={raw!r}: expected seconds > 0 (default 600)")
     if ns.save:
         _check_save_writable(ns.save)
-    if os.environ.get("MINDSPEED_HA_INJECT"):  # a bad test spec: say so once, before 4 tracebacks
+    if os.environ.get(ha_env.INJECT):  # a bad test spec: say so once, before 4 tracebacks
         from mindspeed_ha.testing.injector import parse_env
 
         try:
-            parse_env(os.environ["MINDSPEED_HA_INJECT"])
+            parse_env(os.environ[ha_env.INJECT])
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
 
@@ -360,7 +361,7 @@ def _world_size(targs) -> int:
 
 
 def main(argv=None) -> int:
-    logging.basicConfig(level=os.environ.get("MINDSPEED_HA_LOG", "INFO"),
+    logging.basicConfig(level=os.environ.get(ha_env.LOG, "INFO"),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     argv = list(sys.argv[1:] if argv is None else argv)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -398,17 +399,17 @@ def main(argv=None) -> int:
 
     controller = link = lease = None
     try:
-        if _nnodes(targs) > 1 and not os.environ.get("MINDSPEED_HA_AUTH_KEY"):
+        if _nnodes(targs) > 1 and not os.environ.get(ha_env.AUTH_KEY):
             raise ConfigError("--nnodes > 1 with --enable-high-availability: set MINDSPEED_HA_AUTH_KEY (the same "
                               "hex key, e.g. from `python -c 'import secrets; print(secrets.token_hex(32))'`) in "
                               "every node's launcher environment: it authenticates the control plane")
-        os.environ.setdefault("MINDSPEED_HA_AUTH_KEY", secrets.token_hex(32))
+        os.environ.setdefault(ha_env.AUTH_KEY, secrets.token_hex(32))
         _check_before_start(targs, ns)
         config = HAConfig.from_args(ns)
         lease = _lease_dir(targs, ns, config)
         if lease is not None:
             os.environ.setdefault("TORCH_ELASTIC_WORKER_IDENTICAL", "1")  # ranks without the (maybe lost) store
-            os.environ["MINDSPEED_HA_CONTROLLER_HOSTED"] = "1"  # the launchers run the controllers
+            os.environ[ha_env.CONTROLLER_HOSTED] = "1"  # the launchers run the controllers
         primary = int(targs.node_rank) == 0 and _is_local_address(config.controller_addr)
         first_term = 0
         if primary and lease is not None and lease.current() is not None and not _leader_alive(lease):
@@ -423,8 +424,8 @@ def main(argv=None) -> int:
             controller = Controller(config, world_size=_world_size(targs),
                                     bind_addr=config.controller_addr, port=config.controller_port)
             controller.start()
-            os.environ["MINDSPEED_HA_CONTROLLER_HOSTED"] = "1"
-            os.environ["TTP_PORT"] = str(controller.port)  # the bound port (matters for port 0)
+            os.environ[ha_env.CONTROLLER_HOSTED] = "1"
+            os.environ[ha_env.TTP_PORT] = str(controller.port)  # the bound port (matters for port 0)
             if lease is not None:
                 lease.drop_roster()  # an earlier run's: a successor must not take its ranks
                 if not _lead(controller, lease, first_term, config.controller_addr, 0, int(targs.node_rank)):

@@ -19,6 +19,7 @@ Step protocol, in the order the training thread calls it (one iteration ``k``):
 
 from __future__ import annotations
 
+from mindspeed_ha import env as ha_env
 import logging
 import os
 import subprocess
@@ -32,11 +33,11 @@ from mindspeed_ha.integrations import megatron_lm
 
 log = logging.getLogger("mindspeed_ha.runtime")
 
-ENV_CONTROLLER_HOSTED = "MINDSPEED_HA_CONTROLLER_HOSTED"
-ENV_AUTH_KEY = "MINDSPEED_HA_AUTH_KEY"
-ENV_RECOVERY_LOG = "MINDSPEED_HA_RECOVERY_LOG"
+ENV_CONTROLLER_HOSTED = ha_env.CONTROLLER_HOSTED
+ENV_AUTH_KEY = ha_env.AUTH_KEY
+ENV_RECOVERY_LOG = ha_env.RECOVERY_LOG
 #: testing only: "1" skips the UCE repair (tests/test_in_place_recovery.py proves the damage is real)
-ENV_TESTING_SKIP_REPAIR = "MINDSPEED_HA_TESTING_SKIP_REPAIR"
+ENV_TESTING_SKIP_REPAIR = ha_env.TESTING_SKIP_REPAIR
 
 #: bytes per rank and exchange over the fallback group (a JSON record: status, layout, digests)
 EXCHANGE_BYTES = 4096
@@ -71,7 +72,7 @@ _uncaught = {"code": 0}
 #: attribute set on an exception once it was reported (see HARuntime.handle_fault)
 _REPORTED = "_mindspeed_ha_reported"
 _ACTION = "_mindspeed_ha_action"
-ENV_TESTING_CHECK_HOLDERS = "MINDSPEED_HA_TESTING_CHECK_HOLDERS"  # the controller's answer to the reported fault
+ENV_TESTING_CHECK_HOLDERS = ha_env.TESTING_CHECK_HOLDERS  # the controller's answer to the reported fault
 #: where a fault is reported with the iteration in progress (see patches/optimizer.py)
 _IN_STEP = ("train_step", "update", "update_done")
 _WHERE = {"train": "the training loop (between iterations)", "save": "a regular checkpoint save",

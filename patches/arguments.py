@@ -11,6 +11,7 @@ validated (errors name the flag and the accepted range) and the features are swi
 
 from __future__ import annotations
 
+from mindspeed_ha import env as ha_env
 import argparse
 import os
 
@@ -78,7 +79,7 @@ def apply_ha_args(parsed) -> None:
         features.append("hbm_repair")
     if config.worker_reboot:
         features.append("worker_reboot")
-    if os.environ.get("MINDSPEED_HA_INJECT"):
+    if os.environ.get(ha_env.INJECT):
         features.append("testing")
     enable(*features)
     runtime.configure(config, parsed)

@@ -28,6 +28,7 @@ read/write the CPU generator, so ``get_cuda_rng_tracker().fork()`` really swaps 
 
 from __future__ import annotations
 
+from mindspeed_ha import env as ha_env
 import importlib.util
 import logging
 import os
@@ -35,7 +36,7 @@ import os
 from .registry import Patch, enable
 
 FEATURE = "cpu_backend"
-ENV_OVERRIDE = "MINDSPEED_HA_CPU_BACKEND"
+ENV_OVERRIDE = ha_env.CPU_BACKEND
 
 _CUDA_TYPE_NAMES = {}
 

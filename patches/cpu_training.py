@@ -32,6 +32,7 @@ Megatron-LM core_v0.12.1 (``../shared/docs/CPU_BACKEND_FACTS.md``, "Stock Megatr
 
 from __future__ import annotations
 
+from mindspeed_ha import env as ha_env
 import contextlib
 import hashlib
 import logging
@@ -44,7 +45,7 @@ import threading
 from .registry import Patch
 
 FEATURE = "cpu_backend"
-ENV_CACHE = "MINDSPEED_HA_CACHE"
+ENV_CACHE = ha_env.CACHE
 
 log = logging.getLogger("mindspeed_ha.patches.cpu_training")
 

@@ -26,6 +26,7 @@ foreign wrapper sits between two layers of it.
 
 from __future__ import annotations
 
+from mindspeed_ha import env as ha_env
 import dataclasses
 import functools
 import importlib.metadata
@@ -210,7 +211,7 @@ def _resolve_parent(module, attribute: str):
 
 
 #: comma-separated patch names never to apply (diagnosis, and tests proving a patch is needed)
-ENV_DISABLE = "MINDSPEED_HA_DISABLE_PATCHES"
+ENV_DISABLE = ha_env.DISABLE_PATCHES
 
 
 def _disabled_by_env() -> Set[str]:

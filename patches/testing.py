@@ -11,14 +11,15 @@ The recorder only reads ``train_step``'s return value; it works with every HA fl
 
 from __future__ import annotations
 
+from mindspeed_ha import env as ha_env
 import json
 import os
 import time
 
 from .registry import Patch, enable
 
-ENV_LOSS_LOG = "MINDSPEED_HA_LOSS_LOG"
-ENV_PATCH_REPORT = "MINDSPEED_HA_PATCH_REPORT"
+ENV_LOSS_LOG = ha_env.LOSS_LOG
+ENV_PATCH_REPORT = ha_env.PATCH_REPORT
 
 
 def _hex(value):
@@ -69,7 +70,7 @@ def autoenable() -> bool:
     enabled features, the active patches and whether an HA runtime was configured
     (what ``mindspeed-ha patches`` shows, from inside a real run).
     """
-    if any(os.environ.get(v) for v in (ENV_LOSS_LOG, ENV_PATCH_REPORT, "MINDSPEED_HA_INJECT")):
+    if any(os.environ.get(v) for v in (ENV_LOSS_LOG, ENV_PATCH_REPORT, ha_env.INJECT)):
         enable("testing")
         return True
     return False

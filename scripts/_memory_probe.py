@@ -5,6 +5,7 @@ Run under the launcher with Megatron-style args; writes one JSON per rank into
 params, the DDP grad buffers, and the optimizer's fp32 main params + Adam moments.
 """
 
+from mindspeed_ha import env as ha_env
 import json
 import os
 import sys
@@ -44,7 +45,7 @@ def main():
                main_param_bytes=main_bytes, moment_bytes=moment_bytes,
                replicas=args.num_distributed_optimizer_instances,
                dp=torch.distributed.get_world_size() // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size))
-    path = os.path.join(os.environ["MINDSPEED_HA_BENCH_OUT"], f"rank{out['rank']}.json")
+    path = os.path.join(os.environ[ha_env.BENCH_OUT], f"rank{out['rank']}.json")
     with open(path, "w") as f:
         json.dump(out, f)
 

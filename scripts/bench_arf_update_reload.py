@@ -19,6 +19,7 @@ in place; the silent re-runs are inside ``first_iteration_after``).
 
 from __future__ import annotations
 
+from mindspeed_ha import env as ha_env
 import argparse
 import json
 import os
@@ -51,8 +52,8 @@ def run(case: str, workdir: str) -> dict:
         "--enable-high-availability", "--ha-controller-port", "0", "--enable-worker-reboot",
         "--save", os.path.join(workdir, f"{case}-ckpt"), *extra]
     r = launch(4, args, launcher=launcher_command(4), timeout_s=600,
-               env={"MINDSPEED_HA_INJECT": inject, "MINDSPEED_HA_INJECT_LOG": fired,
-                    "MINDSPEED_HA_RECOVERY_LOG": after, "MINDSPEED_HA_REPORT": report})
+               env={ha_env.INJECT: inject, ha_env.INJECT_LOG: fired,
+                    ha_env.RECOVERY_LOG: after, ha_env.REPORT: report})
     if r.returncode != 0:
         raise SystemExit(f"{case}: run failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
     with open(report) as f:

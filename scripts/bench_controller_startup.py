@@ -9,6 +9,7 @@ Prints min / median / max over ``--repeat`` starts.
     python scripts/bench_controller_startup.py [--repeat 5]
 """
 
+from mindspeed_ha import env as ha_env
 import argparse
 import os
 import socket
@@ -28,7 +29,7 @@ def _free_port() -> int:
 
 def _one() -> float:
     port = _free_port()
-    env = dict(os.environ, MINDSPEED_HA_AUTH_KEY=os.urandom(32).hex())
+    env = dict(os.environ, **{ha_env.AUTH_KEY: os.urandom(32).hex()})
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "mindspeed_ha.control.controller", "--world-size", "4",
                              "--port", str(port), "--bind", "127.0.0.1", "--registration-timeout", "5"],

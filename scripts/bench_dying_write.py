@@ -16,6 +16,7 @@ Also prints, per run, the seconds between the controller's actions (DUMP -> ASSE
 COMMIT -> EXIT) and each rank's own steps (from its action result).
 """
 
+from mindspeed_ha import env as ha_env
 import argparse
 import json
 import os
@@ -92,8 +93,8 @@ def _run_once(mlm, root, tmp, fmt, hidden, log_dir, n):
     args = mlm.stock_gpt_args(pp=2, train_iters=4, ckpt_format=fmt, hidden_size=hidden,
                               num_attention_heads=8, save=save, save_interval=1000,
                               enable_high_availability=True, ha_controller_port=0)
-    env = {"MINDSPEED_HA_CACHE": os.path.join(tmp, "cache"), "MINDSPEED_HA_REPORT": report,
-           "MINDSPEED_HA_INJECT": "rank=3,iteration=2,point=backward"}
+    env = {ha_env.CACHE: os.path.join(tmp, "cache"), ha_env.REPORT: report,
+           ha_env.INJECT: "rank=3,iteration=2,point=backward"}
     r = mlm.launch_stock(root, args, env=env, timeout_s=1800)
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)

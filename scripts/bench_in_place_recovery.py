@@ -20,6 +20,7 @@ steps since the checkpoint are redone; measured as the launcher's wall time).
 
 from __future__ import annotations
 
+from mindspeed_ha import env as ha_env
 import argparse
 import json
 import os
@@ -52,8 +53,8 @@ def in_place(workdir: str, fault: str) -> dict:
         if os.path.exists(p):
             os.remove(p)
     r = launch(4, _args(), launcher=launcher_command(4), timeout_s=600,
-               env={"MINDSPEED_HA_INJECT": FAULTS[fault].format(k=K), "MINDSPEED_HA_INJECT_LOG": fired,
-                    "MINDSPEED_HA_RECOVERY_LOG": after, "MINDSPEED_HA_REPORT": report})
+               env={ha_env.INJECT: FAULTS[fault].format(k=K), ha_env.INJECT_LOG: fired,
+                    ha_env.RECOVERY_LOG: after, ha_env.REPORT: report})
     if r.returncode != 0:
         raise SystemExit(f"{fault}: the run failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
     with open(report) as f:

@@ -9,6 +9,7 @@ count. Prints a table; the formula is Megatron-LM's (see mindspeed_ha.replica.Me
     python scripts/bench_memory.py [--hidden-size 256] [--nproc 4]
 """
 
+from mindspeed_ha import env as ha_env
 import argparse
 import glob
 import json
@@ -27,7 +28,7 @@ def measure(nproc, extra, hidden):
     args = tiny_gpt_args(train_iters=2, hidden_size=hidden, bf16=True) + extra
     cmd = launcher_command(nproc) + ["--log-dir", os.path.join(out, "torchrun"),
                                      os.path.join(HERE, "_memory_probe.py"), *args]
-    env = dict(os.environ, MINDSPEED_HA_BENCH_OUT=out, OMP_NUM_THREADS="1")
+    env = dict(os.environ, **{ha_env.BENCH_OUT: out}, OMP_NUM_THREADS="1")
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if r.returncode != 0:
         shutil.rmtree(out, ignore_errors=True)

@@ -21,6 +21,7 @@ of controller-loss protection (nothing per iteration).
     python scripts/bench_preemption.py [--repeats 3 --heartbeat-timeout 2]
 """
 
+from mindspeed_ha import env as ha_env
 import argparse
 import json
 import os
@@ -59,8 +60,8 @@ def run_one(name, at, iters, hb_timeout, tmp):
         "--enable-high-availability", "--ha-controller-port", "0", "--save", save,
         "--ha-heartbeat-interval", str(hb_timeout / 4), "--ha-heartbeat-timeout", str(hb_timeout)]
     r = launch(4, args, launcher=launcher_command(4), timeout_s=600, env={
-        "MINDSPEED_HA_INJECT": SCENARIOS[name].format(at=at), "MINDSPEED_HA_INJECT_LOG": inj,
-        "MINDSPEED_HA_REPORT": report})
+        ha_env.INJECT: SCENARIOS[name].format(at=at), ha_env.INJECT_LOG: inj,
+        ha_env.REPORT: report})
     with open(inj) as f:
         signal_wall = json.loads(f.readline())["wall"]
     tracker = os.path.join(save, "latest_checkpointed_iteration.txt")

@@ -15,6 +15,7 @@ times, and reports side by side from the same machine in one run:
     python scripts/bench_stock.py [--megatron-lm DIR | --tarball FILE] [--pp 2 --tp 1 --iters 40 --pairs 2]
 """
 
+from mindspeed_ha import env as ha_env
 import argparse
 import os
 import statistics
@@ -53,7 +54,7 @@ def main():
 
     with tempfile.TemporaryDirectory(prefix="bench_stock_") as tmp:
         root = ns.megatron_lm or mlm.unpack(ns.tarball, tmp)
-        env = {"MINDSPEED_HA_CACHE": os.path.join(tmp, "cache")}
+        env = {ha_env.CACHE: os.path.join(tmp, "cache")}
         base = mlm.stock_gpt_args(tp=ns.tp, pp=ns.pp, train_iters=ns.iters)
         ha = ["--enable-high-availability", "--ha-controller-port", "0"]
         # Warm-up run, not counted: builds Megatron's dataset helpers into the cache and

@@ -24,6 +24,7 @@ assertions on times.
 
 from __future__ import annotations
 
+from mindspeed_ha import env as ha_env
 import argparse
 import json
 import os
@@ -39,7 +40,7 @@ WORKER = r'''
 import os, sys, time
 t_first = time.time()  # the first line of the user's script
 out = sys.argv[1]
-rank, inc = int(os.environ["RANK"]), int(os.environ.get("MINDSPEED_HA_INCARNATION", "0"))
+rank, inc = int(os.environ["RANK"]), int(os.environ.get("@INCARNATION@", "0"))
 
 
 def put(name, text):
@@ -80,13 +81,13 @@ def parked_spare():
 
 if rank == 1 and inc == 0:
     wait(lambda: os.path.exists(os.path.join(out, "imported.0.0")))
-    if os.environ.get("MINDSPEED_HA_WARM_SPARES") == "1":
+    if os.environ.get("@WARM_SPARES@") == "1":
         wait(parked_spare)
     put("killed", repr(time.time()))
     os.kill(os.getpid(), 9)
 if rank == 0:
     wait(lambda: os.path.exists(os.path.join(out, "imported.1.1")))
-'''
+'''.replace("@INCARNATION@", ha_env.INCARNATION).replace("@WARM_SPARES@", ha_env.WARM_SPARES)
 
 
 def one_run(workdir: str, warm: bool) -> dict:
@@ -98,9 +99,9 @@ def one_run(workdir: str, warm: bool) -> dict:
     with open(script, "w") as f:
         f.write(WORKER)
     env = dict(os.environ, TTP_PORT="0", OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    env.pop("MINDSPEED_HA_WARM_SPARES", None)
+    env.pop(ha_env.WARM_SPARES, None)
     if warm:
-        env["MINDSPEED_HA_WARM_SPARES"] = "1"
+        env[ha_env.WARM_SPARES] = "1"
     cmd = [sys.executable, "-m", "mindspeed_ha.launcher", "--standalone", "--nproc-per-node=2",
            "--monitor-interval=0.01", "--log-dir", os.path.join(run, "logs"), script, out,
            "--enable-high-availability", "--enable-worker-reboot"]

@@ -28,6 +28,7 @@ other two; the table then has a column per kind.
 
 from __future__ import annotations
 
+from mindspeed_ha import env as ha_env
 import argparse
 import json
 import os
@@ -60,9 +61,9 @@ def arf(workdir: str, warm: bool = False) -> dict:
         if os.path.exists(p):
             os.remove(p)
     r = launch(4, _args(), launcher=launcher_command(4), timeout_s=600,
-               env={"MINDSPEED_HA_INJECT": KILL, "MINDSPEED_HA_INJECT_LOG": fired,
-                    "MINDSPEED_HA_RECOVERY_LOG": after, "MINDSPEED_HA_REPORT": report,
-                    **({"MINDSPEED_HA_WARM_SPARES": "1"} if warm else {})})
+               env={ha_env.INJECT: KILL, ha_env.INJECT_LOG: fired,
+                    ha_env.RECOVERY_LOG: after, ha_env.REPORT: report,
+                    **({ha_env.WARM_SPARES: "1"} if warm else {})})
     if r.returncode != 0:
         raise SystemExit(f"ARF run failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
     with open(report) as f:

@@ -22,6 +22,7 @@ then in the hands of the processors' own controller-loss handling).
 
 from __future__ import annotations
 
+from mindspeed_ha.errors import AgentLinkError  # noqa: F401  (one error tree)
 import itertools
 import logging
 import os
@@ -39,10 +40,6 @@ log = logging.getLogger(__name__)
 
 #: seconds between two AGENT_HELLO while the controller says a rank is still alive / is silent
 HELLO_RETRY_S = 0.5
-
-
-class AgentLinkError(RuntimeError):
-    """The controller refused this launcher's workers, or did not answer in time."""
 
 
 class AgentLink:

@@ -40,6 +40,7 @@ link(2) to make a link to the lockfile" on NFS).
 
 from __future__ import annotations
 
+from mindspeed_ha import env as ha_env
 import dataclasses
 import errno
 import hashlib
@@ -51,8 +52,8 @@ import threading
 import time
 from typing import Callable, Optional
 
-ENV_LEASE_DIR = "MINDSPEED_HA_LEASE_DIR"
-ENV_LEASE_S = "MINDSPEED_HA_LEASE_S"
+ENV_LEASE_DIR = ha_env.LEASE_DIR
+ENV_LEASE_S = ha_env.LEASE_S
 DEFAULT_LEASE_S = 10.0
 _TERM = re.compile(r"^term-(\d+)\.json$")
 

@@ -51,6 +51,8 @@ the last completed iteration themselves (:meth:`Processor.on_controller_lost`, s
 
 from __future__ import annotations
 
+from mindspeed_ha import env as ha_env
+from mindspeed_ha.errors import ProcessorExited  # noqa: F401  (one error tree)
 import collections
 import dataclasses
 import logging
@@ -100,10 +102,6 @@ LEASE_POLL_S = 0.25
 
 #: actions whose arrival is delivered to the main thread (report_fault / begin_update)
 MAIN_THREAD_KINDS = frozenset({ActionKind.RETRY.value, ActionKind.RESUME.value, ActionKind.EXIT.value})
-
-
-class ProcessorExited(HAError):
-    """The controller ended this rank (EXIT) and the exit handler returned."""
 
 
 def default_exit_handler(code: int, reason: str) -> None:
@@ -188,7 +186,7 @@ class Processor:
         self._goodbye_queued = False
         self.stop_received_at: Optional[float] = None
         # ARF: the launcher's restarts of this rank's process, and whether it can rejoin
-        self.incarnation = int(os.environ.get("MINDSPEED_HA_INCARNATION", "0") or 0)
+        self.incarnation = int(os.environ.get(ha_env.INCARNATION, "0") or 0)
         self.rejoins = False
         #: set when STOP or DRAIN arrives (a stop is under way); for the runtime and tests to wait on
         self.stop_event = threading.Event()

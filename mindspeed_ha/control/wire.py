@@ -27,6 +27,7 @@ dropped by ZeroMQ itself (the connection is closed before the frame is read).
 
 from __future__ import annotations
 
+from mindspeed_ha.errors import WireError  # noqa: F401  (one error tree)
 import collections
 import dataclasses
 import enum
@@ -60,14 +61,6 @@ DEFAULT_MAX_BYTES = 1 << 20
 TRANSPORT_OVERHEAD = 256
 #: senders whose last ``seq`` a Codec remembers
 MAX_SENDERS = 4096
-
-
-class WireError(ValueError):
-    """A frame was rejected; ``reason`` is a short counter key."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
 
 
 class MsgType(str, enum.Enum):

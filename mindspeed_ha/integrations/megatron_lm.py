@@ -42,6 +42,7 @@ uses a collective: the dying checkpoint calls it while peers are dead.
 
 from __future__ import annotations
 
+from mindspeed_ha.errors import CheckpointError  # noqa: F401  (one error tree)
 import contextlib
 
 import glob
@@ -62,10 +63,6 @@ CHECKPOINT_VERSION = 3.0
 MODEL_FILE = "model_optim_rng.pt"
 OPTIM_FILE = "distrib_optim.pt"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written, validated or committed."""
 
 
 # ---- args and model -----------------------------------------------------------------

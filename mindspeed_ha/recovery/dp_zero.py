@@ -27,6 +27,7 @@ Every byte of the file is written once; nothing is staged and copied.
 
 from __future__ import annotations
 
+from mindspeed_ha.errors import DPZeroError  # noqa: F401  (one error tree)
 import contextlib
 import json
 import os
@@ -37,10 +38,6 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Tupl
 from mindspeed_ha.recovery import torch_file
 
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
-
-
-class DPZeroError(RuntimeError):
-    """The shard savers' writes do not form one complete ``distrib_optim.pt``."""
 
 
 @dataclass(frozen=True)

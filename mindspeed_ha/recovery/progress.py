@@ -42,6 +42,7 @@ a process group as a length header (int64) and a uint8 tensor.
 
 from __future__ import annotations
 
+from mindspeed_ha.errors import ProgressError  # noqa: F401  (one error tree)
 import random  # noqa: F401  (documented source of the python RNG state)
 from typing import Any, Dict, Optional
 
@@ -55,10 +56,6 @@ MAX_BYTES = 1 << 20
 #: the args fields a checkpoint load sets that a restarted process takes from its holder
 ARGS_FIELDS = ("iteration", "consumed_train_samples", "skipped_train_samples", "consumed_valid_samples",
                "num_floating_point_operations_so_far")
-
-
-class ProgressError(RuntimeError):
-    """A progress message is malformed, too large, or of another version."""
 
 
 def _tensor(t: torch.Tensor) -> Dict[str, Any]:

@@ -129,6 +129,8 @@ number of dataset splits), never between two incarnations of one job.
 
 from __future__ import annotations
 
+from mindspeed_ha import env as ha_env
+from mindspeed_ha.errors import RejoinError, RejoinMismatch  # noqa: F401  (one error tree)
 import contextlib
 import inspect
 import logging
@@ -154,7 +156,7 @@ MAX_OUTPUT_BYTES = 256 * 1024
 #: the torch.distributed backend of the groups a rejoining process creates before startup_done
 BACKEND = "ha_deferred"
 #: environment variable set by the launcher's agent on a restarted worker (1, 2, ...)
-ENV_INCARNATION = "MINDSPEED_HA_INCARNATION"
+ENV_INCARNATION = ha_env.INCARNATION
 
 RECORD, REPLAY, DONE = "record", "replay", "done"
 _ENTRY_OVERHEAD = 96  # bytes counted per recorded op (its header fields), for the size bound
@@ -162,14 +164,6 @@ _ENTRY_OVERHEAD = 96  # bytes counted per recorded op (its header fields), for t
 
 #: the suffix groups.rebuild_process_groups gives a rebuilt group's name
 _GENERATION = re.compile(r"(\.ha\d+)+$")
-
-
-class RejoinError(RuntimeError):
-    """A rejoin cannot replay this rank's start-up (no record, too big, unsupported, ...)."""
-
-
-class RejoinMismatch(RejoinError):
-    """The new process's start-up diverged from the recorded one (call index, both sides)."""
 
 
 # --------------------------------------------------------------------------- state

@@ -35,6 +35,7 @@ Memory: keep mode holds the data items since the last save (see
 
 from __future__ import annotations
 
+from mindspeed_ha.errors import ReloadError  # noqa: F401  (one error tree)
 import logging
 import os
 from typing import Any, Callable, List, Optional
@@ -51,10 +52,6 @@ _LOADER_ARGS = ("load", "consumed_train_samples", "skipped_train_samples", "cons
 
 #: --async-save: the iteration of the previous save (its items are forgotten at the next one)
 _last_save: List[Optional[int]] = [None]
-
-
-class ReloadError(RuntimeError):
-    """The latest periodic checkpoint cannot be reloaded in place (the message says why)."""
 
 
 # ---- keeping the data since the last save ------------------------------------------------

@@ -27,6 +27,7 @@ and loads with Megatron-LM's stock ``--load`` / ``--ckpt-format torch_dist``.
 
 from __future__ import annotations
 
+from mindspeed_ha.errors import TorchDistCheckpointError  # noqa: F401  (one error tree)
 import dataclasses
 import json
 import os
@@ -41,10 +42,6 @@ CONFIG_FILE = "metadata.json"
 METADATA_FILE = ".metadata"
 #: megatron-core's torch_dist backend name and version (dist_checkpointing/strategies/torch.py).
 BACKEND = ("torch_dist", 1)
-
-
-class TorchDistCheckpointError(CheckpointError):
-    """A part could not be written or the parts do not form a complete checkpoint."""
 
 
 def _as_dp_main(sh):

@@ -27,6 +27,7 @@ header 4.3.12, end of central directory 4.3.16, zip64 end record and locator
 
 from __future__ import annotations
 
+from mindspeed_ha.errors import TorchFileError  # noqa: F401  (one error tree)
 import io
 import os
 import pickle
@@ -38,10 +39,6 @@ from typing import Any, Dict, List, Tuple
 _LOCAL_SIG, _CENTRAL_SIG = 0x04034B50, 0x02014B50
 _EOCD_SIG, _ZIP64_EOCD_SIG, _ZIP64_LOCATOR_SIG = 0x06054B50, 0x06064B50, 0x07064B50
 _CRC_POLY = 0xEDB88320  # reflected CRC-32 (zlib.crc32)
-
-
-class TorchFileError(RuntimeError):
-    """The skeleton is not a zip archive this module understands, or a write plan is inconsistent."""
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ would break the links. Messages go through ``torch.distributed.send`` / ``recv``
 
 from __future__ import annotations
 
+from mindspeed_ha.errors import StateMismatch  # noqa: F401  (one error tree)
 import hashlib
 import json
 import re
@@ -56,10 +57,6 @@ PROTOCOL_VERSION = 1
 #: Measured (gloo, 2 ranks on one 2-core host, 256 MiB of fp32, median of 3): 4 MiB
 #: messages 799 MiB/s, 16 MiB 912 MiB/s, 64 MiB 591 MiB/s, one 256 MiB message 551 MiB/s.
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-
-
-class StateMismatch(RuntimeError):
-    """The sender's and the receiver's state tensors differ in number, name, shape or dtype."""
 
 
 @dataclass

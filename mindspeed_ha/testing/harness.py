@@ -10,6 +10,7 @@ Shipped for users' own integration tests (CPU/gloo works everywhere)::
 
 from __future__ import annotations
 
+from mindspeed_ha import env as ha_env
 import dataclasses
 import glob
 import json
@@ -22,7 +23,7 @@ import tempfile
 from typing import Dict, List, Mapping, Optional, Sequence
 
 TRAINER_MODULE = "mindspeed_ha.testing.trainer.pretrain_gpt"
-ENV_LOSS_LOG = "MINDSPEED_HA_LOSS_LOG"  # patches/testing.py
+ENV_LOSS_LOG = ha_env.LOSS_LOG  # patches/testing.py
 
 
 @dataclasses.dataclass
@@ -318,8 +319,8 @@ class TwoNodeJob:
         self.nproc, self.module, self.train_args = nproc, module, list(train_args)
         self.env = dict(os.environ)
         self.env.setdefault("OMP_NUM_THREADS", "1")
-        self.env["MINDSPEED_HA_AUTH_KEY"] = os.urandom(32).hex()
-        self.env["TTP_PORT"] = str(self.controller_port)
+        self.env[ha_env.AUTH_KEY] = os.urandom(32).hex()
+        self.env[ha_env.TTP_PORT] = str(self.controller_port)
         self.env.update(env or {})
         self.procs: Dict[int, List[subprocess.Popen]] = {0: [], 1: []}
 

@@ -72,14 +72,16 @@ Several specs may be joined with ``;``.
 
 from __future__ import annotations
 
+from mindspeed_ha import env as ha_env
+from mindspeed_ha.errors import InjectedFault  # noqa: F401  (one error tree)
 import dataclasses
 import os
 import signal
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
-ENV = "MINDSPEED_HA_INJECT"
-ENV_LOG = "MINDSPEED_HA_INJECT_LOG"  # optional: append a JSON line per fired fault
+ENV = ha_env.INJECT
+ENV_LOG = ha_env.INJECT_LOG  # optional: append a JSON line per fired fault
 POINTS = ("forward", "backward", "grad_sync", "optimizer", "between", "data", "eval", "save", "final_save",
           "dying", "pp", "tp", "recover")
 FAULTS = ("kill", "raise", "stop", "corrupt", "term", "term_launcher", "int_launcher", "kill_launcher", "uce",
@@ -116,10 +118,6 @@ _GRAD_SYNC_OPS = ("all_reduce", "reduce_scatter", "reduce_scatter_tensor", "_red
                   # gloo: DDP's bucket ops are recorded inside torch's coalescing manager
                   # and launched as one at its exit, where comm's hook names the manager
                   "_coalescing_manager")
-
-
-class InjectedFault(RuntimeError):
-    """Raised by ``fault=raise``."""
 
 
 @dataclass(frozen=True)
@@ -218,7 +216,7 @@ class Injector:
 
     def __init__(self, rank: int, specs: List[FaultSpec]):
         self.rank = rank
-        here = int(os.environ.get("MINDSPEED_HA_INCARNATION", "0") or 0)
+        here = int(os.environ.get(ha_env.INCARNATION, "0") or 0)
         self.specs = [s for s in specs if s.rank == rank and s.incarnation == here]
         self._fired: set = set()  # specs that fired (each fires once per process)
         if any(s.fault == "network" for s in self.specs):

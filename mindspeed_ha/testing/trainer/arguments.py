@@ -10,15 +10,12 @@ Ours (not in Megatron-LM): ``--loss-log FILE`` (JSON lines, one per iteration).
 
 from __future__ import annotations
 
+from mindspeed_ha.errors import ArgumentError  # noqa: F401  (one error tree)
 import argparse
 import os
 from typing import Optional, Sequence
 
 _GLOBAL_ARGS = None
-
-
-class ArgumentError(ValueError):
-    """An invalid command-line value; the message names the flag and the accepted range."""
 
 
 def get_args():

@@ -18,6 +18,7 @@ CLI: ``python -m mindspeed_ha.testing.trainer.data --input X.txt --output-prefix
 
 from __future__ import annotations
 
+from mindspeed_ha import env as ha_env
 import argparse
 import os
 import tempfile
@@ -27,7 +28,7 @@ import numpy as np
 
 EOD_ID = 256
 BYTE_VOCAB_SIZE = 257
-ENV_CACHE = "MINDSPEED_HA_CACHE"
+ENV_CACHE = ha_env.CACHE
 
 
 def _tokenizer_base():

@@ -1,0 +1,89 @@
+"""Every environment variable mindspeed-ha reads or sets, named once.
+
+The string literals live here and nowhere else in the product (``mindspeed_ha/``,
+``patches/``, ``scripts/``): modules import the constants (``from mindspeed_ha import env
+as ha_env``). :class:`mindspeed_ha.config.HAConfig` reads the job settings among them
+(precedence: environment > flag > default, see its module docstring); the others are read
+where they act, as documented per name. Imports nothing.
+"""
+
+# ---------------------------------------------------------------- the reference's contract
+#: controller (master node) address for the ranks, an IPv4/IPv6 literal (MindIO TFT's name)
+TTP_ADDR = "TTP_ADDR"
+#: controller port (MindIO TFT's default 8000); the launcher sets the bound port here
+TTP_PORT = "TTP_PORT"
+#: controller address from the pod network (Kubernetes); wins over ``TTP_ADDR``
+CONTROLLER_ADDR = "CONTROLLER_ADDR"
+#: this rank's own interface address (Kubernetes pod network)
+PROCESSOR_ADDR = "PROCESSOR_ADDR"
+
+# ---------------------------------------------------------------- job settings (HAConfig)
+#: seconds between a processor's heartbeats
+HEARTBEAT_INTERVAL = "MINDSPEED_HA_HEARTBEAT_INTERVAL"
+#: seconds of silence after which the controller counts a rank lost
+HEARTBEAT_TIMEOUT = "MINDSPEED_HA_HEARTBEAT_TIMEOUT"
+#: seconds the controller waits for every rank to stop
+STOP_TIMEOUT = "MINDSPEED_HA_STOP_TIMEOUT"
+#: seconds the controller waits for an action's result (dump, repair, ...)
+ACTION_TIMEOUT = "MINDSPEED_HA_ACTION_TIMEOUT"
+#: seconds a processor tries to reach the controller at start-up
+CONNECT_TIMEOUT = "MINDSPEED_HA_CONNECT_TIMEOUT"
+#: seconds from SIGTERM/SIGINT to the committed checkpoint (graceful stop)
+PREEMPTION_DEADLINE = "MINDSPEED_HA_PREEMPTION_DEADLINE"
+#: largest control-plane message, bytes
+MAX_MESSAGE_BYTES = "MINDSPEED_HA_MAX_MESSAGE_BYTES"
+#: the job key, hex (>= 16 bytes): CURVE keys and HMAC tags derive from it
+AUTH_KEY = "MINDSPEED_HA_AUTH_KEY"
+#: the torch caching allocators' switches (UCE repair needs the allocator on)
+NO_CUDA_CACHING = "PYTORCH_NO_CUDA_MEMORY_CACHING"
+NO_NPU_CACHING = "PYTORCH_NO_NPU_MEMORY_CACHING"
+
+# ---------------------------------------------------------------- launcher -> ranks
+#: "1" when the launcher runs the controller (ranks do not start their own)
+CONTROLLER_HOSTED = "MINDSPEED_HA_CONTROLLER_HOSTED"
+#: the incarnation of a restarted worker (0 = first start), set by the agent
+INCARNATION = "MINDSPEED_HA_INCARNATION"
+#: warm spares per node: pre-imported interpreters a restart takes over
+WARM_SPARES = "MINDSPEED_HA_WARM_SPARES"
+#: seconds the launcher grants the survivors to write the dying checkpoint
+DYING_GRACE_S = "MINDSPEED_HA_DYING_GRACE_S"
+#: path of the launcher's JSON report (outcome, recoveries, phase seconds)
+REPORT = "MINDSPEED_HA_REPORT"
+#: parent of the controller-failover lease directories (default ``<--save>/.mindspeed_ha``)
+LEASE_ROOT = "MINDSPEED_HA_LEASE_ROOT"
+#: this job's lease directory (set by the launcher for its controllers)
+LEASE_DIR = "MINDSPEED_HA_LEASE_DIR"
+#: lease seconds of controller failover (default 10)
+LEASE_S = "MINDSPEED_HA_LEASE_S"
+#: this node's address for the other launchers' agent links
+NODE_ADDR = "MINDSPEED_HA_NODE_ADDR"
+#: the launcher's log level (a ``logging`` level name)
+LOG = "MINDSPEED_HA_LOG"
+
+# ---------------------------------------------------------------- patches and checkpoints
+#: comma-separated patch names not to apply
+DISABLE_PATCHES = "MINDSPEED_HA_DISABLE_PATCHES"
+#: "0"/"1": force the CPU backend off/on (default: on without CUDA and NPU)
+CPU_BACKEND = "MINDSPEED_HA_CPU_BACKEND"
+#: directory of built C++ helpers and datasets (Megatron's dataset helpers)
+CACHE = "MINDSPEED_HA_CACHE"
+#: "1": keep a failed dying checkpoint's staging directory (debugging)
+KEEP_FAILED_STAGING = "MINDSPEED_HA_KEEP_FAILED_STAGING"
+
+# ---------------------------------------------------------------- measurement and tests
+#: JSON lines: one per rank when its re-run iteration is done after a recovery
+RECOVERY_LOG = "MINDSPEED_HA_RECOVERY_LOG"
+#: fault injector specs (``rank=R,iteration=K,point=P[,fault=F]``; ``;`` between specs)
+INJECT = "MINDSPEED_HA_INJECT"
+#: JSON lines: one per fired injected fault (wall clock)
+INJECT_LOG = "MINDSPEED_HA_INJECT_LOG"
+#: JSON lines: per-iteration losses (tests compare them bit for bit)
+LOSS_LOG = "MINDSPEED_HA_LOSS_LOG"
+#: path: each rank writes which patches it applied
+PATCH_REPORT = "MINDSPEED_HA_PATCH_REPORT"
+#: test only: skip the repair from a replica (a test proves the losses then differ)
+TESTING_SKIP_REPAIR = "MINDSPEED_HA_TESTING_SKIP_REPAIR"
+#: test only: after a group rebuild, fail if an old group is still referenced
+TESTING_CHECK_HOLDERS = "MINDSPEED_HA_TESTING_CHECK_HOLDERS"
+#: benchmarks: the memory probe's output directory
+BENCH_OUT = "MINDSPEED_HA_BENCH_OUT"
