@@ -30,6 +30,7 @@ preemption_deadline_s              ``MINDSPEED_HA_PREEMPTION_DEADLINE`` >      `
                                    ``--ha-preemption-deadline``
 max_message_bytes                  ``MINDSPEED_HA_MAX_MESSAGE_BYTES``          ``1 MiB``
 auth_key                           ``MINDSPEED_HA_AUTH_KEY`` (hex)             ``None``
+network_retries                    ``--ha-network-retries``                    ``3``
 =================================  ==========================================  ===============
 
 Addresses: ``TTP_ADDR`` must be an IPv4 or IPv6 literal (the reference's contract);
@@ -44,8 +45,6 @@ or environment variable and the accepted range.
 
 from __future__ import annotations
 
-from mindspeed_ha import env as ha_env
-from mindspeed_ha.errors import ConfigError  # noqa: F401  (one error tree)
 import argparse
 import dataclasses
 import ipaddress
@@ -53,6 +52,9 @@ import math
 import os
 import re
 from typing import Any, Mapping, Optional
+
+from mindspeed_ha import env as ha_env
+from mindspeed_ha.errors import ConfigError  # noqa: F401  (re-exported: callers import it from here)
 
 ENV_CONTROLLER_ADDR = ha_env.CONTROLLER_ADDR
 ENV_TTP_ADDR = ha_env.TTP_ADDR
@@ -130,55 +132,76 @@ def _arg(args: Any, name: str, default: Any = None) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class HAConfig:
-    """Validated HA settings of one job. Immutable; build with :meth:`from_args`.
+    """Validated HA settings of one job. Immutable; build with :meth:`from_args` (a copy
+    with other values: ``dataclasses.replace``, which validates again).
 
-    Attributes:
-        enabled: ``--enable-high-availability`` (dying checkpoint; master switch).
-        hbm_repair: ``--enable-hbmfault-repair`` (UCE online repair).
-        worker_reboot: ``--enable-worker-reboot`` (ARF process restart).
-        no_replica: ``--distributed-optimizer-no-replica``.
-        distributed_optimizer: Megatron's ``--use-distributed-optimizer``.
-        replica_count: N, optimizer replicas of each shard (1 with ``no_replica``).
-            Meaningful only with the distributed optimizer; see
-            :meth:`effective_replica_count`.
-        controller_addr / controller_port: where the controller listens.
-        processor_addr: this rank's own address (pod network), informational.
-        heartbeat_interval_s: processor heartbeat period, seconds.
-        heartbeat_timeout_s: silence after which a rank is declared dead, seconds.
-        stop_timeout_s: how long the STOP round waits for STOPPED replies, seconds.
-        action_timeout_s: deadline of one DUMP / ASSEMBLE / COMMIT action, seconds.
-        connect_timeout_s: how long a processor tries to register, seconds (the
-            deadline of the registration wait; generous for slow nodes).
-        max_message_bytes: cap on one control message.
-        preemption_deadline_s: graceful stop (SIGTERM/SIGINT to the launcher or to a
-            worker): seconds from the signal until the checkpoint must be committed. The
-            first half is for every rank to finish its current iteration (past it the
-            iteration is abandoned and the last one every rank completed is saved); past
-            the whole deadline the save is abandoned (EXIT 77: nothing published, tracker
-            untouched) and the launcher ends what is left. Range (0, 3600].
-        auth_key: HMAC key shared by the job (None until the launcher provides it).
-        save_dir: Megatron's ``--save`` (None: a dying checkpoint cannot be written).
+    Each field's docstring names its unit, its sources (highest first, see the module's
+    precedence table) and its accepted range; :meth:`__post_init__` enforces the ranges.
     """
 
     enabled: bool = False
+    """``--enable-high-availability``: the master switch (dying checkpoint, optimizer replicas,
+    the controller). The three switches below require it."""
     hbm_repair: bool = False
+    """``--enable-hbmfault-repair``: repair a device memory UCE online (needs the framework's
+    caching allocator: ``PYTORCH_NO_CUDA_MEMORY_CACHING`` / ``PYTORCH_NO_NPU_MEMORY_CACHING``
+    unset)."""
     worker_reboot: bool = False
+    """``--enable-worker-reboot``: ARF, restart only the failed workers and continue."""
     no_replica: bool = False
+    """``--distributed-optimizer-no-replica``: no optimizer replicas (forces ``replica_count``
+    1); a repair reloads the latest periodic checkpoint instead."""
     distributed_optimizer: bool = False
+    """Megatron's ``--use-distributed-optimizer`` (optimizer state sharded over DP)."""
     replica_count: int = DEFAULT_REPLICA_COUNT
+    """N, copies of each distributed-optimizer shard: ``--ha-replica-count`` > 1 with
+    ``no_replica`` > 2. Integer >= 1 that divides the DP size (checked by
+    :func:`validate_ha_args`); meaningful only with the distributed optimizer (a
+    non-distributed one holds the full state on every DP rank)."""
     controller_addr: str = DEFAULT_CONTROLLER_ADDR
+    """Where the controller listens: ``CONTROLLER_ADDR`` (IP or host name) > ``TTP_ADDR``
+    (IP literal) > ``--ha-controller-addr`` (IP or host name) > ``127.0.0.1``."""
     processor_addr: Optional[str] = None
+    """This rank's own address (pod network) from ``PROCESSOR_ADDR``, IP or host name, or None
+    when unset. Validated, informational: no module acts on it today."""
     controller_port: int = DEFAULT_PORT
+    """Controller TCP port: ``TTP_PORT`` > ``--ha-controller-port`` > 8000; range 0..65535
+    (0: ``mindspeed-ha-run`` binds a free port and exports it in ``TTP_PORT``)."""
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
+    """Processor heartbeat period, seconds: ``MINDSPEED_HA_HEARTBEAT_INTERVAL`` >
+    ``--ha-heartbeat-interval`` > 1.0; finite, > 0."""
     heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
+    """Silence after which the controller counts a rank lost, seconds:
+    ``MINDSPEED_HA_HEARTBEAT_TIMEOUT`` > ``--ha-heartbeat-timeout`` > 10.0; finite and at
+    least 2 x ``heartbeat_interval_s`` (one lost heartbeat is not a death)."""
     stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S
+    """How long the STOP round waits for STOPPED replies, seconds:
+    ``MINDSPEED_HA_STOP_TIMEOUT`` > ``--ha-stop-timeout`` > 30.0; finite, > 0."""
     action_timeout_s: float = DEFAULT_ACTION_TIMEOUT_S
+    """Deadline of one action (DUMP / ASSEMBLE / COMMIT, a repair), seconds:
+    ``MINDSPEED_HA_ACTION_TIMEOUT`` > ``--ha-action-timeout`` > 600.0; finite, > 0."""
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
+    """How long a processor tries to register with the controller, seconds:
+    ``MINDSPEED_HA_CONNECT_TIMEOUT`` > ``--ha-connect-timeout`` > 60.0; finite, > 0
+    (generous for slow nodes)."""
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    """Cap on one control message, bytes: ``MINDSPEED_HA_MAX_MESSAGE_BYTES`` > 1 MiB;
+    range 4096..67108864."""
     preemption_deadline_s: float = DEFAULT_PREEMPTION_DEADLINE_S
+    """Graceful stop (SIGTERM/SIGINT to the launcher or to a worker): seconds from the signal
+    until the checkpoint must be committed. ``MINDSPEED_HA_PREEMPTION_DEADLINE`` >
+    ``--ha-preemption-deadline`` > 20.0; range (0, 3600]. The first half is for every rank
+    to finish its current iteration (past it the iteration is abandoned and the last one
+    every rank completed is saved); past the whole deadline the save is abandoned (EXIT 77:
+    nothing published, tracker untouched) and the launcher ends what is left."""
     network_retries: int = DEFAULT_NETWORK_RETRIES
+    """In-place retries of one iteration after network faults: ``--ha-network-retries`` > 3;
+    range 0..100 (0: a network fault ends in the dying checkpoint)."""
     auth_key: Optional[bytes] = dataclasses.field(default=None, repr=False)
+    """The job's HMAC key (CURVE keys derive from it too): ``MINDSPEED_HA_AUTH_KEY``, hex, at
+    least 16 bytes. None until the launcher or the runtime provides one; never printed."""
     save_dir: Optional[str] = None
+    """Megatron's ``--save``, where a dying checkpoint goes (None: none can be written)."""
 
     def __post_init__(self) -> None:
         if not self.enabled:
@@ -286,34 +309,6 @@ class HAConfig:
             auth_key=auth_key_from(env),
             save_dir=_arg(args, "save", None) or None,
         )
-
-    def with_auth_key(self, key: bytes) -> "HAConfig":
-        """Return a copy carrying the job's auth key (provided after construction)."""
-        return dataclasses.replace(self, auth_key=key)
-
-    def replace(self, **changes: Any) -> "HAConfig":
-        """Return a validated copy with ``changes`` applied (tests, launcher)."""
-        return dataclasses.replace(self, **changes)
-
-    @property
-    def replica_patch_active(self) -> bool:
-        """True when the replica optimizer patches must be applied (never with N = 1)."""
-        return self.enabled and self.distributed_optimizer and not self.no_replica and self.replica_count > 1
-
-    def effective_replica_count(self, dp_size: int) -> int:
-        """Copies of each optimizer shard in a DP group of ``dp_size`` ranks.
-
-        Non-distributed optimizers hold the full state on every DP rank, so N = d.
-        """
-        return self.replica_count if self.distributed_optimizer else dp_size
-
-    @property
-    def endpoint(self) -> str:
-        """ZeroMQ endpoint of the controller, e.g. ``tcp://10.0.0.1:8000`` or ``tcp://[fd00::1]:8000``."""
-        host = self.controller_addr
-        if ":" in host:
-            host = f"[{host}]"
-        return f"tcp://{host}:{self.controller_port}"
 
 
 def _network_retries(args: Any) -> int:
@@ -506,8 +501,8 @@ def validate_ha_args(
         env: environment mapping (``os.environ`` when None).
 
     Returns:
-        The :class:`HAConfig` (its ``replica_count`` is the configured N; use
-        :meth:`HAConfig.effective_replica_count` for non-distributed optimizers).
+        The :class:`HAConfig` (its ``replica_count`` is the configured N; a
+        non-distributed optimizer holds the state on all d data-parallel ranks).
 
     Raises:
         ConfigError: naming the offending flag/env var and the accepted values.

@@ -1,10 +1,22 @@
 """HAConfig from args + env; each error names its flag / env var."""
 
 import argparse
+import dataclasses
 
 import pytest
 
 from mindspeed_ha.config import ConfigError, HAConfig, add_ha_arguments, validate_ha_args
+from mindspeed_ha.control import wire
+
+
+def replica_patch_active(cfg):
+    """The replica optimizer patches apply (never with N = 1)."""
+    return cfg.enabled and cfg.distributed_optimizer and not cfg.no_replica and cfg.replica_count > 1
+
+
+def effective_replica_count(cfg, dp_size):
+    """Copies of each optimizer shard in a DP group of ``dp_size`` ranks (non-distributed: all d)."""
+    return cfg.replica_count if cfg.distributed_optimizer else dp_size
 
 
 def parse(argv, extra=()):
@@ -31,9 +43,10 @@ def test_full_flags_and_env():
            "MINDSPEED_HA_HEARTBEAT_INTERVAL": "0.5", "PROCESSOR_ADDR": "pod-1.svc"}
     cfg = HAConfig.from_args(args, env)
     assert cfg.enabled and cfg.hbm_repair and cfg.worker_reboot and cfg.replica_count == 4
-    assert cfg.controller_addr == "fd00::1" and cfg.endpoint == "tcp://[fd00::1]:9000"
+    assert cfg.controller_addr == "fd00::1"
+    assert wire.endpoint(cfg.controller_addr, cfg.controller_port) == "tcp://[fd00::1]:9000"
     assert cfg.auth_key == b"\xab" * 16 and cfg.heartbeat_interval_s == 0.5 and cfg.save_dir == "/ckpt"
-    assert cfg.processor_addr == "pod-1.svc" and cfg.replica_patch_active
+    assert cfg.processor_addr == "pod-1.svc" and replica_patch_active(cfg)
 
 
 def test_address_precedence():
@@ -48,7 +61,7 @@ def test_address_precedence():
 def test_no_replica_forces_one():
     cfg = HAConfig.from_args(parse(["--enable-high-availability", "--distributed-optimizer-no-replica",
                                     "--use-distributed-optimizer"]), {})
-    assert cfg.replica_count == 1 and not cfg.replica_patch_active
+    assert cfg.replica_count == 1 and not replica_patch_active(cfg)
 
 
 ERRORS = [
@@ -106,7 +119,7 @@ def test_validate_replicas_need_distributed_optimizer():
     with pytest.raises(ConfigError, match="--ha-replica-count=2 requires --use-distributed-optimizer"):
         validate_ha_args(args, world_size=8, tp=1, pp=2, env={})
     cfg = validate_ha_args(parse(["--enable-high-availability"]), world_size=8, tp=1, pp=2, env={})
-    assert cfg.effective_replica_count(4) == 4 and not cfg.replica_patch_active
+    assert effective_replica_count(cfg, 4) == 4 and not replica_patch_active(cfg)
 
 
 def test_validate_off_is_a_no_op():
@@ -118,6 +131,6 @@ def test_frozen_and_with_auth_key():
     cfg = HAConfig()
     with pytest.raises(Exception):
         cfg.enabled = True  # type: ignore[misc]
-    assert cfg.with_auth_key(b"k" * 16).auth_key == b"k" * 16
+    assert dataclasses.replace(cfg, auth_key=b"k" * 16).auth_key == b"k" * 16
     with pytest.raises(ConfigError):
-        cfg.with_auth_key(b"short")
+        dataclasses.replace(cfg, auth_key=b"short")

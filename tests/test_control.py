@@ -9,6 +9,7 @@ orderings, never about how fast something happened.
 """
 
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -304,7 +305,7 @@ def test_wrong_key_cannot_register(closing):
     reaches the controller's application (nothing decoded, nothing rejected there)."""
     ctl = Controller(CFG, 1, "127.0.0.1", 0).start()
     closing.callback(ctl.stop)
-    bad = CFG.with_auth_key(b"x" * 32)
+    bad = dataclasses.replace(CFG, auth_key=b"x" * 32)
     with pytest.raises(ControlPlaneError, match="registration failed"):
         Processor(bad, 0, Layout(), None, port=ctl.port).start(timeout=0.5)
     deadline = time.monotonic() + 30  # the refused handshake's event reaches the controller's thread
@@ -322,9 +323,9 @@ def test_unreachable_controller_fails_within_the_deadline_and_names_it(closing):
 
 def test_missing_auth_key_is_config_error():
     with pytest.raises(ConfigError, match="MINDSPEED_HA_AUTH_KEY"):
-        Controller(CFG.replace(auth_key=None), 1)
+        Controller(dataclasses.replace(CFG, auth_key=None), 1)
     with pytest.raises(ConfigError, match="MINDSPEED_HA_AUTH_KEY"):
-        Processor(CFG.replace(auth_key=None), 0, Layout())
+        Processor(dataclasses.replace(CFG, auth_key=None), 0, Layout())
 
 
 def test_registration_retries_are_logged_once(closing, caplog):
@@ -519,7 +520,7 @@ def test_stop_request_from_a_rank(job):
 
 
 def _loss_cfg():
-    return CFG.replace(heartbeat_interval_s=0.1, heartbeat_timeout_s=4.0)  # lost after 2 s without a controller
+    return dataclasses.replace(CFG, heartbeat_interval_s=0.1, heartbeat_timeout_s=4.0)  # lost after 2 s without a controller
 
 
 def test_controller_lost_is_noticed_over_the_connection_and_logged_once(closing, caplog):

@@ -1,5 +1,7 @@
 """Pure policy: dying-checkpoint selection and decide() with a chosen `now`."""
 
+import dataclasses
+
 import pytest
 
 from mindspeed_ha.config import HAConfig
@@ -260,7 +262,7 @@ def test_failure_during_dump_exits_without_commit(phase_failure):
 
 
 def test_no_save_dir_exits_with_reason():
-    cfg = CFG.replace(save_dir=None)
+    cfg = dataclasses.replace(CFG, save_dir=None)
     st, d = run_to_stopping()
     apply(st, d, 1.5)
     for r in (0, 1, 2):
@@ -523,7 +525,7 @@ def test_ranks_that_cannot_verify_skip_the_round():
 
 
 # --------------------------------------------------------------------------- graceful stop (preemption)
-PCFG = CFG.replace(preemption_deadline_s=10.0)  # drain budget 5 s, deadline 10 s
+PCFG = dataclasses.replace(CFG, preemption_deadline_s=10.0)  # drain budget 5 s, deadline 10 s
 
 
 def apply_drain(st, d, now):

@@ -1,5 +1,7 @@
 """Pure policy of the in-place recovery: plan_recovery's table and decide() in RECOVERING."""
 
+import dataclasses
+
 import pytest
 
 from mindspeed_ha.config import HAConfig
@@ -49,7 +51,7 @@ CASES = [
 def test_plan_table(name, shape, faults, changes, expect):
     tp, pp, dp, n, dist = shape
     ranks = parked(cluster(tp, pp, dp, n, it=5, distributed=dist), faults)
-    cfg = CFG.replace(**changes) if changes else CFG
+    cfg = dataclasses.replace(CFG, **changes) if changes else CFG
     plan = plan_recovery(ranks, tp * pp * dp, min(faults), cfg)
     if expect == "reload":
         assert isinstance(plan, RecoveryPlan) and plan.mode == "reload" and plan.iteration == 5, plan
@@ -159,7 +161,7 @@ def test_dead_or_unparked_rank_falls_back():
 
 def test_retries_are_bounded_per_iteration():
     ranks = parked(cluster(1, 1, 4, 2), {1: NET})
-    cfg = CFG.replace(network_retries=2)
+    cfg = dataclasses.replace(CFG, network_retries=2)
     history = [{"iteration": 3}, {"iteration": 5}]
     plan = plan_recovery(ranks, 4, 1, cfg, history)
     assert isinstance(plan, RecoveryPlan) and plan.generation == 3
@@ -221,7 +223,7 @@ def test_decide_falls_back_to_the_dying_checkpoint(what):
     cfg = CFG
     now = 1.0
     if what == "no plan":
-        cfg = CFG.replace(network_retries=1)
+        cfg = dataclasses.replace(CFG, network_retries=1)
         st.recoveries.append({"iteration": 5})
     elif what == "not parked":
         ranks[2].fault = None
@@ -244,7 +246,7 @@ def test_decide_falls_back_to_the_dying_checkpoint(what):
 def test_uce_without_repair_flag_goes_straight_to_the_dying_checkpoint():
     ranks = cluster(1, 1, 4, 2)
     ranks[1].fault, ranks[1].failed_at = UCE, 0.5
-    d = decide(1.0, _state(ranks), CFG.replace(hbm_repair=False))
+    d = decide(1.0, _state(ranks), dataclasses.replace(CFG, hbm_repair=False))
     assert d.action is ActionKind.STOP_ALL and d.next_phase is Phase.STOPPING and not d.params.get("recover")
 
 
@@ -291,7 +293,7 @@ def _restarted(ranks, r, incarnation=1):
 def test_restarted_rank_rejoins_from_a_replica(shape, dead, source):
     tp, pp, dp, n, dist = shape
     ranks = _restarted(parked(cluster(tp, pp, dp, n, it=5, distributed=dist), {}), dead)
-    plan = plan_recovery(ranks, tp * pp * dp, dead, CFG.replace(worker_reboot=True))
+    plan = plan_recovery(ranks, tp * pp * dp, dead, dataclasses.replace(CFG, worker_reboot=True))
     assert isinstance(plan, RecoveryPlan) and plan.mode == "rejoin", plan
     assert plan.iteration == 5 and plan.rejoin == (dead,) and plan.repairs == {dead: source}
     assert RecoveryPlan.from_params(plan.to_params()) == plan
@@ -300,7 +302,7 @@ def test_restarted_rank_rejoins_from_a_replica(shape, dead, source):
 def test_rejoin_refused_without_the_flag_a_replica_or_survivors_in_step():
     ranks = _restarted(parked(cluster(1, 2, 2, 2, it=5), {}), 0)
     assert "--enable-worker-reboot" in plan_recovery(ranks, 4, 0, CFG).reason
-    cfg = CFG.replace(worker_reboot=True)
+    cfg = dataclasses.replace(CFG, worker_reboot=True)
     ranks = _restarted(parked(cluster(1, 2, 2, 1, it=5), {}), 0)  # no replica: every rank reloads
     plan = plan_recovery(ranks, 4, 0, cfg)
     assert (plan.mode, plan.iteration, plan.rejoin, plan.repairs) == ("reload", 5, (0,), {0: 1}), plan
@@ -333,7 +335,7 @@ def test_restarted_inside_the_update_rolls_forward(name, shape, dead, unfinished
     did not finish) gets the finished state of 6 from a survivor of its shard that finished."""
     tp, pp, dp, n, dist = shape
     ranks = _restarted(_in_update(parked(cluster(tp, pp, dp, n, it=5, distributed=dist), {}), unfinished), dead)
-    plan = plan_recovery(ranks, tp * pp * dp, dead, CFG.replace(worker_reboot=True, hbm_repair=False))
+    plan = plan_recovery(ranks, tp * pp * dp, dead, dataclasses.replace(CFG, worker_reboot=True, hbm_repair=False))
     if expect == "reload":  # the last iteration every survivor completed: 5; 6 re-runs after the reload
         assert isinstance(plan, RecoveryPlan) and (plan.mode, plan.iteration) == ("reload", 5), plan
         assert plan.rejoin == (dead,) and plan.repairs == {dead: min(set(ranks) - {dead})}
@@ -353,7 +355,7 @@ def test_decide_round_one_ends_at_once_when_survivors_wait_in_the_commit_barrier
     """ARF, a death inside the update of 6: the survivors finished it (UPDATED 6, still in
     step 6: the commit barrier holds them) or wait for the dead rank in their instance's
     parameter all-gather (UPDATING 6): round 1 ends at once (no update_settle_s wait)."""
-    cfg = CFG.replace(worker_reboot=True)
+    cfg = dataclasses.replace(CFG, worker_reboot=True)
     ranks = cluster(1, 1, 4, 2, it=6)
     st = _state(ranks, Phase.RECOVERING)
     st.phase_since = 1.0
@@ -373,7 +375,7 @@ def test_decide_waits_for_a_restarted_rank_then_rejoins_it():
     checkpoint; the survivors go through the usual rounds; the plan waits until the new
     process (incarnation 1) is parked at its rejoin point; a restart that never comes (the
     deadline) or that the agent abandoned falls back."""
-    cfg = CFG.replace(worker_reboot=True)
+    cfg = dataclasses.replace(CFG, worker_reboot=True)
     ranks = cluster(1, 2, 2, 2)
     for info in ranks.values():
         info.stopped = False
