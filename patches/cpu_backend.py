@@ -4,7 +4,7 @@ Feature ``cpu_backend``. :func:`autoenable` switches it on only in a process tha
 neither a CUDA device nor ``torch_npu`` (env ``MINDSPEED_HA_CPU_BACKEND=0|1``
 overrides), so every patch below is a pass-through wherever an accelerator exists.
 
-Two kinds of patch (see ``docs/CPU_BACKEND_FACTS.md`` for the touch points):
+Two kinds of patch (see the project's ``shared/docs/CPU_BACKEND_FACTS.md`` for the touch points):
 
 * **Scoped device mapping** (preferred): a megatron function that builds a tensor with
   ``device='cuda'``, calls ``Tensor.cuda()`` or checks ``Tensor.type()`` against
@@ -28,10 +28,11 @@ read/write the CPU generator, so ``get_cuda_rng_tracker().fork()`` really swaps 
 
 from __future__ import annotations
 
-from mindspeed_ha import env as ha_env
 import importlib.util
 import logging
 import os
+
+from mindspeed_ha import env as ha_env
 
 from .registry import Patch, enable
 
@@ -86,7 +87,10 @@ def _cpu_device_mode_cls():
 _mode_cls = None
 
 
-def _mode(map_type: bool = False):
+def cpu_device_mode(map_type: bool = False):
+    """A new ``CpuDeviceMode`` (a ``TorchFunctionMode``; enter it with ``with``): inside it,
+    ``device='cuda'`` maps to CPU and ``Tensor.cuda()`` is the identity; with ``map_type``
+    ``Tensor.type()`` also answers ``torch.cuda.*Tensor``. Imports torch on first use."""
     global _mode_cls
     if _mode_cls is None:
         _mode_cls = _cpu_device_mode_cls()
@@ -94,12 +98,12 @@ def _mode(map_type: bool = False):
 
 
 def _on_cpu(wrapped, instance, args, kwargs):
-    with _mode(False):
+    with cpu_device_mode(False):
         return wrapped(*args, **kwargs)
 
 
 def _on_cpu_typed(wrapped, instance, args, kwargs):
-    with _mode(True):
+    with cpu_device_mode(True):
         return wrapped(*args, **kwargs)
 
 
@@ -153,22 +157,6 @@ def _manual_seed(wrapped, instance, args, kwargs):
     torch.default_generator.manual_seed(int(seed))
 
 
-# --- megatron RNG tracker -----------------------------------------------------------
-
-
-def _tracker_get_state(wrapped, instance, args, kwargs):
-    import torch
-
-    return torch.get_rng_state()
-
-
-def _tracker_set_state(wrapped, instance, args, kwargs):
-    import torch
-
-    new_state = args[0] if args else kwargs["new_state"]
-    torch.set_rng_state(new_state)
-
-
 class _DropForkWarning(logging.Filter):
     """On CPU the tracker's state *is* the CPU generator: fork's "CPU RNG state changed"
     warning fires on every dropout and says nothing; drop only that message."""
@@ -197,9 +185,9 @@ PATCHES = [
           versions=None, doc="torch.cuda.manual_seed() -> seeds the CPU generator"),
     # RNG tracker.
     Patch("cpu.rng_get", f"{_MC}.tensor_parallel.random", "_get_cuda_rng_state",
-          _tracker_get_state, FEATURE, doc="RNG tracker reads the CPU generator (no _lazy_call)"),
+          _get_rng_state, FEATURE, doc="RNG tracker reads the CPU generator (no _lazy_call)"),
     Patch("cpu.rng_set", f"{_MC}.tensor_parallel.random", "_set_cuda_rng_state",
-          _tracker_set_state, FEATURE, doc="RNG tracker writes the CPU generator (no _lazy_call)"),
+          _set_rng_state, FEATURE, doc="RNG tracker writes the CPU generator (no _lazy_call)"),
     # device='cuda' factories / .cuda().
     Patch("cpu.causal_mask", f"{_MC}.transformer.utils", "get_default_causal_mask", _on_cpu,
           FEATURE, doc=_DOC_DEV),

@@ -32,8 +32,6 @@ Megatron-LM core_v0.12.1 (``../shared/docs/CPU_BACKEND_FACTS.md``, "Stock Megatr
 
 from __future__ import annotations
 
-from mindspeed_ha import env as ha_env
-import contextlib
 import hashlib
 import logging
 import os
@@ -41,6 +39,8 @@ import subprocess
 import sys
 import sysconfig
 import threading
+
+from mindspeed_ha import env as ha_env
 
 from .registry import Patch
 
@@ -88,9 +88,9 @@ def _set_device(wrapped, instance, args, kwargs):
 
 
 def _pretrain_on_cpu(wrapped, instance, args, kwargs):
-    from .cpu_backend import _mode
+    from .cpu_backend import cpu_device_mode
 
-    with _mode(False):
+    with cpu_device_mode(False):
         return wrapped(*args, **kwargs)
 
 
@@ -100,8 +100,7 @@ def _no_fused_kernels(wrapped, instance, args, kwargs):
 
 def cache_dir() -> str:
     """Directory for build artefacts (never inside the user's tree)."""
-    root = os.environ.get(ENV_CACHE) or os.path.join(os.path.expanduser("~"), ".cache", "mindspeed_ha")
-    return root
+    return os.environ.get(ENV_CACHE) or os.path.join(os.path.expanduser("~"), ".cache", "mindspeed_ha")
 
 
 def _helpers_dir(datasets_dir: str) -> str:

@@ -26,17 +26,19 @@ foreign wrapper sits between two layers of it.
 
 from __future__ import annotations
 
-from mindspeed_ha import env as ha_env
 import dataclasses
 import functools
 import importlib.metadata
 import logging
+import os
 import sys
 import threading
 import types
 from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 import wrapt
+
+from mindspeed_ha import env as ha_env
 
 log = logging.getLogger("mindspeed_ha.patches")
 
@@ -98,7 +100,7 @@ def register(patch: Patch) -> Patch:
         _patches[patch.name] = patch
         if patch.module in _hooked_modules:
             # install() already ran: hook this module again (hook runs at once if imported).
-            wrapt.register_post_import_hook(_on_import, patch.module)
+            wrapt.register_post_import_hook(apply_pending, patch.module)
     return patch
 
 
@@ -215,8 +217,6 @@ ENV_DISABLE = ha_env.DISABLE_PATCHES
 
 
 def _disabled_by_env() -> Set[str]:
-    import os
-
     return {n.strip() for n in os.environ.get(ENV_DISABLE, "").split(",") if n.strip()}
 
 
@@ -245,11 +245,20 @@ def _apply(module, patch: Patch) -> None:
     log.debug("patch %s applied to %s.%s", patch.name, patch.module, patch.attribute)
 
 
-def _on_import(module) -> None:
+def apply_pending(module) -> None:
+    """Apply every registered patch of the imported ``module`` not applied yet (idempotent).
+
+    The post-import hook :func:`install` registers; a patch set whose targets are created
+    after the import (``patches/comm.py``) calls it again.
+    """
     with _lock:
         for patch in list(_patches.values()):
             if patch.module == module.__name__:
                 _apply(module, patch)
+
+
+#: the old private name, until ``patches/comm.py`` imports :func:`apply_pending`
+_on_import = apply_pending
 
 
 _relayered: Dict[str, tuple] = {}  # name -> (parent, attr, under, layer), in the order put on
@@ -335,7 +344,7 @@ def install(patches: Iterable[Patch] = ()) -> None:
         for name in sorted({p.module for p in _patches.values()}):
             if name not in _hooked_modules:
                 _hooked_modules.add(name)
-                wrapt.register_post_import_hook(_on_import, name)
+                wrapt.register_post_import_hook(apply_pending, name)
 
 
 def report() -> List[dict]:

@@ -53,7 +53,7 @@ def test_device_factories_map_to_cpu():
 
 
 def test_type_mapping_is_scoped():
-    mode = cpu_backend._mode(True)
+    mode = cpu_backend.cpu_device_mode(True)
     t = torch.zeros(2, dtype=torch.bfloat16)
     with mode:
         assert t.type() == "torch.cuda.BFloat16Tensor"

@@ -18,7 +18,6 @@ CLI: ``python -m mindspeed_ha.testing.trainer.data --input X.txt --output-prefix
 
 from __future__ import annotations
 
-from mindspeed_ha import env as ha_env
 import argparse
 import os
 import tempfile
@@ -26,9 +25,10 @@ from typing import Iterable, Iterator, List, Optional
 
 import numpy as np
 
+from mindspeed_ha.patches.cpu_training import cache_dir
+
 EOD_ID = 256
 BYTE_VOCAB_SIZE = 257
-ENV_CACHE = ha_env.CACHE
 
 
 def _tokenizer_base():
@@ -121,10 +121,6 @@ def build_from_text_file(input_path: str, output_prefix: str, split_lines: bool 
     with open(input_path, "r", encoding="utf-8") as f:
         text = f.read()
     return build_indexed_dataset(split_documents(text, split_lines), output_prefix)
-
-
-def cache_dir() -> str:
-    return os.environ.get(ENV_CACHE) or os.path.join(os.path.expanduser("~"), ".cache", "mindspeed_ha")
 
 
 def _default_documents() -> List[str]:
