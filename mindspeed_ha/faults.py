@@ -15,6 +15,11 @@ from __future__ import annotations
 import re
 from typing import Iterator, List, Optional, Pattern, Sequence, Tuple
 
+from mindspeed_ha.errors import (  # noqa: F401  (re-exported: the classifier's vocabulary lives in errors)
+    CommunicationError, ControllerLostError, ControlPlaneError, DeviceMemoryError, FaultKind, HAError,
+    IllegalTransition, ProcessFailure,
+)
+
 # --------------------------------------------------------------------------- exit codes
 EXIT_OK = 0
 """Normal end of training."""
@@ -43,14 +48,6 @@ not fit the run's flags). Not a training fault: nothing could be saved and nothi
 written; the checkpoint loaded is untouched. The failing rank's own error says why; fix
 it before rerunning (a plain rerun fails the same way)."""
 
-EXIT_RESUME_FAILED = EXIT_FAILED_BEFORE_TRAINING
-"""Alias: a resume that fails in ``load_checkpoint`` is the common case of 79."""
-
-
-from mindspeed_ha.errors import (  # noqa: E402,F401  (the classifier's vocabulary lives in errors)
-    CommunicationError, ControllerLostError, ControlPlaneError, DeviceMemoryError, FaultKind, HAError,
-    IllegalTransition, ProcessFailure,
-)
 
 
 # --------------------------------------------------------------------------- table

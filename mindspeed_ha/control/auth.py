@@ -35,7 +35,8 @@ from typing import Any
 import zmq
 from zmq.utils import z85
 
-from mindspeed_ha.config import ENV_AUTH_KEY, ConfigError
+from mindspeed_ha import env as ha_env
+from mindspeed_ha.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ def derive_keys(auth_key: bytes) -> CurveKeys:
         ConfigError: no key, or CURVE unavailable (see :func:`require_curve`).
     """
     if not auth_key:
-        raise ConfigError(f"the control plane needs the job's auth key: set {ENV_AUTH_KEY} (hex)")
+        raise ConfigError(f"the control plane needs the job's auth key: set {ha_env.AUTH_KEY} (hex)")
     require_curve()
     server_public, server_secret = _pair(auth_key, _SERVER_LABEL)
     client_public, client_secret = _pair(auth_key, _CLIENT_LABEL)
