@@ -9,7 +9,11 @@ leaves behind (:class:`RunLogs`):
   ``detect, stop, clean, rebuild, repair, rollback, first_iteration_after, total``;
 * :func:`reboot_phases` (worker restart in place, ``--enable-worker-reboot``):
   ``detect, restart_process, rendezvous, rebuild_groups, repair, rollback,
-  first_iteration_after, total``.
+  first_iteration_after, total``;
+
+and two finer ones for the benchmarks: :func:`preemption_phases` (graceful stop:
+``request, drain, save, commit``) and :func:`action_intervals` (the dying checkpoint's
+actions: ``dump, assemble, commit``).
 
 The demo (``mindspeed-ha demo``, its report's ``phase_seconds``) and every benchmark under
 ``scripts/`` print these tables; the README documents their keys. Inputs (their keys are
@@ -33,6 +37,7 @@ Table = Dict[str, Optional[float]]
 
 #: the keys of each table, in print order
 DYING_CHECKPOINT_KEYS = ("detect", "decide", "save", "total")
+PREEMPTION_KEYS = ("request", "drain", "save", "commit")
 IN_PLACE_KEYS = ("detect", "stop", "clean", "rebuild", "repair", "rollback", "first_iteration_after", "total")
 REBOOT_KEYS = ("detect", "restart_process", "rendezvous", "rebuild_groups", "repair", "rollback",
                "first_iteration_after", "total")
@@ -220,3 +225,35 @@ def reboot_phases(report: Optional[Mapping[str, Any]], kill_wall: Optional[float
     if first_after_wall is not None and kill_wall is not None:
         out["total"] = first_after_wall - kill_wall
     return out
+
+
+def preemption_phases(report: Optional[Mapping[str, Any]], signal_wall: float,
+                      commit_wall: Optional[float]) -> Table:
+    """The graceful-stop table (SIGTERM / SIGINT, ``--ha-preemption-deadline``).
+
+    request: signal -> the controller has the stop request (report ``stop_request.t_wall``);
+    drain: request -> every rank paused after the agreed iteration, and save: DUMP -> EXIT
+    sent (both the report's ``phase_seconds``); commit: signal -> the tracker names the new
+    checkpoint (``commit_wall``: the tracker's modification time, or None).
+    """
+    out: Table = {k: None for k in PREEMPTION_KEYS}
+    if commit_wall is not None:
+        out["commit"] = commit_wall - signal_wall
+    if report:
+        req = report.get("stop_request") or {}
+        if req.get("t_wall") is not None:
+            out["request"] = req["t_wall"] - signal_wall
+        ps = report.get("phase_seconds") or {}
+        out["drain"], out["save"] = ps.get("drain"), ps.get("save")
+    return out
+
+
+def action_intervals(report: Mapping[str, Any]) -> Dict[str, float]:
+    """Seconds from each dying-checkpoint action sent to the next (DUMP -> ASSEMBLE ->
+    COMMIT -> EXIT), from the first event of each action in the report's ``events``;
+    keyed by the earlier action (``dump``, ``assemble``, ``commit``), only those sent."""
+    first: Dict[str, float] = {}
+    for e in report.get("events") or []:
+        first.setdefault(e["action"], e["t_wall"])
+    order = [a for a in ("dump", "assemble", "commit", "exit") if a in first]
+    return {a: first[b] - first[a] for a, b in zip(order, order[1:])}
