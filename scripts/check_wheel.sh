@@ -14,6 +14,9 @@
 # Needs python3 with venv and the package registry (or its cache); `.ci/run` calls it.
 # About 3-4 minutes on 2 cores, most of it the torch install and the demo's two runs.
 set -euo pipefail
+
+# one function, read whole before it runs (editing this file during a run cannot change it)
+main() {
 cd "$(dirname "$0")/.."
 SRC_ROOT=$PWD
 PY=${PYTHON:-python3}
@@ -106,3 +109,6 @@ if s.get("loss_match") != "bitwise" or not s.get("recovered_in_process") or s.ge
 print(f"check_wheel: recovered in process, losses bitwise equal; phases {s['phase_seconds']}")
 EOF
 step "passed"
+}
+
+main "$@"
