@@ -86,7 +86,6 @@ agent die, ends itself on EOF of its stdin. Spares are only used when the worker
 from __future__ import annotations
 
 from mindspeed_ha import env as ha_env
-import dataclasses
 import logging
 import os
 import signal
@@ -121,7 +120,8 @@ HA_VERDICTS = frozenset({faults.EXIT_DYING_CHECKPOINT_SAVED, faults.EXIT_NO_COMP
                          faults.EXIT_FAILED_BEFORE_TRAINING})
 
 
-#: the exit code recorded for a rank whose process was lost with its node (never seen exiting)
+#: the exit code told to the hooks (``RestartHooks.restarted``) for a rank whose process was
+#: lost with its node and is started by a replacement launcher (its exit was never seen)
 LOST_EXITCODE = -1
 
 
@@ -136,7 +136,7 @@ class RestartHooks:
 
     def restarted(self, rank: int, incarnation: int, pid: int, exitcode: int) -> None:
         """``rank`` runs again as ``pid``, its ``incarnation``-th restart (the previous
-        process exited with ``exitcode``)."""
+        process exited with ``exitcode``; ``LOST_EXITCODE``: never seen, lost with its node)."""
 
     def supervise(self, pcontext: SubprocessContext) -> None:
         """Called at every monitor turn while restarts are possible, before the workers are polled."""
@@ -153,19 +153,6 @@ class RestartHooks:
     def abandoned(self, rank: int, why: str) -> None:
         """Dead ``rank`` will not be restarted, for the reason ``why`` (the agent hands over
         to torch's monitoring)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Restart:
-    """One restart: global rank, local rank, incarnation (1 = first restart), new pid, the
-    previous incarnation's exit code (negative: killed by that signal; ``LOST_EXITCODE``
-    for a lost node's rank started by a replacement launcher: its exit was never seen)."""
-
-    rank: int
-    local_rank: int
-    incarnation: int
-    pid: int
-    exitcode: int
 
 
 def incarnation_path(path: str, incarnation: int) -> str:
@@ -264,7 +251,6 @@ class WorkerRebootAgent(LocalElasticAgent):
         self.hooks = hooks if hooks is not None else RestartHooks()
         self._tee = to_map(tee, spec.local_world_size)
         self._local_ranks_filter = local_ranks_filter
-        self.restarts: List[Restart] = []  # every restart of the agent's life, oldest first
         self._incarnation: Dict[int, int] = {}  # local rank -> incarnation of its current process
         self._first: Dict[int, int] = {}  # local rank -> incarnation its first process starts as
         self._tails: List[TailLog] = []
@@ -284,7 +270,6 @@ class WorkerRebootAgent(LocalElasticAgent):
         for w in worker_group.workers:  # a replacement launcher's workers: restarts of a lost node's ranks
             n = self._incarnation.get(w.local_rank, 0)
             if n > 0:
-                self.restarts.append(Restart(w.global_rank, w.local_rank, n, pids[w.local_rank], LOST_EXITCODE))
                 self.hooks.restarted(w.global_rank, n, pids[w.local_rank], LOST_EXITCODE)
         self._handed_over = not isinstance(self._pcontext, SubprocessContext)
         if self._handed_over:
@@ -416,8 +401,6 @@ class WorkerRebootAgent(LocalElasticAgent):
         self._incarnation[local_rank] = n
         self._tail(worker_group, local_rank, stdout, stderr)
         record(self._construct_event("START", EventSource.WORKER, worker), worker_group.spec.event_log_handler)
-        restart = Restart(worker.global_rank, local_rank, n, handler.proc.pid, code)
-        self.restarts.append(restart)
         log.warning("worker rank %d (pid %d) exited with %d: restarted alone as pid %d%s, incarnation %d (%d of %d "
                     "restarts of this rank)", worker.global_rank, old_pid, code, handler.proc.pid,
                     " (warm spare)" if warm else "", n, n, self.restarts_per_rank)

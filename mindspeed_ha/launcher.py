@@ -43,242 +43,48 @@ What it adds when the training arguments carry ``--enable-high-availability``:
   start as: a replacement launcher started after its node was lost (same command) gets
   n >= 1, and its workers rejoin the running job instead of starting a new one.
   ``--nnodes`` > 1 needs the same ``MINDSPEED_HA_AUTH_KEY`` in every launcher's env.
-  Only on the controller's node: other nodes' workers are not restarted yet.
 
 Without the HA flag it behaves exactly like torchrun.
+
+The parts live in :mod:`mindspeed_ha.launch` (the agent-side state and torchrun patches,
+controller failover, the report); this module parses, starts the control plane, runs
+torchrun and closes.
 """
 
 from __future__ import annotations
 
-from mindspeed_ha import env as ha_env
 import argparse
 import contextlib
-import datetime
+import dataclasses
 import functools
-import json
 import logging
 import os
 import secrets
-import signal
 import socket
-import subprocess
 import sys
-import threading
-import time
-from typing import Dict, Optional, Set
+from typing import Dict, Optional
 
-import wrapt
+from mindspeed_ha import env as ha_env
+from mindspeed_ha import faults
+from mindspeed_ha.errors import ConfigError
+from mindspeed_ha.launch import report, standby, survivors
+from mindspeed_ha.launch.survivors import EXIT_MARGIN_S, Survivors
 
 log = logging.getLogger("mindspeed_ha.launcher")
 
+#: seconds the survivors of a failure get to finish the dying checkpoint (default 600)
 ENV_GRACE = ha_env.DYING_GRACE_S
-ENV_REPORT = ha_env.REPORT
-#: directory under which a multi-node job keeps its controller lease (default: <--save>/.mindspeed_ha)
-ENV_LEASE_ROOT = ha_env.LEASE_ROOT
-#: the address this node's launcher advertises when it takes over as the controller
-ENV_NODE_ADDR = ha_env.NODE_ADDR
-#: seconds after the preemption deadline before the launcher SIGKILLs the workers left
-#: (the controller's EXIT(77) at the deadline normally ends them first)
-PREEMPT_KILL_MARGIN_S = 5.0
-#: seconds workers get to exit by themselves once the controller is DONE (they said goodbye)
-EXIT_MARGIN_S = 5.0
+
+_DESCRIPTION = (
+    "mindspeed-ha launcher: torchrun's arguments and behaviour, plus, when the training "
+    "arguments carry --enable-high-availability, the job's controller in this process and "
+    f"a grace period ({ENV_GRACE}, default 600 s) for survivors to save the dying "
+    "checkpoint. Exit codes: 75 dying checkpoint saved (rerun with --load), 76 nothing "
+    "written (no complete copy / no completed iteration), 79 a rank failed before training "
+    "started (start-up or resuming from --load; nothing to save), 2 bad arguments.")
 
 
-class _Survivors:
-    """State of the agent-side patch: which failures were reported, since when."""
-
-    def __init__(self, controller, grace_s: float, preemption_deadline_s: float = 20.0, link=None):
-        self.controller = controller
-        #: the agent's link to the controller on a node without it (--enable-worker-reboot), else None
-        self.link = link
-        #: global rank -> incarnation its first process of this launcher starts as (AGENT_WELCOME)
-        self.first_incarnations: Dict[int, int] = {}
-        self.grace_s = grace_s
-        self.first_failure: Optional[float] = None
-        self.reported: Dict[int, int] = {}
-        self.killed: Set[int] = set()
-        self.preemption_deadline_s = preemption_deadline_s
-        self.pcontext = None  # torchrun's SubprocessContext, once workers run
-        self.stop_at: Optional[float] = None  # graceful stop: when the signal came
-        self.stop_signal: Optional[int] = None
-        self.stop_killed = False  # the preemption backstop SIGKILLed workers
-        self.done_at: Optional[float] = None  # when the controller was first seen DONE
-        self.lease = None  # the job's LeaseDir (controller failover), or None
-        self.relink = None  # () -> an AgentLink to the leader (controller failover)
-        self.old_links = []  # links replaced by an in-process controller, closed at the end
-        self.retired = None  # this launcher's controller once it stepped down
-
-    # --enable-worker-reboot: the hooks of mindspeed_ha.agent.WorkerRebootAgent (RestartHooks)
-    def restart_refused(self, rank: int, exitcode: int) -> Optional[str]:
-        """None if ``rank`` may be restarted: no graceful stop under way, and the controller
-        has not begun a verdict on the job (see ``Controller.restart_refused``)."""
-        if self.stop_at is not None:
-            return "a graceful stop (signal to the launcher) is under way"
-        controller, link = self.controller, self.link  # a standby may swap them (its thread)
-        if controller is not None:
-            return controller.restart_refused(rank)
-        if link is not None:
-            return link.restart_refused(rank, exitcode)
-        return None
-
-    def restarted(self, rank: int, incarnation: int, pid: int, exitcode: int) -> None:
-        controller, link = self.controller, self.link
-        if controller is not None:
-            controller.report_rank_restart(rank, incarnation, pid, exitcode)
-        elif link is not None:
-            link.report_rank_restart(rank, incarnation, pid, exitcode)
-
-    def supervise(self, pcontext) -> None:
-        _supervise(pcontext, self)
-
-    def abandoned(self, rank: int, why: str) -> None:
-        controller, link = self.controller, self.link
-        if controller is not None:
-            controller.report_restart_abandoned(rank, why)
-        elif link is not None:
-            link.report_restart_abandoned(rank, why)
-
-    def first_incarnation(self, rank: int) -> int:
-        return self.first_incarnations.get(rank, 0)
-
-    def skip_exit_barrier(self) -> Optional[str]:
-        if self.lease is not None:
-            return ("controller failover is on: torchrun's store (node 0's agent) may be gone; the controller "
-                    "saw every worker end")
-        return None
-
-
-def _say(text: str) -> None:
-    """One line to stderr without logging's locks (safe in a signal handler)."""
-    try:
-        os.write(2, f"mindspeed-ha-run: {text}\n".encode())
-    except OSError:
-        pass
-
-
-def _on_termination_signal(wrapped, instance, args, kwargs):
-    """torchrun's handler for SIGTERM/SIGINT/SIGHUP/SIGQUIT, which raises ``SignalException``
-    (its shutdown: SIGTERM to every worker, SIGKILL 30 s later). The first SIGTERM or
-    SIGINT once workers run starts a graceful stop instead and returns; anything else,
-    or a second signal, goes to torchrun."""
-    import signal
-
-    signum = args[0]
-    state = _survivors
-    if (state is None or state.pcontext is None or state.stop_at is not None
-            or signum not in (signal.SIGTERM, signal.SIGINT)):
-        return wrapped(*args, **kwargs)
-    state.stop_at, state.stop_signal = time.monotonic(), signum
-    name = signal.Signals(signum).name
-    if state.controller is not None:
-        state.controller.request_stop(f"{name} to the launcher (pid {os.getpid()})")
-        _say(f"{name}: graceful stop: every rank finishes its iteration, then the checkpoint of the last one "
-             f"is written (deadline {state.preemption_deadline_s:g} s; a second signal stops at once)")
-    else:  # the controller runs on another node: the local workers ask it themselves
-        for handler in state.pcontext.subprocess_handlers.values():
-            try:
-                os.kill(handler.proc.pid, signum)
-            except ProcessLookupError:
-                pass
-        _say(f"{name}: passed on to the local workers for a graceful stop (deadline "
-             f"{state.preemption_deadline_s:g} s; a second signal stops at once)")
-    return None
-
-
-def _preemption_backstop(instance, state: "_Survivors") -> None:
-    """SIGKILL the workers still running ``PREEMPT_KILL_MARGIN_S`` after the preemption deadline."""
-    if state.stop_at is None or state.stop_killed:
-        return
-    if time.monotonic() - state.stop_at <= state.preemption_deadline_s + PREEMPT_KILL_MARGIN_S:
-        return
-    for local_rank, handler in instance.subprocess_handlers.items():
-        if handler.proc.poll() is None:
-            state.stop_killed = True
-            rank = int(instance.envs[local_rank].get("RANK", local_rank))
-            log.error("worker rank %d (pid %d) still running %.0f s after the preemption deadline: SIGKILL", rank,
-                      handler.proc.pid, PREEMPT_KILL_MARGIN_S)
-            handler.close(death_sig=signal.SIGKILL)
-
-
-_survivors: Optional[_Survivors] = None
-
-
-def _end_unresponsive_workers(instance, state: _Survivors) -> None:
-    """SIGKILL the workers the controller gave up on for silence (hung, e.g. SIGSTOPped).
-
-    The controller has already left them out of the dying checkpoint. A stopped process
-    cannot act on the SIGTERM torchrun would send when the job ends, so torchrun would
-    wait its 30 s before SIGKILL; end it now (its process group, as torchrun does) and
-    let the next poll report its exit to the controller like any other death.
-    """
-    hung = state.controller.unresponsive_ranks()
-    if not hung:
-        return
-    for local_rank, handler in instance.subprocess_handlers.items():
-        rank = int(instance.envs[local_rank].get("RANK", local_rank))
-        if rank not in hung or rank in state.killed or handler.proc.poll() is not None:
-            continue
-        log.warning("worker rank %d (pid %d) is unresponsive (%s): SIGKILL", rank, handler.proc.pid, hung[rank])
-        state.killed.add(rank)
-        handler.close(death_sig=signal.SIGKILL)
-        try:
-            handler.proc.wait(5)
-        except subprocess.TimeoutExpired:  # e.g. uninterruptible sleep: torchrun's teardown retries
-            log.error("worker rank %d (pid %d) still there after SIGKILL", rank, handler.proc.pid)
-
-
-def _supervise(instance, state: _Survivors) -> None:
-    """Every monitor turn: remember the process context (for the signal handler), the
-    preemption backstop, and the end of the workers the controller gave up on."""
-    state.pcontext = instance
-    if state.controller is not None and state.controller.stepped_down is not None and state.relink is not None:
-        # controller failover: this launcher's controller stepped down; its agent asks the leader
-        log.warning("this launcher's controller stepped down (%s): its agent follows the leader",
-                    state.controller.stepped_down)
-        state.retired, state.controller, state.link = state.controller, None, state.relink()
-    _preemption_backstop(instance, state)
-    if state.controller is not None:
-        _end_unresponsive_workers(instance, state)
-
-
-def _poll_lets_survivors_finish(wrapped, instance, args, kwargs):
-    state = _survivors
-    if state is None:
-        return wrapped(*args, **kwargs)
-    _supervise(instance, state)
-    running, failed = [], {}
-    for local_rank, handler in instance.subprocess_handlers.items():
-        code = handler.proc.poll()
-        if code is None:
-            running.append(local_rank)
-        elif code != 0:
-            failed[local_rank] = code
-    for local_rank, code in failed.items():
-        rank = int(instance.envs[local_rank].get("RANK", local_rank))
-        if rank not in state.reported:
-            state.reported[rank] = code
-            if state.first_failure is None:
-                state.first_failure = time.monotonic()
-            log.warning("worker rank %d exited with %d; %d still running", rank, code, len(running))
-            controller, link = state.controller, state.link
-            if controller is not None:
-                controller.report_rank_exit(rank, code)
-            elif link is not None:
-                link.report_rank_exit(rank, code)
-    controller_done = state.controller is not None and state.controller.wait_done(0) is not None
-    if failed and running and not controller_done and time.monotonic() - state.first_failure < state.grace_s:
-        return None  # keep waiting: survivors are saving the dying checkpoint
-    if controller_done and running:
-        # the controller saw every rank it ended say goodbye: their processes are exiting now;
-        # give them EXIT_MARGIN_S before torchrun's shutdown signals them
-        if state.done_at is None:
-            state.done_at = time.monotonic()
-        if time.monotonic() - state.done_at < EXIT_MARGIN_S:
-            return None
-    return wrapped(*args, **kwargs)
-
-
-def _ha_args(script_args):
+def ha_args(script_args):
     """The HA flags, and the Megatron flags they are checked against, among the training
     arguments (other flags ignored)."""
     from mindspeed_ha.config import add_ha_arguments
@@ -300,16 +106,12 @@ def _ha_args(script_args):
     return ns
 
 
-def _check_before_start(targs, ns) -> None:
-    """Everything that can be checked before a worker starts (nothing can be lost yet).
+def _grace_s() -> float:
+    """``MINDSPEED_HA_DYING_GRACE_S``, seconds.
 
     Raises:
-        ConfigError: naming the flag / env var and the accepted range.
+        ConfigError: not a number > 0.
     """
-    from mindspeed_ha.config import ConfigError, validate_ha_args
-
-    validate_ha_args(ns, _world_size(targs), ns.tensor_model_parallel_size,
-                     ns.pipeline_model_parallel_size, ns.context_parallel_size)
     raw = os.environ.get(ENV_GRACE, "600")
     try:
         grace = float(raw)
@@ -317,6 +119,20 @@ def _check_before_start(targs, ns) -> None:
         grace = -1.0
     if not grace > 0:
         raise ConfigError(f"{ENV_GRACE}={raw!r}: expected seconds > 0 (default 600)")
+    return grace
+
+
+def _check_before_start(targs, ns) -> None:
+    """Everything that can be checked before a worker starts (nothing can be lost yet).
+
+    Raises:
+        ConfigError: naming the flag / env var and the accepted range.
+    """
+    from mindspeed_ha.config import validate_ha_args
+
+    validate_ha_args(ns, _world_size(targs), ns.tensor_model_parallel_size,
+                     ns.pipeline_model_parallel_size, ns.context_parallel_size)
+    _grace_s()
     if ns.save:
         _check_save_writable(ns.save)
     if os.environ.get(ha_env.INJECT):  # a bad test spec: say so once, before 4 tracebacks
@@ -334,8 +150,6 @@ def _check_save_writable(save: str) -> None:
     Raises:
         ConfigError: naming --save.
     """
-    from mindspeed_ha.config import ConfigError
-
     path = os.path.abspath(save)
     while not os.path.exists(path):
         parent = os.path.dirname(path)
@@ -356,149 +170,113 @@ def _is_local_address(addr: str) -> bool:
         return False
 
 
+def _nnodes(targs) -> int:
+    return int(str(targs.nnodes).split(":")[-1])
+
+
 def _world_size(targs) -> int:
     return _nnodes(targs) * int(targs.nproc_per_node)
 
 
-def main(argv=None) -> int:
-    logging.basicConfig(level=os.environ.get(ha_env.LOG, "INFO"),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    argv = list(sys.argv[1:] if argv is None else argv)
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
+def _parse(argv):
+    """torchrun's arguments, with the workers started through ``mindspeed_ha.boot``
+    (which imports mindspeed_ha before the user's code); ``(targs, ha_ns)`` or None
+    (the error printed) when the training script does not exist."""
+    from torch.distributed.run import get_args_parser
 
     parser = get_args_parser()
     parser.prog = "mindspeed-ha-run"
-    parser.description = (
-        "mindspeed-ha launcher: torchrun's arguments and behaviour, plus, when the training "
-        "arguments carry --enable-high-availability, the job's controller in this process and "
-        f"a grace period ({ENV_GRACE}, default 600 s) for survivors to save the dying "
-        "checkpoint. Exit codes: 75 dying checkpoint saved (rerun with --load), 76 nothing "
-        "written (no complete copy / no completed iteration), 79 a rank failed before training "
-        "started (start-up or resuming from --load; nothing to save), 2 bad arguments.")
+    parser.description = _DESCRIPTION
     targs = parser.parse_args(argv)
-    ns = _ha_args(targs.training_script_args)
+    ns = ha_args(targs.training_script_args)
     if not targs.module and not targs.no_python and not os.path.isfile(targs.training_script):
         print(f"mindspeed-ha-run: error: training script {targs.training_script!r} not found",
               file=sys.stderr)
-        return 2
-    # Workers import mindspeed_ha before the user's code.
+        return None
     if targs.module:
         targs.training_script_args = ["-m", targs.training_script] + list(targs.training_script_args)
     else:
         targs.training_script_args = [targs.training_script] + list(targs.training_script_args)
     targs.training_script, targs.module = "mindspeed_ha.boot", True
-    if not getattr(ns, "enable_high_availability", False):
-        run(targs)
-        return 0
+    return targs, ns
 
-    global _survivors
+
+@dataclasses.dataclass
+class _ControlPlane:
+    """What this launcher runs of the control plane: the controller (node 0, or the
+    ``TTP_ADDR`` node), else a link to it (``--enable-worker-reboot``), and the lease
+    directory of controller failover (or None)."""
+
+    config: object
+    controller: object = None
+    link: object = None
+    lease: object = None
+
+
+def _start_controller(targs, config, lease, term: int):
+    """The controller thread of this launcher, listening; with failover, leading ``term``.
+
+    Raises:
+        ConfigError: another launcher took ``term`` (a second node 0).
+    """
+    from mindspeed_ha.control.controller import Controller
+
+    controller = Controller(config, world_size=_world_size(targs), bind_addr=config.controller_addr,
+                            port=config.controller_port)
+    controller.start()
+    os.environ[ha_env.CONTROLLER_HOSTED] = "1"
+    os.environ[ha_env.TTP_PORT] = str(controller.port)  # the bound port (matters for port 0)
+    if lease is not None:
+        lease.drop_roster()  # an earlier run's: a successor must not take its ranks
+        if not standby.lead(controller, lease, term, config.controller_addr, 0, int(targs.node_rank)):
+            controller.stop()
+            raise ConfigError(f"controller failover: term {term} in {lease.path} was taken by another "
+                              "launcher: is a second node 0 running this job?")
+    return controller
+
+
+def _start_control_plane(targs, ns) -> _ControlPlane:
+    """Check everything, then start the controller (or the link to it).
+
+    Raises:
+        ConfigError: before any worker starts (nothing is lost).
+    """
     from mindspeed_ha.config import HAConfig
 
-    from mindspeed_ha.config import ConfigError
-
-    controller = link = lease = None
-    try:
-        if _nnodes(targs) > 1 and not os.environ.get(ha_env.AUTH_KEY):
-            raise ConfigError("--nnodes > 1 with --enable-high-availability: set MINDSPEED_HA_AUTH_KEY (the same "
-                              "hex key, e.g. from `python -c 'import secrets; print(secrets.token_hex(32))'`) in "
-                              "every node's launcher environment: it authenticates the control plane")
-        os.environ.setdefault(ha_env.AUTH_KEY, secrets.token_hex(32))
-        _check_before_start(targs, ns)
-        config = HAConfig.from_args(ns)
-        lease = _lease_dir(targs, ns, config)
-        if lease is not None:
-            os.environ.setdefault("TORCH_ELASTIC_WORKER_IDENTICAL", "1")  # ranks without the (maybe lost) store
-            os.environ[ha_env.CONTROLLER_HOSTED] = "1"  # the launchers run the controllers
-        primary = int(targs.node_rank) == 0 and _is_local_address(config.controller_addr)
-        first_term = 0
-        if primary and lease is not None and lease.current() is not None and not _leader_alive(lease):
-            first_term = lease.current().term + 1  # a term left by an earlier run: never reuse a term
-        elif primary and lease is not None and lease.current() is not None:
-            primary = False  # a replacement node 0: the job runs on, led by a successor
-            log.warning("node 0: the job is led by the controller of term %d (node %d): this launcher joins it",
-                        lease.current().term, lease.current().node_rank)
-        if primary:
-            from mindspeed_ha.control.controller import Controller
-
-            controller = Controller(config, world_size=_world_size(targs),
-                                    bind_addr=config.controller_addr, port=config.controller_port)
-            controller.start()
-            os.environ[ha_env.CONTROLLER_HOSTED] = "1"
-            os.environ[ha_env.TTP_PORT] = str(controller.port)  # the bound port (matters for port 0)
-            if lease is not None:
-                lease.drop_roster()  # an earlier run's: a successor must not take its ranks
-                if not _lead(controller, lease, first_term, config.controller_addr, 0, int(targs.node_rank)):
-                    controller.stop()
-                    raise ConfigError(f"controller failover: term {first_term} in {lease.path} was taken by another "
-                                      "launcher: is a second node 0 running this job?")
-        elif config.worker_reboot:
-            from mindspeed_ha.control.agent_link import node_link
-
-            link = node_link(config, int(targs.node_rank), lease)
-    except ConfigError as exc:  # before any worker starts: nothing is lost
-        print(f"mindspeed-ha-run: error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    _survivors = _Survivors(controller, float(os.environ.get(ENV_GRACE, "600")), config.preemption_deadline_s,
-                            link=link)
-    _survivors.lease = lease
-    if lease is not None:
+    if _nnodes(targs) > 1 and not os.environ.get(ha_env.AUTH_KEY):
+        raise ConfigError("--nnodes > 1 with --enable-high-availability: set MINDSPEED_HA_AUTH_KEY (the same "
+                          "hex key, e.g. from `python -c 'import secrets; print(secrets.token_hex(32))'`) in "
+                          "every node's launcher environment: it authenticates the control plane")
+    os.environ.setdefault(ha_env.AUTH_KEY, secrets.token_hex(32))
+    _check_before_start(targs, ns)
+    plane = _ControlPlane(HAConfig.from_args(ns))
+    config = plane.config
+    plane.lease = standby.lease_dir(_nnodes(targs), ns.save, config)
+    if plane.lease is not None:
+        os.environ.setdefault("TORCH_ELASTIC_WORKER_IDENTICAL", "1")  # ranks without the (maybe lost) store
+        os.environ[ha_env.CONTROLLER_HOSTED] = "1"  # the launchers run the controllers
+    primary = int(targs.node_rank) == 0 and _is_local_address(config.controller_addr)
+    term: Optional[int] = 0
+    if primary and plane.lease is not None:
+        term = standby.first_term(plane.lease)  # None: a replacement node 0, the job runs on, led by a successor
+        primary = term is not None
+    if primary:
+        plane.controller = _start_controller(targs, config, plane.lease, term)
+    elif config.worker_reboot:
         from mindspeed_ha.control.agent_link import node_link
 
-        _survivors.relink = functools.partial(node_link, config, int(targs.node_rank), lease)
-    standby = None
-    if lease is not None and controller is None:
-        standby = _Standby(_survivors, lease, config, targs)
-    try:
-        if link is not None:
-            _survivors.first_incarnations = _hello(link, targs, config)
-    except Exception as exc:  # AgentLinkError: refused / no controller; nothing started
-        print(f"mindspeed-ha-run: error: {exc}", file=sys.stderr, flush=True)
-        link.close()
-        return 2
-    agent = _reboot_agent(targs, argv, _survivors) if config.worker_reboot else None
-    wrapt.wrap_function_wrapper(
-        "torch.distributed.elastic.multiprocessing.api", "SubprocessContext._poll", _poll_lets_survivors_finish
-    )
-    wrapt.wrap_function_wrapper(
-        "torch.distributed.elastic.multiprocessing.api", "_terminate_process_handler", _on_termination_signal
-    )
-    code = 0
-    try:
-        with _agent_class(agent):
-            run(targs)
-    except ChildFailedError as exc:
-        codes = {f.exitcode for f in exc.failures.values()}
-        code = _exit_code(codes)
-        if controller is not None and code != 75:
-            from mindspeed_ha.faults import EXIT_FAILED_BEFORE_TRAINING
+        plane.link = node_link(config, int(targs.node_rank), plane.lease)
+    return plane
 
-            controller.wait_done(2.0)  # every worker is gone: its verdict follows at once
-            if controller.outcome().exit_code == EXIT_FAILED_BEFORE_TRAINING:
-                code = EXIT_FAILED_BEFORE_TRAINING  # every worker ended on its own error at start-up
-        if _survivors.stop_killed and code not in (75, 76):  # graceful stop past its deadline: nothing committed
-            from mindspeed_ha.faults import EXIT_FAULT_UNRECOVERABLE
 
-            code = EXIT_FAULT_UNRECOVERABLE
-        print(f"mindspeed-ha-run: {_outcome_text(controller, code)}", file=sys.stderr, flush=True)
-    finally:
-        if standby is not None:
-            standby.stop()
-        controller = _survivors.controller or _survivors.retired  # a standby may have taken over
-        if controller is not None:
-            if controller.leadership is not None and controller.stepped_down is None:
-                controller.wait_done(EXIT_MARGIN_S)  # the other nodes' goodbyes may still be on their way
-            _write_report(controller)
-            controller.stop()
-            lead = controller.leadership
-            if lead is not None:
-                lead.stop()
-                if controller.wait_done(0) is not None and controller.stepped_down is None:
-                    lease.clear()  # the job is over: nobody leads it any more
-        for old in [_survivors.link, *_survivors.old_links]:
-            if old is not None:
-                old.close()
-    return code
+def _survivors(plane: _ControlPlane, targs) -> Survivors:
+    state = Survivors(plane.controller, _grace_s(), plane.config.preemption_deadline_s, link=plane.link)
+    state.lease = plane.lease
+    if plane.lease is not None:
+        from mindspeed_ha.control.agent_link import node_link
+
+        state.relink = functools.partial(node_link, plane.config, int(targs.node_rank), plane.lease)
+    return state
 
 
 def _hello(link, targs, config) -> Dict[int, int]:
@@ -519,136 +297,7 @@ def _hello(link, targs, config) -> Dict[int, int]:
     return first
 
 
-def _lease_dir(targs, ns, config):
-    """The job's lease directory (controller failover, :mod:`mindspeed_ha.control.lease`),
-    or None: only with ``--nnodes`` > 1 and ``--enable-worker-reboot``, under
-    ``MINDSPEED_HA_LEASE_ROOT`` or else ``<--save>/.mindspeed_ha``; exported to the workers
-    as ``MINDSPEED_HA_LEASE_DIR``."""
-    from mindspeed_ha.control.lease import ENV_LEASE_DIR, LeaseDir, lease_dir, lease_seconds
-
-    root = os.environ.get(ENV_LEASE_ROOT) or (os.path.join(ns.save, ".mindspeed_ha") if ns.save else None)
-    os.environ.pop(ENV_LEASE_DIR, None)  # never an inherited one
-    if _nnodes(targs) < 2 or not config.worker_reboot:
-        return None
-    if root is None:
-        log.warning("--nnodes %s without --save or %s: no controller failover (losing node 0 ends the job)",
-                    targs.nnodes, ENV_LEASE_ROOT)
-        return None
-    try:
-        lease_seconds()
-    except ValueError as exc:
-        from mindspeed_ha.config import ConfigError
-
-        raise ConfigError(str(exc)) from None
-    path = lease_dir(os.path.abspath(root), config.auth_key)
-    os.environ[ENV_LEASE_DIR] = path
-    return LeaseDir(path)
-
-
-def _leader_alive(lease) -> bool:
-    """Whether the highest term of ``lease`` has a live leader: its counter moves, or a
-    successor takes the next term, within three leases (a standby takes over about one
-    lease after the leader's last renewal). A term left by an earlier run of the same job
-    (nothing moves) is not: the new run leads the next term (terms are never reused or
-    removed while a job may run)."""
-    from mindspeed_ha.control.lease import lease_seconds
-
-    first = lease.current()
-    if first is None:
-        return False
-    lease_s, beat = lease_seconds(), lease.beat(first.term)
-    end = time.monotonic() + 3 * lease_s
-    while time.monotonic() < end:
-        time.sleep(lease_s / 8)  # polling a file the leader rewrites: nothing to wait on
-        cur = lease.current()
-        if cur is not None and (cur.term != first.term or lease.beat(cur.term) != beat):
-            return True
-    log.warning("lease directory %s: term %d was left by an earlier run (its lease did not move for %.1f s): "
-                "this run leads the next term", lease.path, first.term, 3 * lease_s)
-    return False
-
-
-def _lead(controller, lease, term: int, host: str, store_port: int, node_rank: int) -> bool:
-    """Take ``term`` for ``controller`` (listening on ``host``); False if someone else has."""
-    from mindspeed_ha.control.lease import Leadership, Term, lease_seconds
-
-    t = Term(term, host, controller.port, store_port, node_rank, os.getpid())
-    if not lease.take(t):
-        return False
-    controller.lease = lease
-    controller.leadership = Leadership(lease, t, lease_seconds())
-    log.warning("controller failover: this launcher (node %d) leads term %d at %s:%d", node_rank, term, host,
-                controller.port)
-    return True
-
-
-class _Standby(threading.Thread):
-    """A launcher without the controller watches the leader's lease and, when it runs out,
-    tries to take the next term: a TCPStore for the process-group rebuilds (the first
-    one lived in node 0's agent) and a successor controller that takes over the roster;
-    on success the launcher's hooks use it in process instead of the link."""
-
-    def __init__(self, state: _Survivors, lease, config, targs):
-        super().__init__(name="mindspeed-ha-standby", daemon=True)
-        from mindspeed_ha.control.lease import Watch, lease_seconds
-
-        self.state, self.lease, self.config, self.targs = state, lease, config, targs
-        self.watch = Watch(lease, lease_seconds())
-        self.store = None
-        self._halt = threading.Event()
-        self.start()
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.join()  # a takeover in progress finishes (its term is then this launcher's to end)
-
-    def run(self) -> None:
-        from mindspeed_ha.control.lease import lease_seconds
-
-        while not self._halt.wait(lease_seconds() / 8):
-            expired = self.watch.expired()
-            if expired is None or self._halt.is_set():
-                continue
-            try:
-                if self._take_over(expired.term + 1):
-                    return
-            except Exception:  # noqa: BLE001 - log it and keep watching: the next term may be ours
-                log.exception("controller failover: taking term %d failed", expired.term + 1)
-
-    def _take_over(self, term: int) -> bool:
-        import torch.distributed as dist
-
-        from mindspeed_ha.control.controller import Controller
-
-        host = os.environ.get(ENV_NODE_ADDR) or ("127.0.0.1" if self.config.controller_addr in ("127.0.0.1",
-                                                                                              "localhost")
-                                                 else socket.gethostname())
-        store = dist.TCPStore(host, 0, None, True, datetime.timedelta(seconds=300), wait_for_workers=False)
-        controller = Controller(self.config, world_size=_world_size(self.targs), bind_addr=host, port=0)
-        controller.take_over(self.lease.read_roster())
-        controller.rebuild_store = f"{host}:{store.port}"
-        controller.start()
-        try:
-            led = _lead(controller, self.lease, term, host, store.port, int(self.targs.node_rank))
-        except BaseException:
-            controller.stop()
-            raise
-        if not led:
-            controller.stop()
-            return False
-        self.store = store  # kept alive with the launcher
-        # the main thread may be inside a request on the link: it is closed at the launcher's end
-        self.state.controller = controller
-        self.state.old_links.append(self.state.link)
-        self.state.link = None
-        return True
-
-
-def _nnodes(targs) -> int:
-    return int(str(targs.nnodes).split(":")[-1])
-
-
-def _reboot_agent(targs, argv, state: _Survivors):
+def _reboot_agent(targs, argv, state: Survivors):
     """``--enable-worker-reboot``: torchrun's agent replaced by ``WorkerRebootAgent`` (a
     factory with the launcher's settings), or None (with a warning) where it cannot act.
 
@@ -703,89 +352,88 @@ def _agent_class(factory):
         launcher_api.LocalElasticAgent = saved
 
 
-def _exit_code(codes) -> int:
-    """The job's exit status from the workers' (signals are negative).
+def _run_job(targs, agent, plane: _ControlPlane, state: Survivors) -> int:
+    """torchrun's run with the HA agent; the job's exit status (0, or from the workers'
+    codes and the controller's verdict, the closing line printed)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import run
 
-    75 when the dying checkpoint was saved; 79 when training never started (start-up or
-    ``--load`` failed: the workers' own errors are that failure); otherwise a worker's own
-    error (a plain non-zero exit, e.g. a traceback) wins over the controller's 76/77/78
-    verdicts, which only follow from it.
-    """
-    from mindspeed_ha import faults
-
-    if faults.EXIT_DYING_CHECKPOINT_SAVED in codes:
-        return faults.EXIT_DYING_CHECKPOINT_SAVED
-    if faults.EXIT_FAILED_BEFORE_TRAINING in codes:  # start-up / --load failed: the errors are that
-        return faults.EXIT_FAILED_BEFORE_TRAINING
-    ha_codes = {faults.EXIT_NO_COMPLETE_DATA, faults.EXIT_FAULT_UNRECOVERABLE, faults.EXIT_CONTROLLER_LOST}
-    own = sorted(c for c in codes if c > 0 and c not in ha_codes)
-    if own:
-        return own[0]
-    for c in (faults.EXIT_NO_COMPLETE_DATA, faults.EXIT_FAULT_UNRECOVERABLE, faults.EXIT_CONTROLLER_LOST):
-        if c in codes:
-            return c
-    return 1
-
-
-def _outcome_text(controller, code: int) -> str:
-    from mindspeed_ha import faults
-
-    if controller is None:
-        return f"workers failed (exit {code}); the controller runs on another node"
-    o = controller.outcome()
-    req = o.stop_request
-    if req is not None and o.fault_rank is None:
-        if code == faults.EXIT_DYING_CHECKPOINT_SAVED:
-            return (f"graceful stop ({req.reason}); {o.reason}. Rerun the same command with --load to continue "
-                    f"from iteration {o.iteration}.")
-        return f"graceful stop ({req.reason}) ended with exit {code}: {o.reason or o.phase.value}"
-    if code == faults.EXIT_DYING_CHECKPOINT_SAVED:
-        return (f"rank {o.fault_rank} failed ({o.fault_kind.value if o.fault_kind else 'fault'}); {o.reason}. "
-                f"Rerun the same command with --load to continue from iteration {o.iteration}.")
-    return f"workers failed (exit {code}); controller: {o.reason or o.phase.value}"
-
-
-def _json_or_text(detail: str):
+    controller = plane.controller
     try:
-        return json.loads(detail)
-    except ValueError:
-        return detail
+        with _agent_class(agent):
+            run(targs)
+        return 0
+    except ChildFailedError as exc:
+        code = report.exit_code(f.exitcode for f in exc.failures.values())
+        if controller is not None and code != faults.EXIT_DYING_CHECKPOINT_SAVED:
+            controller.wait_done(2.0)  # every worker is gone: its verdict follows at once
+            if controller.outcome().exit_code == faults.EXIT_FAILED_BEFORE_TRAINING:
+                code = faults.EXIT_FAILED_BEFORE_TRAINING  # every worker ended on its own error at start-up
+        if state.stop_killed and code not in (faults.EXIT_DYING_CHECKPOINT_SAVED, faults.EXIT_NO_COMPLETE_DATA):
+            code = faults.EXIT_FAULT_UNRECOVERABLE  # graceful stop past its deadline: nothing committed
+        print(f"mindspeed-ha-run: {report.outcome_text(controller, code)}", file=sys.stderr, flush=True)
+        return code
 
 
-def _write_report(controller) -> None:
-    """``MINDSPEED_HA_REPORT``: the controller's outcome as JSON (times in seconds)."""
-    path = os.environ.get(ENV_REPORT)
-    if not path:
-        return
-    o = controller.outcome()
-    to_wall = time.time() - controller.clock()  # controller clock -> wall clock
-    fault_at = None if o.fault_rank is None else controller.state.fault.at
-    first = {}
-    for e in o.events:
-        first.setdefault(e.action.value, e.t)
-    report = {
-        "phase": o.phase.value, "exit_code": o.exit_code, "reason": o.reason, "iteration": o.iteration,
-        "fault_rank": o.fault_rank, "fault_kind": o.fault_kind.value if o.fault_kind else None,
-        "stop_request": None if o.stop_request is None else {
-            "rank": o.stop_request.rank, "reason": o.stop_request.reason, "t_wall": o.stop_request.at + to_wall},
-        "phase_seconds": o.timings,
-        "fault_wall": None if fault_at is None else fault_at + to_wall,
-        "exit_wall": None if "exit" not in first else first["exit"] + to_wall,
-        "events": [{"t_wall": e.t + to_wall, "phase": e.phase.value, "action": e.action.value, "reason": e.reason}
-                   for e in o.events],
-        # in-place recoveries: controller times as wall clock, each rank's RETRY result (its stage seconds)
-        "recoveries": [dict({k: v for k, v in r.items() if not k.endswith("_at")},
-                            **{k.replace("_at", "_wall"): (None if v is None else v + to_wall)
-                               for k, v in r.items() if k.endswith("_at")},
-                            ranks={str(rank): _json_or_text(d) for rank, d in r["ranks"].items()})
-                       for r in o.recoveries],
-        # --enable-worker-reboot: each restart of a worker (rank, incarnation, new pid, previous exit code)
-        "restarts": [dict({k: v for k, v in r.items() if k != "at"}, t_wall=r["at"] + to_wall) for r in o.restarts],
-    }
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=1)
-    os.replace(tmp, path)
+def _close(state: Survivors, watch: Optional[standby.Standby]) -> None:
+    """The end of the job: the standby stopped, the report written, the controller (this
+    launcher's, or the one its standby started) stopped, its term given up when the job
+    is over, every link closed."""
+    if watch is not None:
+        watch.stop()
+    controller = state.controller or state.retired  # a standby may have taken over
+    if controller is not None:
+        if controller.leadership is not None and controller.stepped_down is None:
+            controller.wait_done(EXIT_MARGIN_S)  # the other nodes' goodbyes may still be on their way
+        report.write_report(controller)
+        controller.stop()
+        lead = controller.leadership
+        if lead is not None:
+            lead.stop()
+            if controller.wait_done(0) is not None and controller.stepped_down is None:
+                state.lease.clear()  # the job is over: nobody leads it any more
+    for old in [state.link, *state.old_links]:
+        if old is not None:
+            old.close()
+
+
+def main(argv=None) -> int:
+    """``mindspeed-ha-run``: torchrun's command line. Returns the exit status (see the
+    description: 0, the workers' codes, 75/76/77/79, 2 for bad arguments)."""
+    logging.basicConfig(level=os.environ.get(ha_env.LOG, "INFO"),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parsed = _parse(argv)
+    if parsed is None:
+        return 2
+    targs, ns = parsed
+    if not getattr(ns, "enable_high_availability", False):
+        from torch.distributed.run import run
+
+        run(targs)
+        return 0
+    try:
+        plane = _start_control_plane(targs, ns)
+    except ConfigError as exc:  # before any worker starts: nothing is lost
+        print(f"mindspeed-ha-run: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    state = _survivors(plane, targs)
+    watch = None
+    if plane.lease is not None and plane.controller is None:
+        watch = standby.Standby(state, plane.lease, plane.config, _world_size(targs), int(targs.node_rank))
+    try:
+        if plane.link is not None:
+            state.first_incarnations = _hello(plane.link, targs, plane.config)
+    except Exception as exc:  # AgentLinkError: refused / no controller; nothing started
+        print(f"mindspeed-ha-run: error: {exc}", file=sys.stderr, flush=True)
+        plane.link.close()
+        return 2
+    agent = _reboot_agent(targs, argv, state) if plane.config.worker_reboot else None
+    survivors.install(state)
+    try:
+        return _run_job(targs, agent, plane, state)
+    finally:
+        _close(state, watch)
 
 
 if __name__ == "__main__":

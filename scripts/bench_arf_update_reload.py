@@ -9,7 +9,7 @@ ranks, gloo, the tiny GPT TP1 PP2 DP2 through ``mindspeed-ha-run --enable-worker
   ``--distributed-optimizer-no-replica --save-interval 2``: every rank reloads the periodic
   checkpoint of K-2 (the restarted one at its rejoin point) and re-runs K-1 silently, then K.
 
-Phases as in ``scripts/bench_worker_restart.py`` (``mindspeed_ha.demo._reboot_phases``:
+Phases as in ``scripts/bench_worker_restart.py`` (``mindspeed_ha.phases.reboot_phases``:
 detect, restart_process, rendezvous, rebuild_groups, repair, first_iteration_after, total),
 plus each rank's own stage seconds from its RETRY result (``reload``: the checkpoint load
 in place; the silent re-runs are inside ``first_iteration_after``).
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from mindspeed_ha import env as ha_env
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -30,8 +29,8 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from mindspeed_ha.demo import _reboot_phases  # noqa: E402
-from mindspeed_ha.testing.harness import launch, launcher_command, read_jsonl, tiny_gpt_args  # noqa: E402
+from mindspeed_ha.phases import RunLogs, reboot_phases, slowest_stages  # noqa: E402
+from mindspeed_ha.testing.harness import launch, launcher_command, tiny_gpt_args  # noqa: E402
 
 K = 4
 ITERS = K + 1
@@ -56,19 +55,13 @@ def run(case: str, workdir: str) -> dict:
                     ha_env.RECOVERY_LOG: after, ha_env.REPORT: report})
     if r.returncode != 0:
         raise SystemExit(f"{case}: run failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
-    with open(report) as f:
-        rep = json.load(f)
-    recs = rep.get("recoveries") or []
-    if [e["rank"] for e in rep.get("restarts") or []] != [1] or len(recs) != 1 or recs[0].get("mode") != mode:
-        raise SystemExit(f"{case}: not one {mode} recovery of rank 1: {rep.get('restarts')}, {recs}")
-    out = _reboot_phases(rep, read_jsonl(fired)[0]["wall"], max(e["wall"] for e in read_jsonl(after)))
-    stages = {}
-    for d in (recs[0].get("ranks") or {}).values():
-        if isinstance(d, dict):
-            for k, v in d.items():
-                if k in ("clean", "rebuild", "reload", "repair", "rollback") and isinstance(v, (int, float)):
-                    stages[k] = max(stages.get(k, 0.0), v)
-    out.update({f"rank max {k}": v for k, v in stages.items()})
+    logs = RunLogs.read(report, fired, after)
+    recs = logs.recoveries
+    if [e["rank"] for e in logs.restarts] != [1] or len(recs) != 1 or recs[0].get("mode") != mode:
+        raise SystemExit(f"{case}: not one {mode} recovery of rank 1: {logs.restarts}, {recs}")
+    out = reboot_phases(logs.report, logs.fault_wall, logs.first_after_wall)
+    stages = slowest_stages(recs[0], ("clean", "rebuild", "reload", "repair", "rollback"))
+    out.update({f"rank max {k}": v for k, v in stages.items() if v is not None})
     return out
 
 

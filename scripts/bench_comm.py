@@ -36,53 +36,91 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZES = ((1024, "1 KB"), (4 << 20, "4 MB"))
 
 
-def _rank(rank: int, port: int, n: int, repeats: int) -> None:
-    import mindspeed_ha  # noqa: F401 - installs the patches
-    import torch
-    import torch.distributed as dist
+MODES = ("unwrapped", "wrapped", "no phase 1")
 
-    from mindspeed_ha.patches import registry
-    from mindspeed_ha.recovery import comm
 
-    store = dist.TCPStore("127.0.0.1", port, 3, False, timeout=timedelta(seconds=120))
-    dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=2)
-    modes = ("unwrapped", "wrapped", "no phase 1")
+def _modes(registry, comm):
+    """A function that puts the interruptible collectives in one of ``MODES``."""
     first_wait = comm.FIRST_WAIT_S
 
     def mode(m):
         (registry.disable if m == "unwrapped" else registry.enable)("ha")
         comm.FIRST_WAIT_S = 0.0 if m == "no phase 1" else first_wait
 
+    return mode
+
+
+def _print_medians(rank: int, what: str, times) -> None:
+    if rank == 0:
+        medians = " ".join(f"{statistics.median(times[m]) * 1e6:.1f}" for m in MODES)
+        print(f"OP {what} {medians}", flush=True)
+
+
+def _op_costs(rank: int, n: int, mode) -> None:
+    """Per-call cost of a synchronous all_reduce of each size, every mode interleaved."""
+    import torch
+    import torch.distributed as dist
+
     for nbytes, label in SIZES:
         x = torch.ones(nbytes // 4)
-        times = {m: [] for m in modes}
-        for m in modes:  # warm-up
+        times = {m: [] for m in MODES}
+        for m in MODES:  # warm-up
             mode(m)
             dist.all_reduce(x)
         for _ in range(n):
-            for m in modes:
+            for m in MODES:
                 mode(m)
                 t0 = time.perf_counter()
                 dist.all_reduce(x)
                 times[m].append(time.perf_counter() - t0)
-        if rank == 0:
-            medians = " ".join(f"{statistics.median(times[m]) * 1e6:.1f}" for m in modes)
-            print(f"OP all_reduce {label.replace(' ', '')} {medians}", flush=True)
+        _print_medians(rank, f"all_reduce {label.replace(' ', '')}", times)
+
+
+def _p2p_cost(rank: int, n: int, mode) -> None:
+    """Per-exchange cost of a 1 KB batch_isend_irecv as Megatron's pipeline stages do it."""
+    import torch
+    import torch.distributed as dist
+
     peer = 1 - rank
     x, y = torch.ones(256), torch.empty(256)
-    times = {m: [] for m in modes}
+    times = {m: [] for m in MODES}
     for i in range(n + 1):  # the first round is a warm-up
-        for m in modes:
+        for m in MODES:
             mode(m)
             t0 = time.perf_counter()
             for req in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, peer), dist.P2POp(dist.irecv, y, peer)]):
                 req.wait()
             if i:
                 times[m].append(time.perf_counter() - t0)
-    if rank == 0:
-        medians = " ".join(f"{statistics.median(times[m]) * 1e6:.1f}" for m in modes)
-        print(f"OP p2p-exchange 1KB {medians}", flush=True)
-    mode("wrapped")
+    _print_medians(rank, "p2p-exchange 1KB", times)
+
+
+def _abort_once(comm, trigger, op, group) -> float:
+    """Rank 0: ``op`` blocked on ``group``, aborted from another thread once ``trigger`` is
+    set; seconds from the abort call to CollectiveAborted reaching the caller."""
+    stamp = []
+
+    def aborter():
+        trigger.wait(60)
+        stamp.append(time.perf_counter())
+        comm.abort("bench")
+
+    th = threading.Thread(target=aborter, daemon=True)
+    th.start()
+    try:
+        op(group)
+        raise AssertionError("op returned: rank 1 joined?")
+    except comm.CollectiveAborted:
+        lat = time.perf_counter() - stamp[0]
+    th.join()
+    comm.reset()
+    return lat
+
+
+def _abort_latency(rank: int, store, repeats: int, comm) -> None:
+    """abort -> raise, per case, median and max of ``repeats`` (a fresh group each time)."""
+    import torch
+    import torch.distributed as dist
 
     parked, inside = threading.Event(), threading.Event()
     real_park = comm._park
@@ -91,7 +129,7 @@ def _rank(rank: int, port: int, n: int, repeats: int) -> None:
         parked.set()
         return real_park(lk, timeout)
 
-    comm._park = park
+    comm._park = park  # comm has no public hook for "the wait parked": its private _park is wrapped
     comm.set_fault_hook(lambda op, group: inside.set())
     cases = (("all_reduce parked", parked, lambda g: dist.all_reduce(torch.ones(4), group=g)),
              ("all_reduce phase 1", inside, lambda g: dist.all_reduce(torch.ones(4), group=g)),
@@ -106,25 +144,26 @@ def _rank(rank: int, port: int, n: int, repeats: int) -> None:
                 continue
             parked.clear()
             inside.clear()
-            stamp = []
-
-            def aborter():
-                trigger.wait(60)
-                stamp.append(time.perf_counter())
-                comm.abort("bench")
-
-            th = threading.Thread(target=aborter, daemon=True)
-            th.start()
-            try:
-                op(group)
-                raise AssertionError("op returned: rank 1 joined?")
-            except comm.CollectiveAborted:
-                lat.append(time.perf_counter() - stamp[0])
-            th.join()
-            comm.reset()
+            lat.append(_abort_once(comm, trigger, op, group))
             store.set(f"done/{name}/{i}", "1")
         if rank == 0:
             print(f"ABORT {name} {statistics.median(lat) * 1e3:.3f} {max(lat) * 1e3:.3f}", flush=True)
+
+
+def _rank(rank: int, port: int, n: int, repeats: int) -> None:
+    import mindspeed_ha  # noqa: F401 - installs the patches
+    import torch.distributed as dist
+
+    from mindspeed_ha.patches import registry
+    from mindspeed_ha.recovery import comm
+
+    store = dist.TCPStore("127.0.0.1", port, 3, False, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=2)
+    mode = _modes(registry, comm)
+    _op_costs(rank, n, mode)
+    _p2p_cost(rank, n, mode)
+    mode("wrapped")
+    _abort_latency(rank, store, repeats, comm)
 
 
 def main() -> None:

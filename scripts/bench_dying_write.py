@@ -77,11 +77,9 @@ def _primitive_rates(directory, nbytes=128 << 20):
 def _breakdown(report, stderr):
     """Seconds from each action sent to the next (DUMP -> ASSEMBLE -> COMMIT -> EXIT), and
     the ranks' own step timings (``[name=1.234s ...]`` in their action results)."""
-    first = {}
-    for e in report["events"]:
-        first.setdefault(e["action"], e["t_wall"])
-    order = [a for a in ("dump", "assemble", "commit", "exit") if a in first]
-    phases = {a: first[b] - first[a] for a, b in zip(order, order[1:])}
+    from mindspeed_ha.phases import action_intervals
+
+    phases = action_intervals(report)
     steps = re.findall(r"rank (\d+): (dump|assemble|commit) ok .*?\[([^\]]*)\]", stderr)
     return phases, steps
 

@@ -4,10 +4,12 @@ For each fault (UCE at forward on rank 0 with --enable-hbmfault-repair; a UCE in
 optimizer update of rank 1, recovered by a roll forward; a network error inside the
 grad-sync collective of rank 1) the tiny GPT (TP1 PP2 DP2, 2 optimizer
 replicas) runs K+2 iterations with the fault in iteration K, through mindspeed-ha-run.
-Phases come from the injector's log (fault raised, wall clock), the controller's report
-(evidence, abort, plan sent, wall clock) and each rank's RETRY result (its stage seconds);
-"first iteration after" ends when the last rank finished the re-run iteration (for the
-roll forward: the iteration whose update was interrupted; it has no rollback stage).
+Phases: ``mindspeed_ha.phases.in_place_phases`` with ``stop`` split into ``freeze``
+(evidence -> ABORT sent) and ``abort+park+plan`` (-> plan sent), from the injector's log
+(fault raised, wall clock), the controller's report (evidence, abort, plan sent, wall clock)
+and each rank's RETRY result (its stage seconds); "first iteration after" ends when the
+last rank finished the re-run iteration (for the roll forward: the iteration whose update
+was interrupted; it has no rollback stage, shown as 0).
 
 The full restart it is compared with: the same job started again with ``--load`` of the
 periodic checkpoint of iteration K-1 (saved by a first run with --save-interval K-1) and
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 from mindspeed_ha import env as ha_env
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -31,7 +32,8 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from mindspeed_ha.testing.harness import launch, launcher_command, read_jsonl, time_full_restart, tiny_gpt_args  # noqa: E402
+from mindspeed_ha.phases import RunLogs, in_place_phases  # noqa: E402
+from mindspeed_ha.testing.harness import launch, launcher_command, time_full_restart, tiny_gpt_args  # noqa: E402
 
 K = 4
 ITERS = K + 2
@@ -45,8 +47,6 @@ def _args(*extra):
                                                          "--ha-controller-port", "0", *extra]
 
 
-
-
 def in_place(workdir: str, fault: str) -> dict:
     fired, after, report = (os.path.join(workdir, f"{fault}-{n}") for n in ("fired.jsonl", "after.jsonl", "report.json"))
     for p in (fired, after, report):
@@ -57,19 +57,15 @@ def in_place(workdir: str, fault: str) -> dict:
                     ha_env.RECOVERY_LOG: after, ha_env.REPORT: report})
     if r.returncode != 0:
         raise SystemExit(f"{fault}: the run failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
-    with open(report) as f:
-        rec = json.load(f)["recoveries"][0]
-    t_fault = read_jsonl(fired)[0]["wall"]
-    t_after = max(e["wall"] for e in read_jsonl(after))
-    ranks = [d for d in rec["ranks"].values() if isinstance(d, dict)]
-    out = {"detect": rec["evidence_wall"] - t_fault,
-           "freeze": rec["abort_wall"] - rec["evidence_wall"],
-           "abort+park+plan": rec["retry_wall"] - rec["abort_wall"]}
-    for stage in ("clean", "rebuild", "repair", "rollback"):
-        out[stage] = max(d.get(stage, 0.0) for d in ranks)
-    out["first_iteration_after"] = t_after - rec["retry_wall"]
-    out["total"] = t_after - t_fault
-    return out
+    logs = RunLogs.read(report, fired, after)
+    if not logs.recoveries:
+        raise SystemExit(f"{fault}: the controller's report has no recovery")
+    out = in_place_phases(logs.report, logs.fault_wall, logs.first_after_wall, split_stop=True)
+    missing = [k for k in ("detect", "freeze", "abort+park+plan", "first_iteration_after", "total") if out[k] is None]
+    if missing:
+        raise SystemExit(f"{fault}: phases {missing} missing: {out}")
+    # a stage no rank ran (the roll forward has no rollback) costs nothing
+    return {k: 0.0 if v is None else v for k, v in out.items()}
 
 
 def restart(workdir: str) -> float:

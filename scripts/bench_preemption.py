@@ -53,6 +53,7 @@ dist.destroy_process_group()
 
 
 def run_one(name, at, iters, hb_timeout, tmp):
+    from mindspeed_ha.phases import preemption_phases
     from mindspeed_ha.testing.harness import launch, launcher_command, tiny_gpt_args
 
     save, report, inj = (os.path.join(tmp, x) for x in ("ckpt", "report.json", "inject.jsonl"))
@@ -65,17 +66,17 @@ def run_one(name, at, iters, hb_timeout, tmp):
     with open(inj) as f:
         signal_wall = json.loads(f.readline())["wall"]
     tracker = os.path.join(save, "latest_checkpointed_iteration.txt")
-    row = {"exit": r.returncode, "k": None, "request": None, "drain": None, "save": None, "commit": None}
+    row = {"exit": r.returncode, "k": None}
+    commit_wall = None
     if os.path.exists(tracker):
         with open(tracker) as f:
             row["k"] = int(f.read())
-        row["commit"] = os.path.getmtime(tracker) - signal_wall
-    if os.path.exists(report) and name != "controller_lost":
+        commit_wall = os.path.getmtime(tracker)
+    rep = None
+    if os.path.exists(report) and name != "controller_lost":  # no controller, no report of its own
         with open(report) as f:
             rep = json.load(f)
-        row["request"] = rep["stop_request"]["t_wall"] - signal_wall
-        row["drain"] = rep["phase_seconds"].get("drain")
-        row["save"] = rep["phase_seconds"].get("save")
+    row.update(preemption_phases(rep, signal_wall, commit_wall))
     return row
 
 

@@ -5,7 +5,7 @@ The tiny GPT (TP1 PP2 DP2, 2 optimizer replicas) runs K+2 iterations through
 mindspeed-ha-run; rank 1 SIGKILLs itself at backward of iteration K. The launcher's agent
 restarts that process alone; it replays its start-up, parks at its rejoin point, every rank
 rebuilds its groups, the new process receives its state from a replica and every rank
-re-runs iteration K. Phases (see ``mindspeed_ha.demo._reboot_phases``, which computes them):
+re-runs iteration K. Phases (``mindspeed_ha.phases.reboot_phases``, which computes them):
 detect (SIGKILL -> controller evidence), restart_process (-> the agent started the new
 process), rendezvous (-> RETRY sent: mostly the new process's own start-up up to its rejoin
 point; the controller's retry time is the proxy), rebuild_groups / repair / rollback (the
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 from mindspeed_ha import env as ha_env
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -39,8 +38,8 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from mindspeed_ha.demo import _reboot_phases  # noqa: E402
-from mindspeed_ha.testing.harness import launch, launcher_command, read_jsonl, time_full_restart, tiny_gpt_args  # noqa: E402
+from mindspeed_ha.phases import RunLogs, reboot_phases  # noqa: E402
+from mindspeed_ha.testing.harness import launch, launcher_command, time_full_restart, tiny_gpt_args  # noqa: E402
 
 K = 4
 ITERS = K + 2
@@ -51,8 +50,6 @@ def _args(*extra, reboot=True):
     return tiny_gpt_args(tp=1, pp=2, train_iters=ITERS) + [
         "--enable-high-availability", "--ha-controller-port", "0",
         *(["--enable-worker-reboot"] if reboot else []), *extra]
-
-
 
 
 def arf(workdir: str, warm: bool = False) -> dict:
@@ -66,15 +63,13 @@ def arf(workdir: str, warm: bool = False) -> dict:
                     **({ha_env.WARM_SPARES: "1"} if warm else {})})
     if r.returncode != 0:
         raise SystemExit(f"ARF run failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
-    with open(report) as f:
-        rep = json.load(f)
-    recs = rep.get("recoveries") or []
-    if [e["rank"] for e in rep.get("restarts") or []] != [1] or len(recs) != 1 or recs[0].get("mode") != "rejoin":
-        raise SystemExit(f"not one rejoin of rank 1: restarts {rep.get('restarts')}, recoveries {recs}")
-    done = read_jsonl(after)
-    if len(done) != 4:
-        raise SystemExit(f"the recovery log has {len(done)} of 4 ranks")
-    out = _reboot_phases(rep, read_jsonl(fired)[0]["wall"], max(e["wall"] for e in done))
+    logs = RunLogs.read(report, fired, after, nproc=4)
+    recs = logs.recoveries
+    if [e["rank"] for e in logs.restarts] != [1] or len(recs) != 1 or recs[0].get("mode") != "rejoin":
+        raise SystemExit(f"not one rejoin of rank 1: restarts {logs.restarts}, recoveries {recs}")
+    if len(logs.recovered) != 4:
+        raise SystemExit(f"the recovery log has {len(logs.recovered)} of 4 ranks")
+    out = reboot_phases(logs.report, logs.fault_wall, logs.first_after_wall)
     if any(v is None for v in out.values()):
         raise SystemExit(f"a phase is missing: {out}")
     return out

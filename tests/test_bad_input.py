@@ -87,7 +87,7 @@ def test_unwritable_save_dir_fails_before_training(tmp_path):
 def test_launcher_reads_flags_without_abbreviations():
     """As Megatron-LM's parser (allow_abbrev=False): --num-layers is not a prefix match for
     --num-layers-per-virtual-pipeline-stage (which, with torch_dist, fails the start-up)."""
-    from mindspeed_ha.launcher import _ha_args
+    from mindspeed_ha.launcher import ha_args as _ha_args
 
     ns = _ha_args(["--num-layers", "4", "--enable-high-availability"])
     assert ns.num_layers_per_virtual_pipeline_stage is None
