@@ -167,26 +167,9 @@ def write_shard(path: str, plan: FilePlan, shard_id: int, num_shards: int,
                 item = next(items, None)
             if item is None:
                 break
-            gbuf_idx, _, dtype_key, bucket_idx, shard = item
             if digest is not None:
                 digest.begin_bucket(item)
-            b = groups[(gbuf_idx, dtype_key)].buckets[bucket_idx]
-            local = b.world // num_shards
-            lo, hi = shard_id * local, min((shard_id + 1) * local, b.unpadded)
-            for k in STATE_KEYS:
-                t = shard[k]
-                if t.dtype != _fp32() or t.numel() != local or not t.is_contiguous():
-                    raise DPZeroError(f"{k} of buffer {gbuf_idx} bucket {bucket_idx}: {t.dtype} x {t.numel()}, "
-                                      f"expected contiguous float32 x {local}")
-                if digest is not None:
-                    digest.begin_tensor(k, t)
-                key, base = plan.place(gbuf_idx, dtype_key, k)
-                at = (b.offset + lo) * 4
-                n = max(0, hi - lo) * 4
-                crc = _write_chunks(fd, memoryview(t.numpy()).cast("B"), n, base + at, digest, timer)
-                if n:
-                    ranges.append((key, at, n, crc))
-                    written += n
+            written += _write_bucket(fd, plan, groups, item, shard_id, num_shards, digest, timer, ranges)
         with timer("fsync"):
             os.fsync(fd)
     finally:
@@ -194,6 +177,38 @@ def write_shard(path: str, plan: FilePlan, shard_id: int, num_shards: int,
     _write_json(_ranges_path(staging_root, tp, pp, shard_id),
                 {"iteration": iteration, "shard_id": shard_id, "num_shards": num_shards,
                  "layout": plan.fingerprint, "ranges": ranges})
+    return written
+
+
+def _write_bucket(fd: int, plan: FilePlan, groups: Dict[Tuple[int, Any], Group], item: Tuple,
+                  shard_id: int, num_shards: int, digest: Optional[ShardDigest], timer: Callable[[str], Any],
+                  ranges: List[Tuple[str, int, int, int]]) -> int:
+    """One bucket of :func:`write_shard`: its three state tensors' ranges written in place,
+    each range appended to ``ranges`` as ``(record key, offset in record, length, crc)``.
+    Returns bytes written.
+
+    Raises:
+        DPZeroError: a tensor is not contiguous fp32 of the shard's size.
+    """
+    gbuf_idx, _, dtype_key, bucket_idx, shard = item
+    b = groups[(gbuf_idx, dtype_key)].buckets[bucket_idx]
+    local = b.world // num_shards
+    lo, hi = shard_id * local, min((shard_id + 1) * local, b.unpadded)
+    written = 0
+    for k in STATE_KEYS:
+        t = shard[k]
+        if t.dtype != _fp32() or t.numel() != local or not t.is_contiguous():
+            raise DPZeroError(f"{k} of buffer {gbuf_idx} bucket {bucket_idx}: {t.dtype} x {t.numel()}, "
+                              f"expected contiguous float32 x {local}")
+        if digest is not None:
+            digest.begin_tensor(k, t)
+        key, base = plan.place(gbuf_idx, dtype_key, k)
+        at = (b.offset + lo) * 4
+        n = max(0, hi - lo) * 4
+        crc = _write_chunks(fd, memoryview(t.numpy()).cast("B"), n, base + at, digest, timer)
+        if n:
+            ranges.append((key, at, n, crc))
+            written += n
     return written
 
 

@@ -130,7 +130,7 @@ def merge_parts(part_dirs: Iterable[str], out_dir: str):
         TorchDistCheckpointError: parts disagree on a tensor's shape/dtype, a common.pt is
             missing or duplicated, or the merged shards do not tile every tensor.
     """
-    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
     os.makedirs(out_dir, exist_ok=True)
     state_md: Dict[str, Any] = {}
@@ -149,26 +149,7 @@ def merge_parts(part_dirs: Iterable[str], out_dir: str):
             if name.endswith(".distcp"):
                 renames[name] = f"__{i}_{len(renames)}.distcp"
                 os.replace(os.path.join(part, name), os.path.join(out_dir, renames[name]))
-        keep_index = set()
-        for key, meta in md.state_dict_metadata.items():
-            if isinstance(meta, TensorStorageMetadata):
-                have = state_md.get(key)
-                if have is None:
-                    have = state_md[key] = TensorStorageMetadata(meta.properties, meta.size, [])
-                elif have.size != meta.size or have.properties.dtype != meta.properties.dtype:
-                    raise TorchDistCheckpointError(f"{key}: parts disagree on shape/dtype "
-                                                   f"({have.size} {have.properties.dtype} vs "
-                                                   f"{meta.size} {meta.properties.dtype})")
-                chunks = seen_chunks.setdefault(key, set())
-                for chunk in meta.chunks:
-                    sig = (tuple(chunk.offsets), tuple(chunk.sizes))
-                    if sig not in chunks:
-                        chunks.add(sig)
-                        have.chunks.append(chunk)
-                        keep_index.add((key, tuple(chunk.offsets)))
-            elif key not in state_md:
-                state_md[key] = meta
-                keep_index.add((key, None))
+        keep_index = _add_items(md, state_md, seen_chunks)
         for index, info in md.storage_data.items():
             offsets = None if index.offset is None else tuple(index.offset)
             if (index.fqn, offsets) in keep_index:
@@ -188,6 +169,39 @@ def merge_parts(part_dirs: Iterable[str], out_dir: str):
     for part in part_dirs:
         shutil.rmtree(part, ignore_errors=True)
     return merged
+
+
+def _add_items(md, state_md: Dict[str, Any], seen_chunks: Dict[str, set]) -> set:
+    """Add one part's items (DCP ``Metadata`` ``md``) to the merged ``state_md``: a tensor's
+    chunks not seen yet, an object not seen yet. Returns the ``(key, offsets or None)`` of
+    what was added (its stored data is kept).
+
+    Raises:
+        TorchDistCheckpointError: the part disagrees with an earlier one on a tensor's shape/dtype.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    keep_index = set()
+    for key, meta in md.state_dict_metadata.items():
+        if isinstance(meta, TensorStorageMetadata):
+            have = state_md.get(key)
+            if have is None:
+                have = state_md[key] = TensorStorageMetadata(meta.properties, meta.size, [])
+            elif have.size != meta.size or have.properties.dtype != meta.properties.dtype:
+                raise TorchDistCheckpointError(f"{key}: parts disagree on shape/dtype "
+                                               f"({have.size} {have.properties.dtype} vs "
+                                               f"{meta.size} {meta.properties.dtype})")
+            chunks = seen_chunks.setdefault(key, set())
+            for chunk in meta.chunks:
+                sig = (tuple(chunk.offsets), tuple(chunk.sizes))
+                if sig not in chunks:
+                    chunks.add(sig)
+                    have.chunks.append(chunk)
+                    keep_index.add((key, tuple(chunk.offsets)))
+        elif key not in state_md:
+            state_md[key] = meta
+            keep_index.add((key, None))
+    return keep_index
 
 
 def validate_metadata(md) -> None:

@@ -18,11 +18,9 @@ from __future__ import annotations
 import os
 from typing import Any, List, Optional
 
+from mindspeed_ha.checkpoint import torch_dist_parts as td
 from mindspeed_ha.checkpoint.formats.base import CheckpointFormat, SaverRole
 from mindspeed_ha.errors import ConfigError
-
-#: megatron-core's marker of a dist checkpoint (``dist_checkpointing.check_is_distributed_checkpoint``)
-CONFIG_FILE = "metadata.json"
 
 
 def parts_root(save_dir: str, iteration: int) -> str:
@@ -80,27 +78,23 @@ class TorchDistFormat(CheckpointFormat):
         parts = parts_root(save_dir, iteration)
         if not os.path.isdir(parts):
             return  # no saver wrote a part: validation says what is missing
-        from mindspeed_ha.checkpoint import torch_dist_parts as td
-
         with steps("merge"):
             td.merge_parts([os.path.join(parts, n) for n in sorted(os.listdir(parts))], staged)
             os.rmdir(parts)
 
     def validate(self, ckpt_dir: str, iteration: Optional[int] = None) -> List[str]:
         """:func:`mindspeed_ha.checkpoint.torch_dist_parts.validate_checkpoint_dir`."""
-        from mindspeed_ha.checkpoint import torch_dist_parts as td
-
         return td.validate_checkpoint_dir(ckpt_dir, iteration)
 
     def recognizes(self, ckpt_dir: str) -> bool:
-        """``metadata.json`` is there (megatron-core's own test for a dist checkpoint)."""
-        return os.path.exists(os.path.join(ckpt_dir, CONFIG_FILE))
+        """``metadata.json`` is there (megatron-core's own test for a dist checkpoint:
+        ``dist_checkpointing.check_is_distributed_checkpoint``)."""
+        return os.path.exists(os.path.join(ckpt_dir, td.CONFIG_FILE))
 
 
 def _write_parts(ctx, iteration: int, snapshot, role: SaverRole) -> str:
     """This saver's part(s): ``optim_tpTT_ppPPP_sSSSS`` (shard saver) and ``model_tpTT_ppPPP``
     (model saver; with ``common.pt`` at (TP 0, PP 0))."""
-    from mindspeed_ha.checkpoint import torch_dist_parts as td
     from mindspeed_ha.checkpoint.state import model_state
 
     if not (role.shard or role.model):
