@@ -461,33 +461,16 @@ def add_ha_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     return parser
 
 
-#: --ckpt-format values the dying checkpoint writes (Megatron-LM core_v0.12.1 also has torch_dcp).
-DYING_CHECKPOINT_FORMATS = ("torch", "torch_dist")
-
-
 def _check_checkpoint_format(args: Any) -> None:
-    """The dying checkpoint can be written in the run's ``--ckpt-format``: say so before training.
+    """The dying checkpoint can be written in the run's ``--ckpt-format``: say so before
+    training (the format's own check: :func:`mindspeed_ha.checkpoint.formats.check_args`).
 
     Raises:
-        ConfigError: ``torch_dcp``; ``torch_dist`` with ``--no-ckpt-fully-parallel-save``
-            (its ``dp_zero_gather_scatter`` optimizer layout is gathered with collectives,
-            which survivors of a fault cannot run) or with virtual pipeline stages.
+        ConfigError: an unknown format, or one the format refuses for ``args``.
     """
-    fmt = _arg(args, "ckpt_format", "torch") or "torch"
-    if fmt not in DYING_CHECKPOINT_FORMATS:
-        raise ConfigError(f"--ckpt-format {fmt} with --enable-high-availability: the dying checkpoint "
-                          f"is written in {' or '.join(DYING_CHECKPOINT_FORMATS)}")
-    if fmt != "torch_dist":
-        return
-    if not _arg(args, "ckpt_fully_parallel_save", True):
-        raise ConfigError("--ckpt-format torch_dist with --no-ckpt-fully-parallel-save and "
-                          "--enable-high-availability: the dying checkpoint writes the distributed "
-                          "optimizer as fully_sharded_model_space (Megatron's default); drop "
-                          "--no-ckpt-fully-parallel-save or use --ckpt-format torch")
-    if _arg(args, "virtual_pipeline_model_parallel_size", None) or \
-            _arg(args, "num_layers_per_virtual_pipeline_stage", None):
-        raise ConfigError("--ckpt-format torch_dist with virtual pipeline stages and "
-                          "--enable-high-availability is not supported; use --ckpt-format torch")
+    from mindspeed_ha.checkpoint.formats import check_args
+
+    check_args(args)
 
 
 def validate_ha_args(

@@ -1,5 +1,5 @@
-"""``distrib_optim.pt`` written in place by several shard savers (recovery/dp_zero.py,
-recovery/torch_file.py): what ``torch.load`` reads equals the DP-zero state built by
+"""``distrib_optim.pt`` written in place by several shard savers (checkpoint/dp_zero.py,
+checkpoint/torch_file.py): what ``torch.load`` reads equals the DP-zero state built by
 concatenating the shards, whatever order the savers run in; the zip's CRCs are right;
 a missing or mismatched saver fails the check; zip64 archives are laid out correctly."""
 
@@ -11,7 +11,7 @@ import zlib
 import pytest
 import torch
 
-from mindspeed_ha.recovery import dp_zero, torch_file
+from mindspeed_ha.checkpoint import dp_zero, torch_file
 
 DTYPE_KEY = (torch.float32, torch.float32)
 KEYS = dp_zero.STATE_KEYS
@@ -139,8 +139,8 @@ def test_zip64_layout(tmp_path):
 @pytest.mark.parametrize("chunk", [8, 1 << 20])
 def test_digest_fed_while_writing_is_the_verified_digest(tmp_path, monkeypatch, chunk):
     """The saver's digest, fed chunk by chunk as it writes (padding too), equals the digest
-    the VERIFY round computes over the same shard (``dying._digest_shard_buckets``)."""
-    from mindspeed_ha import dying
+    the VERIFY round computes over the same shard (``integrity.digest_shard_buckets``)."""
+    from mindspeed_ha.checkpoint import integrity
 
     monkeypatch.setattr(dp_zero, "CHUNK_BYTES", chunk)
     groups = _groups(2)
@@ -148,10 +148,10 @@ def test_digest_fed_while_writing_is_the_verified_digest(tmp_path, monkeypatch, 
     path = str(tmp_path / "iter" / "distrib_optim.pt")
     os.makedirs(os.path.dirname(path))
     for j in (0, 1):
-        streamed = dying._StreamingShardDigest(2)
+        streamed = integrity.StreamingShardDigest(2)
         dp_zero.write_shard(path, dp_zero.FilePlan(groups), j, 2, _shard_items(groups, world, j, 2),
                             str(tmp_path), 0, 0, 7, streamed)
-        assert streamed.result() == dying._digest_shard_buckets(2, _shard_items(groups, world, j, 2))
+        assert streamed.result() == integrity.digest_shard_buckets(2, _shard_items(groups, world, j, 2))
     dp_zero.finalize(path, dp_zero.FilePlan(groups), 2, str(tmp_path), 0, 0, 7)
     got = torch.load(path, weights_only=True)
     assert torch.equal(got[0][DTYPE_KEY]["exp_avg"], _expected(groups, world)[0][DTYPE_KEY]["exp_avg"])

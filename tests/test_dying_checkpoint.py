@@ -174,7 +174,7 @@ def _staged_checkpoint(save, iteration):
 
     import torch
 
-    from mindspeed_ha import dying
+    from mindspeed_ha.checkpoint import dying
 
     d = os.path.join(dying.staging_root(save, iteration), f"iter_{iteration:07d}", "mp_rank_00")
     os.makedirs(d)
@@ -190,7 +190,7 @@ def test_commit_failure_publishes_nothing_and_discard_cleans_up(tmp_path, monkey
     handler of a rank that took part removes the staging dir."""
     import errno
 
-    from mindspeed_ha import dying
+    from mindspeed_ha.checkpoint import dying
     from mindspeed_ha.integrations import megatron_lm
     from mindspeed_ha.runtime import HARuntime
 

@@ -22,9 +22,10 @@ import re
 import pytest
 import torch
 
-from mindspeed_ha import dying, faults
+from mindspeed_ha import faults
+from mindspeed_ha.checkpoint import dying, leftovers
+from mindspeed_ha.checkpoint import formats as ckpt_formats
 from mindspeed_ha.integrations import megatron_lm as integ
-from mindspeed_ha.recovery import leftovers
 from mindspeed_ha.testing import megatron_lm as mlm
 from mindspeed_ha.testing.compare import compare_checkpoint_dirs
 
@@ -70,7 +71,7 @@ def _only_published(save, k):
     names = sorted(os.listdir(save))
     assert names[-1] == TRACKER and all(n.startswith("iter_") and int(n[5:]) <= k for n in names[:-1]), names
     assert f"iter_{k:07d}" in names, names
-    integ.validate_checkpoint_dir(os.path.join(save, f"iter_{k:07d}"), k)
+    ckpt_formats.validate_checkpoint_dir(os.path.join(save, f"iter_{k:07d}"), k)
 
 
 def _fault_run(tree, args, inject, k, baseline, first):

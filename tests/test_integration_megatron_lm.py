@@ -150,7 +150,7 @@ def test_runtime_and_dying_checkpoint_do_not_import_the_trainer():
     """The runtime reaches Megatron-LM through the integration only (fresh interpreter)."""
     import subprocess
 
-    code = ("import sys, mindspeed_ha.runtime, mindspeed_ha.dying; "
+    code = ("import sys, mindspeed_ha.runtime, mindspeed_ha.checkpoint.dying; "
             "print(sorted(m for m in sys.modules if m.startswith('mindspeed_ha.testing')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -45,37 +45,38 @@ def _shard(values):
 def test_shard_digest_sees_nan_and_a_flipped_bit_and_survives_the_file(tmp_path):
     import torch
 
-    from mindspeed_ha import dying
+    from mindspeed_ha.checkpoint import integrity
+    from mindspeed_ha.checkpoint.formats.torch import atomic_torch_save
 
-    good = dying.shard_file_digest(_shard([1.0, 2.0, 3.0, 4.0]))
+    good = integrity.shard_file_digest(_shard([1.0, 2.0, 3.0, 4.0]))
     assert good[0] and len(good[1]) == 32 and not good[2]
     flipped = _shard([1.0, 2.0, 3.0, 4.0])
     flipped["buffers"][0]["dtypes"][(torch.float32, torch.float32)][0]["exp_avg"][:1].view(torch.int32) \
         .bitwise_xor_(1)
-    ok, digest, _ = dying.shard_file_digest(flipped)
+    ok, digest, _ = integrity.shard_file_digest(flipped)
     assert ok and digest != good[1]  # finite, only the digest sees it
     nan = _shard([1.0, float("nan"), 3.0, 4.0])
-    ok, _, why = dying.shard_file_digest(nan)
+    ok, _, why = integrity.shard_file_digest(nan)
     assert not ok and "param of buffer 0" in why and "1 of 4 values not finite" in why
     path = str(tmp_path / "s.pt")
-    dying._atomic_torch_save(dict(_shard([1.0, 2.0, 3.0, 4.0]), iteration=3), path)
-    assert dying.shard_file_digest(dying._load(path)) == good
+    atomic_torch_save(dict(_shard([1.0, 2.0, 3.0, 4.0]), iteration=3), path)
+    assert integrity.shard_file_digest(torch.load(path, map_location="cpu", weights_only=False)) == good
 
 
 def test_model_digest_covers_names_dtypes_and_bytes():
     import torch
 
-    from mindspeed_ha import dying
+    from mindspeed_ha.checkpoint import integrity
 
     state = {"model": {"a.weight": torch.ones(2, 3), "b.bias": torch.zeros(3, dtype=torch.bfloat16),
                        "_extra_state": None}}
     names = {"model": ["a.weight", "b.bias"]}
-    ok, digest, _ = dying.model_state_digest(state, names)
+    ok, digest, _ = integrity.model_state_digest(state, names)
     assert ok
     other = {"model": dict(state["model"], **{"b.bias": torch.zeros(3, dtype=torch.float32)})}
-    assert dying.model_state_digest(other, names)[1] != digest  # same values, other dtype
+    assert integrity.model_state_digest(other, names)[1] != digest  # same values, other dtype
     state["model"]["a.weight"][1, 2] = float("inf")
-    assert not dying.model_state_digest(state, names)[0]
+    assert not integrity.model_state_digest(state, names)[0]
 
 
 def test_corrupt_spec():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mindspeed_ha.config import ConfigError, validate_ha_args
-from mindspeed_ha.recovery import torch_dist as td
+from mindspeed_ha.checkpoint import torch_dist_parts as td
 
 
 @pytest.fixture

@@ -26,8 +26,8 @@ here and nowhere else. Each fact and where Megatron-LM core_v0.12.1 defines it:
   ``rng_tracker_states`` (megatron.core.tensor_parallel's tracker; must be non-empty).
 * ``distrib_optim.pt``: the DP-zero parameter state of
   ``megatron/core/optimizer/distrib_optimizer.py`` (``get_parameter_state_dp_zero`` /
-  ``load_parameter_state``); :mod:`mindspeed_ha.dying` assembles it, this module only
-  names it.
+  ``load_parameter_state``); the dying checkpoint assembles it
+  (:mod:`mindspeed_ha.checkpoint.formats.torch`), this module only names it.
 * Args (``megatron/training/global_vars.py`` ``get_args``; set by
   ``megatron/training/initialize.py`` ``initialize_megatron`` after ``validate_args``,
   which with ``--yaml-cfg`` is another object than the one ``parse_args`` returned).
@@ -42,9 +42,7 @@ uses a collective: the dying checkpoint calls it while peers are dead.
 
 from __future__ import annotations
 
-from mindspeed_ha.errors import CheckpointError  # noqa: F401  (one error tree)
 import contextlib
-
 import glob
 import logging
 import os
@@ -52,10 +50,12 @@ import random
 import shutil
 import sys
 import tempfile
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 import numpy as np
 import torch
+
+from mindspeed_ha.errors import CheckpointError
 
 log = logging.getLogger("mindspeed_ha.integrations.megatron_lm")
 
@@ -453,7 +453,9 @@ def expected_files(ckpt_args) -> List[str]:
 
 
 def validate_checkpoint_dir(ckpt_dir: str, iteration: Optional[int] = None) -> List[str]:
-    """Check that an ``iter_XXXXXXX`` directory is complete; returns its files (relative paths).
+    """Check that a ``--ckpt-format torch`` ``iter_XXXXXXX`` directory is complete; returns
+    its files (relative paths). (Every format's check, ``torch_dist`` included:
+    :mod:`mindspeed_ha.checkpoint.formats`.)
 
     Each file is opened as ``torch.load`` opens it (archive, pickle, every storage record
     present with its size), memory-mapped (``mmap=True``): the tensors' bytes are not read,
@@ -463,10 +465,6 @@ def validate_checkpoint_dir(ckpt_dir: str, iteration: Optional[int] = None) -> L
         CheckpointError: no model file, a missing expected file, an unloadable file, or
             a wrong ``iteration`` inside.
     """
-    if os.path.exists(os.path.join(ckpt_dir, "metadata.json")):  # --ckpt-format torch_dist
-        from mindspeed_ha.recovery import torch_dist
-
-        return torch_dist.validate_checkpoint_dir(ckpt_dir, iteration)
     found = sorted(glob.glob(os.path.join(ckpt_dir, "mp_rank_*", MODEL_FILE)))
     if not found:
         raise CheckpointError(f"{ckpt_dir}: no mp_rank_*/{MODEL_FILE}")
@@ -490,16 +488,20 @@ def validate_checkpoint_dir(ckpt_dir: str, iteration: Optional[int] = None) -> L
     return files
 
 
-def commit_checkpoint(tmp_dir: str, save_root: str, iteration: int, overwrite: bool = False) -> str:
+def commit_checkpoint(tmp_dir: str, save_root: str, iteration: int, overwrite: bool = False,
+                      validate: Optional[Callable[[str, int], Any]] = None) -> str:
     """Validate ``tmp_dir``, make it durable, publish it as ``iter_XXXXXXX``, update the tracker.
 
-    No collectives. Steps: :func:`validate_checkpoint_dir`; fsync every file and dir;
-    rename to ``<save_root>/iter_XXXXXXX``; fsync ``save_root``; :func:`write_tracker`.
+    No collectives. Steps: ``validate``; fsync every file and dir; rename to
+    ``<save_root>/iter_XXXXXXX``; fsync ``save_root``; :func:`write_tracker`.
 
     Args:
         tmp_dir: the staged ``iter_XXXXXXX`` content, on the same filesystem as ``save_root``.
         overwrite: an existing ``iter_XXXXXXX`` is replaced (moved aside, deleted after
             the tracker is durable); otherwise it is an error.
+        validate: ``validate(tmp_dir, iteration)`` raises CheckpointError when the
+            directory is incomplete (the checkpoint format's check; default
+            :func:`validate_checkpoint_dir`, ``--ckpt-format torch``).
 
     Returns:
         the published directory.
@@ -509,7 +511,7 @@ def commit_checkpoint(tmp_dir: str, save_root: str, iteration: int, overwrite: b
         FileExistsError: ``iter_XXXXXXX`` exists and not ``overwrite``.
         OSError: fsync, rename or the tracker write failed.
     """
-    validate_checkpoint_dir(tmp_dir, iteration)
+    (validate or validate_checkpoint_dir)(tmp_dir, iteration)
     final = get_checkpoint_name(save_root, iteration, return_base_dir=True)
     if os.path.exists(final) and not overwrite:
         raise FileExistsError(f"{final} already exists; refusing to replace it")

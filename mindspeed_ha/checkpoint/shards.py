@@ -1,0 +1,80 @@
+"""This rank's distributed-optimizer shard, read without collectives.
+
+megatron-core core_v0.12.1 ``DistributedOptimizer`` (megatron/core/optimizer/distrib_optimizer.py):
+``gbuf_ranges[gbuf_idx][dtype_key][bucket_idx]["param_map"]`` maps each model parameter
+to its range in the bucket's local shard (``gbuf_local``); the bucket's world size is
+``buffers[gbuf_idx].buckets[bucket_idx].grad_data.numel()``, a multiple of the optimizer
+instance size (the DP group's size).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator, Tuple
+
+from mindspeed_ha.errors import IntegrityError
+
+#: the per-parameter optimizer state a shard holds (fp32): main param, Adam moments
+STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
+
+#: one bucket of this rank's shard: ``(gbuf_idx, buffer numel_unpadded, dtype_key,
+#: bucket_idx, {"param", "exp_avg", "exp_avg_sq": CPU fp32 tensor of W_b / c elements,
+#: "gbuf_world_numel": W_b, "numel_unpadded": int})``
+ShardBucket = Tuple[int, int, Any, int, Dict[str, Any]]
+
+
+def unwrap_distributed_optimizer(optimizer):
+    """The single DistributedOptimizer inside ``optimizer`` (or None for non-distributed ones).
+
+    Raises:
+        NotImplementedError: several optimizers of which one is distributed.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    opts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    dist = [o for o in opts if isinstance(o, DistributedOptimizer)]
+    if not dist:
+        return None
+    if len(dist) != 1 or len(opts) != 1:
+        raise NotImplementedError("dying checkpoint supports one DistributedOptimizer per rank")
+    return dist[0]
+
+
+def num_shards(opt) -> int:
+    """The optimizer instance size ``c``: how many shards the state is split into."""
+    import torch
+
+    group = opt.data_parallel_group
+    return group.size() if hasattr(group, "size") else torch.distributed.get_world_size(group)
+
+
+def shard_buckets(opt, count: int) -> Iterator[ShardBucket]:
+    """This rank's shard of ``opt`` (``count`` shards), one bucket at a time, copied to the
+    CPU as fp32 (:data:`ShardBucket`), in layout order.
+
+    Raises:
+        IntegrityError: a main param or state does not have the size of its shard range.
+    """
+    import torch
+
+    for gbuf_idx, gbuf_range_maps in enumerate(opt.gbuf_ranges):
+        buf_numel = opt.buffers[gbuf_idx].numel_unpadded
+        for dtype_key, range_maps in gbuf_range_maps.items():
+            for bucket_idx, range_map in enumerate(range_maps):
+                bucket = opt.buffers[gbuf_idx].buckets[bucket_idx]
+                world_numel = bucket.grad_data.numel()
+                local_numel = world_numel // count
+                shard = {k: torch.zeros((local_numel,), dtype=torch.float32) for k in STATE_KEYS}
+                for model_param, param_range in range_map["param_map"].items():
+                    # megatron-core's own accessor of one parameter's main param and states
+                    tensors = opt._get_main_param_and_optimizer_states(model_param)
+                    lo, hi = param_range["gbuf_local"].start, param_range["gbuf_local"].end
+                    for k in STATE_KEYS:
+                        t = tensors[k]
+                        if t.numel() != hi - lo or not t.is_floating_point():
+                            raise IntegrityError(
+                                f"{k} of buffer {gbuf_idx} bucket {bucket_idx} [{lo}:{hi}]: {t.dtype} "
+                                f"{tuple(t.shape)}, expected {hi - lo} floating-point values")
+                        shard[k][lo:hi].copy_(t.detach().reshape(-1).to("cpu", torch.float32))
+                shard["gbuf_world_numel"] = world_numel
+                shard["numel_unpadded"] = bucket.numel_unpadded
+                yield gbuf_idx, buf_numel, dtype_key, bucket_idx, shard
