@@ -77,8 +77,7 @@ What the runtime must call (API):
   calls it (incarnation 0 writes the record; a later one ends its replay, after which
   :func:`rejoined` is True).
 
-Tests and tools: :func:`begin` / :func:`reset`, :func:`mode`, :func:`load`, :func:`decode`,
-:func:`recorded_bytes`.
+Tests and tools: :func:`begin` / :func:`reset`, :func:`mode`, :func:`load`, :func:`decode`.
 
 Modules: this one holds the state and the record / replay of each op;
 :mod:`~mindspeed_ha.recovery.startup_ops` describes one op (outputs, group, call site);
@@ -160,7 +159,7 @@ from mindspeed_ha.recovery.startup_blob import FORMAT, KEY, VERSION, decode, enc
 __all__ = [
     "BACKEND", "DONE", "FORMAT", "KEY", "MAX_BLOB_BYTES", "MAX_OUTPUT_BYTES", "RECORD", "REPLAY", "VERSION",
     "RejoinError", "RejoinMismatch", "begin", "decode", "encode", "group_helper", "incarnation", "live", "load",
-    "mode", "omitted", "recorded_bytes", "register_backend", "rejoined", "reset", "startup_done",
+    "mode", "omitted", "register_backend", "rejoined", "reset", "startup_done",
 ]
 
 log = logging.getLogger("mindspeed_ha.recovery.rejoin")
@@ -188,7 +187,6 @@ _problem: Optional[tuple] = None  # RECORD: ("too_big" | "unsupported", reason)
 _blob: Optional[dict] = None  # REPLAY: the decoded record
 _next = 0  # REPLAY: index of the next entry to serve
 _local = threading.local()  # .inside: an op of ours is running (nested ops pass)
-_written: Optional[int] = None  # bytes of the blob written by startup_done (record)
 _omitted: List[str] = []  # REPLAY: calls whose recorded output had no data (described)
 _replayed = False  # a replay ran to its end in this process
 
@@ -239,10 +237,10 @@ def begin(replay: Optional[bool] = None) -> str:
 
 def reset() -> None:
     """Forget everything (tests): mode None, hook removed."""
-    global _mode, _thread, _blob, _next, _size, _problem, _written, _replayed
+    global _mode, _thread, _blob, _next, _size, _problem, _replayed
     with _lock:
         _set_hook(None)
-        _mode, _thread, _blob, _next, _size, _problem, _written = None, None, None, 0, 0, None, None
+        _mode, _thread, _blob, _next, _size, _problem = None, None, None, 0, 0, None
         _replayed = False
         _entries.clear()
         _pending.clear()
@@ -269,7 +267,6 @@ def startup_done() -> Optional[int]:
 
 
 def _write_record() -> int:
-    global _written
     _settle(final=True)
     status, reason = _problem if _problem else ("ok", "")
     blob = encode(startup_blob.header(status, reason), _entries)
@@ -277,7 +274,6 @@ def _write_record() -> int:
         blob = encode(startup_blob.header("too_big", f"record of {len(_entries)} ops is {len(blob)} bytes "
                                           f"> {MAX_BLOB_BYTES}"), [])
     rank = startup_blob.save(blob)
-    _written = len(blob)
     _finish()
     log.info("rejoin: start-up record of rank %d written: %d ops, %d bytes", rank, len(_entries), len(blob))
     return len(blob)
@@ -321,11 +317,6 @@ def omitted() -> List[str]:
     :data:`MAX_OUTPUT_BYTES`): their tensors kept the new process's own values, so the repair
     must overwrite them (each described with its index, op, group and call site)."""
     return list(_omitted)
-
-
-def recorded_bytes() -> Optional[int]:
-    """Size (bytes) of the blob :func:`startup_done` wrote on this rank, or None."""
-    return _written
 
 
 def _finish() -> None:
