@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch
 
+__all__ = ["device_for_backend", "collective_device", "check_npu_uce"]
+
 #: preference when a group has several backends (``"cpu:gloo,cuda:nccl"``): the accelerator's
 _ORDER = ("nccl", "hccl")
 
@@ -65,9 +67,6 @@ def collective_device(group=None) -> torch.device:
     import torch.distributed as dist
 
     return device_for_backend(dist.get_backend(group))
-
-
-__all__ = ["device_for_backend", "collective_device", "check_npu_uce"]
 
 
 def check_npu_uce(exc: BaseException, device_id: Optional[int] = None) -> Optional[int]:

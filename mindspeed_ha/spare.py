@@ -27,7 +27,8 @@ Limit: environment variables read at import time (by torch, megatron.core) are t
 agent's, not the worker's (e.g. a per-rank ``CUDA_VISIBLE_DEVICES`` is not supported);
 torchrun's workers differ from the agent only by the ``RANK``/``LOCAL_RANK``/
 ``TORCHELASTIC_*`` family, which nothing reads at import. mindspeed-ha's own import-time
-switches (``MINDSPEED_HA_INJECT``, ``MINDSPEED_HA_LOSS_LOG``, ``MINDSPEED_HA_CPU_BACKEND``)
+switches (``MINDSPEED_HA_INJECT``, ``MINDSPEED_HA_LOSS_LOG``, ``MINDSPEED_HA_PATCH_REPORT``,
+``MINDSPEED_HA_CPU_BACKEND``: ``patches.testing.autoenable``, ``patches.cpu_backend.autoenable``)
 are evaluated again under the worker's env.
 """
 

@@ -31,15 +31,15 @@ from __future__ import annotations
 
 from .registry import Patch
 
-_INSTANCE_GROUP = None  # all ranks (every TP/PP/DP position) of this rank's optimizer instance
-
-
-def instance_group():
-    """Process group of this rank's optimizer instance (None before initialisation)."""
-    return _INSTANCE_GROUP
+#: all ranks (every TP/PP/DP position) of this rank's optimizer instance (None before
+#: ``initialize_model_parallel``, or with one instance); the grad-norm fallback reduces over it
+_INSTANCE_GROUP = None
 
 
 def _after_initialize_model_parallel(wrapped, instance, args, kwargs):
+    """After stock ``initialize_model_parallel`` with N > 1 instances: every rank learns each
+    rank's instance (one all_gather of an int64 over WORLD) and creates one group per
+    instance, every rank every group in the same order (``new_group`` is collective)."""
     global _INSTANCE_GROUP
     result = wrapped(*args, **kwargs)
     import torch

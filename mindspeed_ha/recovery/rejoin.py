@@ -28,7 +28,8 @@ How:
   is recorded as changed -- Megatron's start-up makes no async call). Torch's object
   collectives are recorded as the tensor ops they call. Ops on a group this rank is not a
   member of, and calls from other threads, are not recorded. At :func:`startup_done` the
-  record is written as ONE msgpack blob (:func:`encode`, no pickle) into the default store
+  record is written as ONE msgpack blob (:mod:`~mindspeed_ha.recovery.startup_blob`, no
+  pickle) into the default store
   (torchrun's TCPStore, ``distributed_c10d._get_default_store()``) under
   ``mindspeed_ha/startup/<rank>`` (:data:`KEY`). A record over :data:`MAX_BLOB_BYTES` is
   written as a ``too_big`` marker (recording stops copying once past the limit, so memory
@@ -36,9 +37,10 @@ How:
   ``unsupported`` marker; a rejoin refuses both with a clear error.
 * Replay (incarnation >= 1): every process group created before :func:`startup_done`
   (``init_process_group``, ``new_group``) uses the backend :data:`BACKEND` (``ha_deferred``,
-  registered with ``torch.distributed.Backend.register_backend``): a Python
+  :mod:`~mindspeed_ha.recovery.deferred`, registered with
+  ``torch.distributed.Backend.register_backend``): a Python
   ``ProcessGroup`` that connects to nobody and refuses every op. The backend and timeout
-  asked for are kept per group name in ``groups.INTENDED_BACKENDS``, so
+  asked for are kept per group name in ``deferred.INTENDED_BACKENDS``, so
   ``rebuild_process_groups`` creates the real group (same name root, same ranks). Every
   collective of the start-up is served from the blob of this rank (read from the store at
   the first op; checked: op, group name, ranks, output count, dtypes and shapes equal, else
@@ -54,21 +56,34 @@ What the runtime must call (API):
 
 * nothing to start: the group-creation patch starts recording or replay when
   ``init_process_group`` creates the default group with ``ha`` on;
+* in a restarted process, in the middle of its start-up (right after
+  ``setup_model_and_optimizer``, patches ``ha.rejoin.setup.*``:
+  ``HARuntime.rejoin_after_setup``), the rejoin protocol inside :func:`live` (its own
+  communication is real): every rank, survivors included,
+  ``groups.rebuild_process_groups(generation)`` (the new process's deferred groups become
+  the real ones there), then the repair from a replica, which must overwrite every tensor
+  :func:`omitted` lists (model parameters). The rest of the start-up is replayed on the
+  rebuilt groups (their ``.ha<n>`` suffix is ignored when compared with the record).
+  Until the rebuild, any op on a deferred group raises :class:`RejoinError` (never
+  hangs): the processor thread of the new process must not use the runtime's fallback
+  group before it. Known gap: the runtime passes its controller-lost fallback group in
+  ``exclude`` on every rebuild, a rejoin's included, because the processor thread may be
+  using it; after a rejoin that group therefore stays deferred in the new process (its
+  ops raise :class:`RejoinError`) and still has the dead process as a member on the
+  survivors, so deciding without the controller over it fails after a rejoin;
 * :func:`startup_done` on the training thread when the first ``train_step`` is entered
   (``HARuntime.enter_iteration``), before any collective of the step or of the runtime
   (pause point, commit barrier); later calls return None and do nothing. Every incarnation
-  calls it (incarnation 0 writes the record; a later one ends its replay);
-* then, if :func:`rejoined` (this process replayed its start-up): the rejoin protocol --
-  every rank, survivors included, ``groups.rebuild_process_groups(generation)`` (the new
-  process's deferred groups become the real ones there), then the repair from a replica,
-  which must overwrite every tensor :func:`omitted` lists (model parameters). Until the
-  rebuild, any op on a deferred group raises :class:`RejoinError` (never hangs): the
-  processor thread of the new process must not use the runtime's fallback group before it.
-  The survivors' fallback group has lost a member too, so for a rejoin it must be rebuilt
-  like the others (not passed in ``exclude``) while the processor thread does not use it.
+  calls it (incarnation 0 writes the record; a later one ends its replay, after which
+  :func:`rejoined` is True).
 
-Tests and tools: :func:`begin` / :func:`reset`, :func:`mode`, :func:`load`, :func:`decode`,
-:func:`recorded_bytes`.
+Tests and tools: :func:`begin` / :func:`reset`, :func:`mode`, :func:`load`, :func:`decode`.
+
+Modules: this one holds the state and the record / replay of each op;
+:mod:`~mindspeed_ha.recovery.startup_ops` describes one op (outputs, group, call site);
+:mod:`~mindspeed_ha.recovery.startup_blob` is the blob's format, store key and lease copy;
+:mod:`~mindspeed_ha.recovery.deferred` the peer-less groups. The names of the last two
+that callers use are re-exported here.
 
 Cost: with HA off nothing changes (the comm layer is gated); with HA on and not recording,
 one global load per collective (``patches.comm.RECORDER is None``); while recording, a copy
@@ -129,23 +144,26 @@ number of dataset splits), never between two incarnations of one job.
 
 from __future__ import annotations
 
-from mindspeed_ha import env as ha_env
-from mindspeed_ha.errors import RejoinError, RejoinMismatch  # noqa: F401  (one error tree)
 import contextlib
-import inspect
 import logging
 import os
-import re
 import threading
-from typing import Any, Dict, List, Optional
+from typing import List, Optional
+
+from mindspeed_ha import env as ha_env
+from mindspeed_ha.errors import RejoinError, RejoinMismatch
+from mindspeed_ha.recovery import deferred, startup_blob, startup_ops
+from mindspeed_ha.recovery.deferred import BACKEND, register_backend
+from mindspeed_ha.recovery.startup_blob import FORMAT, KEY, VERSION, decode, encode, load
+
+__all__ = [
+    "BACKEND", "DONE", "FORMAT", "KEY", "MAX_BLOB_BYTES", "MAX_OUTPUT_BYTES", "RECORD", "REPLAY", "VERSION",
+    "RejoinError", "RejoinMismatch", "begin", "decode", "encode", "group_helper", "incarnation", "live", "load",
+    "mode", "omitted", "register_backend", "rejoined", "reset", "startup_done",
+]
 
 log = logging.getLogger("mindspeed_ha.recovery.rejoin")
 
-#: store key of a rank's start-up record (in the default store, under its ``default_pg`` prefix)
-KEY = "mindspeed_ha/startup/{rank}"
-#: blob format name and version (the header's ``format`` / ``version``)
-FORMAT = "mindspeed_ha.startup"
-VERSION = 1
 #: bytes; a larger record is written as a ``too_big`` marker (a rejoin then refuses)
 MAX_BLOB_BYTES = 4 * 1024 * 1024
 #: bytes; a larger output is recorded without its data (dtype and shape only): the replay leaves
@@ -153,17 +171,9 @@ MAX_BLOB_BYTES = 4 * 1024 * 1024
 #: start-up output of Megatron-LM is the embedding-group all_reduce of the word embeddings with
 #: PP > 1, model state that the repair from a replica overwrites)
 MAX_OUTPUT_BYTES = 256 * 1024
-#: the torch.distributed backend of the groups a rejoining process creates before startup_done
-BACKEND = "ha_deferred"
-#: environment variable set by the launcher's agent on a restarted worker (1, 2, ...)
-ENV_INCARNATION = ha_env.INCARNATION
 
 RECORD, REPLAY, DONE = "record", "replay", "done"
 _ENTRY_OVERHEAD = 96  # bytes counted per recorded op (its header fields), for the size bound
-
-
-#: the suffix groups.rebuild_process_groups gives a rebuilt group's name
-_GENERATION = re.compile(r"(\.ha\d+)+$")
 
 
 # --------------------------------------------------------------------------- state
@@ -177,21 +187,20 @@ _problem: Optional[tuple] = None  # RECORD: ("too_big" | "unsupported", reason)
 _blob: Optional[dict] = None  # REPLAY: the decoded record
 _next = 0  # REPLAY: index of the next entry to serve
 _local = threading.local()  # .inside: an op of ours is running (nested ops pass)
-_written: Optional[int] = None  # bytes of the blob written by startup_done (record)
 _omitted: List[str] = []  # REPLAY: calls whose recorded output had no data (described)
 _replayed = False  # a replay ran to its end in this process
 
 
 def incarnation() -> int:
-    """This process's incarnation (``MINDSPEED_HA_INCARNATION``, 0 when unset).
+    """This process's incarnation (``ha_env.INCARNATION``, 0 when unset).
 
     Raises:
         ValueError: the variable is not a non-negative integer.
     """
-    raw = os.environ.get(ENV_INCARNATION, "").strip() or "0"
+    raw = os.environ.get(ha_env.INCARNATION, "").strip() or "0"
     n = int(raw)
     if n < 0:
-        raise ValueError(f"{ENV_INCARNATION}={raw!r}: expected an integer >= 0")
+        raise ValueError(f"{ha_env.INCARNATION}={raw!r}: expected an integer >= 0")
     return n
 
 
@@ -228,10 +237,10 @@ def begin(replay: Optional[bool] = None) -> str:
 
 def reset() -> None:
     """Forget everything (tests): mode None, hook removed."""
-    global _mode, _thread, _blob, _next, _size, _problem, _written, _replayed
+    global _mode, _thread, _blob, _next, _size, _problem, _replayed
     with _lock:
         _set_hook(None)
-        _mode, _thread, _blob, _next, _size, _problem, _written = None, None, None, 0, 0, None, None
+        _mode, _thread, _blob, _next, _size, _problem = None, None, None, 0, 0, None
         _replayed = False
         _entries.clear()
         _pending.clear()
@@ -249,37 +258,40 @@ def startup_done() -> Optional[int]:
         RejoinMismatch: replay ended with recorded ops left unserved (the start-up diverged).
         RuntimeError: the store write failed (recording).
     """
-    global _mode, _written, _blob, _replayed
     with _lock:
         if _mode == RECORD:
-            _settle(final=True)
-            blob = encode(_header(_problem[0] if _problem else "ok", _problem[1] if _problem else ""),
-                          _entries)
-            if len(blob) > MAX_BLOB_BYTES:
-                blob = encode(_header("too_big", f"record of {len(_entries)} ops is {len(blob)} bytes "
-                                      f"> {MAX_BLOB_BYTES}"), [])
-            store, rank = _default_store_and_rank()
-            store.set(KEY.format(rank=rank), blob)
-            _write_lease_copy(rank, blob)
-            _written = len(blob)
-            _finish()
-            log.info("rejoin: start-up record of rank %d written: %d ops, %d bytes", rank,
-                     len(_entries), len(blob))
-            return len(blob)
+            return _write_record()
         if _mode == REPLAY:
-            if _blob is None:  # no op was replayed: the record must be empty too
-                _blob = load()
-            served, total = _next, len(_blob["entries"])
-            _finish()
-            if served != total:
-                raise RejoinMismatch(
-                    f"rejoin: start-up ended after {served} collective(s) but the first incarnation "
-                    f"recorded {total}; next recorded: {_describe(_blob['entries'][served])}")
-            _replayed = True
-            log.info("rejoin: start-up replayed: %d ops served without communicating (%d without data)",
-                     served, len(_omitted))
-            return None
+            _end_replay()
         return None
+
+
+def _write_record() -> int:
+    _settle(final=True)
+    status, reason = _problem if _problem else ("ok", "")
+    blob = encode(startup_blob.header(status, reason), _entries)
+    if len(blob) > MAX_BLOB_BYTES:
+        blob = encode(startup_blob.header("too_big", f"record of {len(_entries)} ops is {len(blob)} bytes "
+                                          f"> {MAX_BLOB_BYTES}"), [])
+    rank = startup_blob.save(blob)
+    _finish()
+    log.info("rejoin: start-up record of rank %d written: %d ops, %d bytes", rank, len(_entries), len(blob))
+    return len(blob)
+
+
+def _end_replay() -> None:
+    global _blob, _replayed
+    if _blob is None:  # no op was replayed: the record must be empty too
+        _blob = load()
+    served, total = _next, len(_blob["entries"])
+    _finish()
+    if served != total:
+        raise RejoinMismatch(
+            f"rejoin: start-up ended after {served} collective(s) but the first incarnation "
+            f"recorded {total}; next recorded: {startup_ops.describe(_blob['entries'][served])}")
+    _replayed = True
+    log.info("rejoin: start-up replayed: %d ops served without communicating (%d without data)",
+             served, len(_omitted))
 
 
 @contextlib.contextmanager
@@ -307,29 +319,10 @@ def omitted() -> List[str]:
     return list(_omitted)
 
 
-def recorded_bytes() -> Optional[int]:
-    """Size (bytes) of the blob :func:`startup_done` wrote on this rank, or None."""
-    return _written
-
-
 def _finish() -> None:
     global _mode
     _mode = DONE
     _set_hook(None)
-
-
-def _header(status: str, reason: str) -> dict:
-    import torch
-
-    store_rank = _default_store_and_rank()[1]
-    return {"format": FORMAT, "version": VERSION, "status": status, "reason": reason,
-            "rank": store_rank, "torch": torch.__version__}
-
-
-def _default_store_and_rank():
-    from torch.distributed import distributed_c10d as c10d
-
-    return c10d._get_default_store(), c10d._world.default_pg.rank()
 
 
 def _set_hook(fn) -> None:
@@ -338,151 +331,14 @@ def _set_hook(fn) -> None:
     comm_patches.RECORDER = fn
 
 
-# --------------------------------------------------------------------------- blob
-def encode(header: dict, entries: List[dict]) -> bytes:
-    """One msgpack blob: ``header`` (format, version, status, ...) + ``entries``.
-
-    An entry is ``{"op", "group", "ranks", "out": [[dtype, shape, bytes], ...]}``.
-    """
-    import msgpack
-
-    return msgpack.packb(dict(header, entries=entries), use_bin_type=True)
-
-
-def decode(blob: bytes) -> dict:
-    """The record in ``blob``.
-
-    Raises:
-        RejoinError: not a record of this format/version, or its status is not ``ok``
-            (``too_big``, ``unsupported``).
-    """
-    import msgpack
-
-    try:
-        rec = msgpack.unpackb(blob, raw=False, strict_map_key=True)
-    except Exception as exc:  # noqa: BLE001 - any decoding error means "not ours"
-        raise RejoinError(f"rejoin: start-up record is not msgpack ({exc})") from exc
-    if not isinstance(rec, dict) or rec.get("format") != FORMAT:
-        raise RejoinError("rejoin: start-up record has no mindspeed_ha.startup header")
-    if rec.get("version") != VERSION:
-        raise RejoinError(f"rejoin: start-up record version {rec.get('version')} (this build reads {VERSION})")
-    if rec.get("status") != "ok":
-        raise RejoinError(f"rejoin: the first incarnation's start-up record is {rec.get('status')!r}: "
-                          f"{rec.get('reason')}; a rejoin cannot replay it")
-    return rec
-
-
-def load(store=None, rank: Optional[int] = None) -> dict:
-    """Read and decode rank ``rank``'s record from ``store`` (default: the default store).
-
-    Raises:
-        RejoinError: no record (the first incarnation died before its first train_step),
-            or :func:`decode`'s errors.
-    """
-    if store is None or rank is None:
-        s, r = _default_store_and_rank()
-        store = s if store is None else store
-        rank = r if rank is None else rank
-    key = KEY.format(rank=rank)
-    if not store.check([key]):
-        blob = _read_lease_copy(rank)
-        if blob is not None:  # node 0 and torchrun's store with it were lost: the lease directory's copy
-            return decode(blob)
-        raise RejoinError(f"rejoin: no start-up record {key!r} in the store (the first incarnation of "
-                          f"rank {rank} did not reach its first train_step); a rejoin is impossible")
-    return decode(bytes(store.get(key)))
-
-
-def _lease_copy_path(rank: int) -> Optional[str]:
-    from mindspeed_ha.control.lease import ENV_LEASE_DIR
-
-    base = os.environ.get(ENV_LEASE_DIR)
-    return os.path.join(base, f"startup-rank{rank}.msgpack") if base else None
-
-
-def _write_lease_copy(rank: int, blob: bytes) -> None:
-    """With controller failover (a lease directory on the shared filesystem), a copy of the
-    record there: torchrun's store lives in node 0's agent and dies with node 0."""
-    path = _lease_copy_path(rank)
-    if path is None:
-        return
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(blob)
-        os.replace(tmp, path)
-    except OSError as exc:  # best effort: only a rejoin after node 0's loss needs it
-        log.warning("rejoin: cannot keep rank %d's start-up record in %s: %s", rank, path, exc)
-
-
-def _read_lease_copy(rank: int) -> Optional[bytes]:
-    path = _lease_copy_path(rank)
-    if path is None or not os.path.exists(path):
-        return None
-    with open(path, "rb") as f:
-        return f.read()
-
-
-# --------------------------------------------------------------------------- deferred groups
-_registered = []
-
-
-def register_backend() -> None:
-    """Register the :data:`BACKEND` torch.distributed backend (idempotent)."""
-    if _registered:
-        return
-    import torch.distributed as dist
-
-    cls = _deferred_class()
-
-    def create(prefix_store, rank, size, timeout):
-        return cls(rank, size)
-
-    dist.Backend.register_backend(BACKEND, create, devices=["cpu", "cuda"])
-    _registered.append(cls)
-
-
-def _deferred_class():
-    import torch.distributed as dist
-
-    class DeferredGroup(dist.ProcessGroup):
-        """A group made without its peers while a rejoin replays its start-up: connects to
-        nobody, refuses every op (a collective that escaped the replay raises rather than
-        hangs); ``rebuild_process_groups`` replaces it by the real group."""
-
-        def __init__(self, rank, size):
-            super().__init__(rank, size)
-
-        def getBackendName(self):
-            return BACKEND
-
-        def __repr__(self):
-            return f"DeferredGroup(rank={self.rank()}, size={self.size()})"
-
-    def refuse(name):
-        def op(self, *args, **kwargs):
-            raise RejoinError(f"rejoin: {name} on a deferred process group (created while the start-up "
-                              f"was replayed): rebuild_process_groups must replace it first")
-        op.__name__ = name
-        return op
-
-    for name in ("allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced",
-                 "allgather_into_tensor_coalesced", "_allgather_base", "broadcast", "reduce",
-                 "reduce_scatter", "reduce_scatter_tensor_coalesced", "_reduce_scatter_base",
-                 "alltoall", "alltoall_base", "gather", "scatter", "barrier", "send", "recv",
-                 "recv_anysource"):
-        setattr(DeferredGroup, name, refuse(name))
-    return DeferredGroup
-
-
+# --------------------------------------------------------------------------- group creation
 def group_helper(wrapped, instance, args, kwargs):
     """Wrapper of ``distributed_c10d._new_process_group_helper`` (feature ``ha``): starts
     :func:`begin` at the default group's creation; while replaying, creates the group with
     :data:`BACKEND` and keeps the backend and timeout asked for in
-    ``groups.INTENDED_BACKENDS[name]``."""
+    ``deferred.INTENDED_BACKENDS[name]`` (also ``groups.INTENDED_BACKENDS``)."""
     try:
-        bound = _bind(wrapped, args, kwargs)
+        bound = startup_ops.bind(wrapped, args, kwargs)
     except TypeError:
         return wrapped(*args, **kwargs)
     a = bound.arguments
@@ -492,90 +348,18 @@ def group_helper(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     from torch.distributed import distributed_c10d as c10d
 
-    from mindspeed_ha.recovery import groups
-
     intended = str(a["backend"])
     if intended == BACKEND:  # new_group(backend=None): the default group's backend
         default = c10d._world.default_pg
-        intended = groups.INTENDED_BACKENDS.get(str(c10d._world.pg_names.get(default)), ("gloo", None))[0]
+        intended = (deferred.intended_backend(str(c10d._world.pg_names.get(default))) or ("gloo", None))[0]
     a["backend"] = BACKEND
     pg, store = wrapped(*bound.args, **bound.kwargs)
     if pg is not None and pg is not c10d.GroupMember.NON_GROUP_MEMBER:
-        groups.INTENDED_BACKENDS[str(a["group_name"])] = (intended, a.get("timeout"))
+        deferred.INTENDED_BACKENDS[str(a["group_name"])] = (intended, a.get("timeout"))
     return pg, store
 
 
-_sigs: Dict[Any, inspect.Signature] = {}
-
-
-def _bind(fn, args, kwargs) -> inspect.BoundArguments:
-    sig = _sigs.get(fn)
-    if sig is None:
-        sig = _sigs[fn] = inspect.signature(fn)
-    return sig.bind(*args, **kwargs)
-
-
 # --------------------------------------------------------------------------- per op
-def _outputs(name: str, a: dict) -> list:
-    """The tensors the caller reads after op ``name`` (bound arguments ``a``)."""
-    if name in ("all_reduce", "broadcast", "reduce", "scatter"):
-        return [a["tensor"]]
-    if name in ("all_gather",):
-        return list(a["tensor_list"])
-    if name in ("all_gather_into_tensor", "_all_gather_base"):
-        return [a["output_tensor"]]
-    if name in ("reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base", "all_to_all_single"):
-        return [a["output"]]
-    if name == "all_to_all":
-        return list(a["output_tensor_list"])
-    if name == "gather":
-        return list(a.get("gather_list") or [])
-    if name == "irecv":
-        return [a["tensor"]]
-    if name in ("barrier", "isend"):
-        return []
-    if name == "batch_isend_irecv":
-        return [op.tensor for op in a["p2p_op_list"] if "recv" in getattr(op.op, "__name__", "")]
-    raise RejoinError(f"rejoin: op {name} cannot be recorded or replayed")
-
-
-def _group_of(name: str, a: dict):
-    if name == "batch_isend_irecv":
-        ops = a["p2p_op_list"]
-        return ops[0].group if ops else None
-    return a.get("group")
-
-
-def _group_id(group):
-    """(torch name, ranks in group-rank order) of ``group`` (None: the default group);
-    None when this rank is not a member."""
-    from torch.distributed import distributed_c10d as c10d
-
-    world = c10d._world
-    if group is None:
-        group = world.default_pg
-    if group is None or group is c10d.GroupMember.NON_GROUP_MEMBER or group not in world.pg_group_ranks:
-        return None
-    rank_of = world.pg_group_ranks[group]
-    # a group rebuilt by a rejoin in the middle of the start-up (``<root>.ha<generation>``)
-    # stands for the group the first incarnation recorded under its root name
-    name = _GENERATION.sub("", str(world.pg_names.get(group)))
-    return name, sorted(rank_of, key=rank_of.__getitem__)
-
-
-def _meta(t) -> list:
-    return [str(t.dtype).replace("torch.", ""), list(t.shape)]
-
-
-def _bytes_of(t) -> bytes:
-    import torch
-
-    flat = t.detach().to("cpu").contiguous().reshape(-1)
-    if flat.numel() == 0:
-        return b""
-    return flat.view(torch.uint8).numpy().tobytes()
-
-
 def _snapshot(entry: dict) -> None:
     """Copy ``entry``'s output tensors (kept in ``entry['_tensors']``) into its ``out``."""
     global _size, _problem
@@ -584,11 +368,11 @@ def _snapshot(entry: dict) -> None:
         return
     out = []
     for t in tensors:
-        meta = _meta(t)
+        meta = startup_ops.meta(t)
         if t.numel() * t.element_size() > MAX_OUTPUT_BYTES:
             data = None  # not kept: see MAX_OUTPUT_BYTES
         elif _problem is None:
-            data = _bytes_of(t)
+            data = startup_ops.bytes_of(t)
             _size += len(data)
             if _size > MAX_BLOB_BYTES:
                 _problem = ("too_big", f"start-up outputs exceed {MAX_BLOB_BYTES} bytes at call "
@@ -601,61 +385,30 @@ def _snapshot(entry: dict) -> None:
     if _problem is None and _size > MAX_BLOB_BYTES:
         _problem = ("too_big", f"start-up record exceeds {MAX_BLOB_BYTES} bytes at call {entry['index']}")
     if _problem is not None:  # stop recording: memory and per-op cost stay bounded
-        _entries.clear()
-        _pending.clear()
-        _set_hook(None)
+        _stop_recording()
 
 
-def _describe(e: dict) -> str:
-    outs = [f"{o[0]}{tuple(o[1])}" for o in e.get("out", [])]
-    return (f"#{e.get('index')} {e.get('op')} on group {e.get('group')} ranks {e.get('ranks')} outputs {outs} "
-            f"at {e.get('site')}")
-
-
-_OURS = (os.sep + "torch" + os.sep, os.sep + "wrapt" + os.sep, os.sep + "mindspeed_ha" + os.sep + "recovery",
-         os.sep + "patches" + os.sep + "comm.py", os.sep + "patches" + os.sep + "registry.py")
-_MINDSPEED_HA = (os.sep + "patches" + os.sep,)  # mindspeed-ha's wrappers: their caller is named too
-
-
-def _site() -> str:
-    """``dir/file:line function`` of the first caller outside torch, wrapt and this layer,
-    and, when that is a mindspeed-ha patch, ``<- `` the first caller outside the patches
-    (for error messages; never compared)."""
-    import sys
-
-    out = []
-    f = sys._getframe(2)
-    for _ in range(60):
-        if f is None:
-            break
-        path = f.f_code.co_filename
-        if not any(part in path for part in _OURS):
-            out.append(f"{os.path.basename(os.path.dirname(path))}/{os.path.basename(path)}:{f.f_lineno} "
-                       f"{f.f_code.co_name}")
-            if not any(part in path for part in _MINDSPEED_HA):
-                break
-        f = f.f_back
-    return " <- ".join(out[:1] + out[-1:] if len(out) > 1 else out) or "?"
-
+def _stop_recording() -> None:
+    _entries.clear()
+    _pending.clear()
+    _set_hook(None)
 
 
 def _on_call(name, fn, wrapped, instance, args, kwargs):
     """``patches.comm.RECORDER`` while recording or replaying: ``fn`` is the comm layer's
     wrapper (``fn(wrapped, instance, args, kwargs)`` performs the op)."""
+    global _problem
     if (threading.get_ident() != _thread or getattr(_local, "inside", False)
             or _mode not in (RECORD, REPLAY)):
         return fn(wrapped, instance, args, kwargs)
     if name == "_coalescing_manager":
         if _mode == REPLAY:
             raise RejoinError("rejoin: _coalescing_manager during the start-up cannot be replayed")
-        global _problem
         _problem = _problem or ("unsupported", "_coalescing_manager used during the start-up")
-        _entries.clear()
-        _pending.clear()
-        _set_hook(None)  # nothing more to record
+        _stop_recording()  # nothing more to record
         return fn(wrapped, instance, args, kwargs)
-    a = _bind(wrapped, args, kwargs).arguments
-    gid = _group_id(_group_of(name, a))
+    a = startup_ops.bind(wrapped, args, kwargs).arguments
+    gid = startup_ops.group_id(startup_ops.group_of(name, a))
     if gid is None:  # not a member: torch returns at once, nothing to record
         return fn(wrapped, instance, args, kwargs)
     if _mode == REPLAY:
@@ -666,8 +419,8 @@ def _on_call(name, fn, wrapped, instance, args, kwargs):
 def _record(name, fn, wrapped, instance, args, kwargs, a, gid):
     if _pending:
         _settle(final=False)
-    entry = {"index": len(_entries), "op": name, "group": gid[0], "ranks": gid[1], "site": _site()}
-    outputs = _outputs(name, a)
+    entry = {"index": len(_entries), "op": name, "group": gid[0], "ranks": gid[1], "site": startup_ops.site()}
+    outputs = startup_ops.outputs(name, a)
     _local.inside = True
     try:
         result = fn(wrapped, instance, args, kwargs)
@@ -703,33 +456,23 @@ def _completed(work) -> bool:
 
 def _replay(name, a, gid):
     global _blob, _next
-    import torch
-
     if _blob is None:
         _blob = load()
     entries = _blob["entries"]
     index = _next
-    outputs = _outputs(name, a)
-    mine = {"index": index, "op": name, "group": gid[0], "ranks": gid[1], "out": [_meta(t) for t in outputs],
-            "site": _site()}
+    outputs = startup_ops.outputs(name, a)
+    mine = {"index": index, "op": name, "group": gid[0], "ranks": gid[1],
+            "out": [startup_ops.meta(t) for t in outputs], "site": startup_ops.site()}
     if index >= len(entries):
-        raise RejoinMismatch(f"rejoin: start-up call {_describe(mine)} is past the end of the record "
-                             f"({len(entries)} ops recorded by the first incarnation)")
+        raise RejoinMismatch(f"rejoin: start-up call {startup_ops.describe(mine)} is past the end of the "
+                             f"record ({len(entries)} ops recorded by the first incarnation)")
     rec = entries[index]
     same = (rec["op"] == name and rec["group"] == gid[0] and list(rec["ranks"]) == gid[1]
             and [o[:2] for o in rec["out"]] == [[m[0], list(m[1])] for m in mine["out"]])
     if not same:
         raise RejoinMismatch(f"rejoin: start-up call {index} differs from the record: "
-                             f"now {_describe(mine)}, recorded {_describe(rec)}")
-    for t, (dtype, shape, data) in zip(outputs, rec["out"]):
-        if data is None:  # recorded without its data (MAX_OUTPUT_BYTES): left as it is
-            _omitted.append(_describe(dict(rec, index=index)))
-            continue
-        if t.numel() == 0:
-            continue
-        src = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(t.dtype).reshape(t.shape)
-        with torch.no_grad():
-            t.copy_(src)
+                             f"now {startup_ops.describe(mine)}, recorded {startup_ops.describe(rec)}")
+    _serve(outputs, rec, index)
     _next = index + 1
     if name in ("isend", "irecv"):
         return _done_work()
@@ -738,6 +481,21 @@ def _replay(name, a, gid):
     if a.get("async_op"):
         return _done_work()
     return None
+
+
+def _serve(outputs: list, rec: dict, index: int) -> None:
+    """Write the recorded bytes of entry ``rec`` into the caller's ``outputs``."""
+    import torch
+
+    for t, (dtype, shape, data) in zip(outputs, rec["out"]):
+        if data is None:  # recorded without its data (MAX_OUTPUT_BYTES): left as it is
+            _omitted.append(startup_ops.describe(dict(rec, index=index)))
+            continue
+        if t.numel() == 0:
+            continue
+        src = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(t.dtype).reshape(t.shape)
+        with torch.no_grad():
+            t.copy_(src)
 
 
 def _done_work():
