@@ -187,9 +187,15 @@ class StepProtocol:
     @property
     def frozen(self) -> bool:
         """No optimizer update can start: frozen by STOP, or paused at a drain limit."""
-        return self.state in (StepState.FROZEN, StepState.RECOVERING) or self.paused_at is not None
+        return self.frozen_by_stop or self.paused_at is not None
+
+    @property
+    def frozen_by_stop(self) -> bool:
+        """A STOP holds ``begin_update`` (FROZEN, or RECOVERING: it raises)."""
+        return self.state in (StepState.FROZEN, StepState.RECOVERING)
 
     def status(self) -> Tuple[OptimizerStatus, int]:
+        """Authoritative (status, iteration)."""
         with self.cond:
             return self.rank_state.snapshot()
 
@@ -216,16 +222,12 @@ class StepProtocol:
             self.rank_state.transition(OptimizerStatus.UPDATING, iteration)
             self.status_dirty = True
 
-    @property
-    def frozen_by_stop(self) -> bool:
-        return self.state in (StepState.FROZEN, StepState.RECOVERING)
-
     def end_update(self, iteration: int) -> None:
         """See :meth:`Processor.end_update`."""
         with self.cond:
             self.rank_state.transition(OptimizerStatus.UPDATED, iteration)
             self.status_dirty = True
-            if _HOLD[self.state] >= _HOLD[StepState.OBSERVED] and self.state is not StepState.EXITED:
+            if self.state in (StepState.OBSERVED, StepState.FROZEN, StepState.RECOVERING):
                 self.outbox.poke()
 
     def mark_unknown(self) -> None:
