@@ -570,7 +570,7 @@ def test_standby_controller_at_the_same_address_takes_over(closing):
     closing.callback(standby.stop)
     _wait_for(lambda: len(standby.state.ranks) == 2, what="registration with the standby")
     for p in procs:
-        _wait_for(lambda: p._disconnected_at is None, what="reconnection")
+        _wait_for(lambda: p.link.disconnected_at is None, what="reconnection")
         assert p.controller_lost_at is None
     procs[0].begin_update(1)
     procs[0].end_update(1)

@@ -4,7 +4,7 @@ With ``--enable-worker-reboot`` every node's agent restarts its own dead workers
 (:class:`mindspeed_ha.agent.WorkerRebootAgent`). On the node that hosts the controller the
 agent's hooks call it in process; on every other node they go through an
 :class:`AgentLink`: one ZeroMQ DEALER socket to the controller's port, authenticated and
-encrypted like a processor's (:mod:`auth`, CURVE with the job's ``MINDSPEED_HA_AUTH_KEY``),
+encrypted like a processor's (:mod:`auth`, CURVE with the job's auth key),
 messages of :mod:`wire` (msgpack, versioned, size-limited, HMAC-tagged). The link is used
 from the agent's monitor thread only (the launcher's main thread), request by request:
 
@@ -33,7 +33,7 @@ from typing import Dict, List, Optional
 
 import zmq
 
-from mindspeed_ha.config import ConfigError, HAConfig
+from mindspeed_ha.config import ENV_AUTH_KEY, ConfigError, HAConfig
 from mindspeed_ha.control import auth, wire
 
 log = logging.getLogger(__name__)
@@ -170,5 +170,5 @@ def node_link(config: HAConfig, node_rank: int, lease=None) -> AgentLink:
     LeaseDir, when given); ConfigError names what is missing."""
     if not config.auth_key:
         raise ConfigError("--enable-worker-reboot on a node without the controller needs the job's auth key: set "
-                          "MINDSPEED_HA_AUTH_KEY (the same hex key on every node)")
+                          f"{ENV_AUTH_KEY} (the same hex key on every node)")
     return AgentLink(config, node_rank, timeout_s=min(10.0, config.connect_timeout_s), lease=lease)
