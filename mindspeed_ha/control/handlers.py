@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mindspeed_ha.control.controller")
 
+#: the FAULT kinds this controller knows (another one is UNKNOWN)
+_FAULT_KINDS = frozenset(k.value for k in FaultKind)
+
 #: (controller, now, rank, its RankInfo, message body) -> None
 RankHandler = Callable[["Controller", float, int, RankInfo, Any], None]
 
@@ -133,7 +136,7 @@ def _status(ctl: "Controller", now: float, rank: int, info: RankInfo, body: Any)
 
 
 def _fault(ctl: "Controller", now: float, rank: int, info: RankInfo, body: Any) -> None:
-    info.fault = FaultKind(body.kind) if body.kind in FaultKind._value2member_map_ else FaultKind.UNKNOWN
+    info.fault = FaultKind(body.kind) if body.kind in _FAULT_KINDS else FaultKind.UNKNOWN
     info.fault_message = body.message
     info.fault_where = body.where
     info.fault_iteration = body.iteration
