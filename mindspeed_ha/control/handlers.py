@@ -1,0 +1,251 @@
+"""What each inbound message does to the controller's ``ClusterState``: one table.
+
+:func:`dispatch` routes one authenticated message: REGISTER to :func:`register`, a node
+agent's messages to :data:`restarts.AGENT_HANDLERS`, and a registered rank's messages
+to :data:`RANK_HANDLERS` (message type -> handler); anything else is counted as
+rejected. :data:`COMMANDS` does the same for the reports other threads of this
+process queue (the launcher's hooks, a signal handler). Handlers run on the I/O thread
+under the controller's lock; they change state and send replies, and decide nothing
+(that is :func:`policy.decide`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
+
+import zmq
+
+from mindspeed_ha.control import restarts, wire
+from mindspeed_ha.control.integrity import IntegrityReport
+from mindspeed_ha.control.state import OptimizerStatus, Phase, RankInfo
+from mindspeed_ha.faults import FaultKind
+
+if TYPE_CHECKING:
+    from mindspeed_ha.control.controller import Controller
+
+log = logging.getLogger("mindspeed_ha.control.controller")
+
+#: the FAULT kinds this controller knows (another one is UNKNOWN)
+_FAULT_KINDS = frozenset(k.value for k in FaultKind)
+
+#: (controller, now, rank, its RankInfo, message body) -> None
+RankHandler = Callable[["Controller", float, int, RankInfo, Any], None]
+
+
+def dispatch(ctl: "Controller", now: float, ident: bytes, fd: Optional[int], msg: wire.Message) -> None:
+    """Handle one message from connection ``ident`` (``fd``: its socket, if known)."""
+    body = msg.body
+    if msg.type is wire.MsgType.REGISTER:
+        register(ctl, now, ident, fd, msg.sender, body)
+        return
+    if msg.type.value in wire.AGENT_TYPES:
+        restarts.agent_message(ctl, now, ident, msg)
+        return
+    rank = ctl.server.rank_of_ident.get(ident)
+    if rank is None or getattr(body, "rank", rank) != rank:
+        ctl.codec.rejected["unregistered"] += 1
+        log.debug("controller: %s from unregistered peer %r ignored", msg.type.value, ident)
+        if rank is None and msg.type is not wire.MsgType.GOODBYE:
+            try:  # e.g. a controller restarted: ask the processor to register again
+                ctl.server.send(ident, wire.Registered(getattr(body, "rank", -1), False, "unregistered: send REGISTER"))
+            except zmq.ZMQError:
+                pass
+        return
+    info = ctl.state.ranks[rank]
+    ctl.server.bind_fd(fd, rank)
+    info.last_heartbeat = now
+    handler = RANK_HANDLERS.get(msg.type)
+    if handler is None:
+        ctl.codec.rejected["unexpected_type"] += 1
+    else:
+        handler(ctl, now, rank, info, body)
+
+
+# ---------------------------------------------------------------------- registration
+def register(ctl: "Controller", now: float, ident: bytes, fd: Optional[int], sender: str,
+             body: wire.Register) -> None:
+    """REGISTER: admit the rank (idempotent for a re-sent REGISTER of the same process),
+    answer REGISTERED, and bring a late rank into a stop or drain under way."""
+    st = ctl.state
+    ok, detail = True, ""
+    if not 0 <= body.rank < ctl.world_size:
+        ok, detail = False, f"rank {body.rank} outside world size {ctl.world_size}"
+    elif body.world_size != ctl.world_size:
+        ok, detail = False, f"world size {body.world_size} != controller's {ctl.world_size}"
+    if ok:
+        _admit(ctl, now, ident, fd, sender, body)
+    else:
+        log.error("registration refused: %s", detail)
+    try:
+        ctl.server.send(ident, wire.Registered(body.rank, ok, detail))
+    except zmq.ZMQError as exc:
+        log.warning("controller: cannot answer REGISTER of rank %d: %s", body.rank, exc)
+    if ok and st.phase is Phase.STOPPING:
+        ctl.server.send_to_rank(body.rank, wire.Stop("job is stopping"))
+    elif ok and st.phase is Phase.DRAINING:
+        ctl.server.send_to_rank(body.rank, wire.Drain("graceful stop", -1 if st.drain_until is None
+                                                      else st.drain_until))
+
+
+def _admit(ctl: "Controller", now: float, ident: bytes, fd: Optional[int], sender: str, body: wire.Register) -> None:
+    st = ctl.state
+    old = st.ranks.get(body.rank)
+    repeat = old is not None and old.sender == sender
+    if repeat:
+        info = old  # re-sent REGISTER (its REGISTERED crossed it or was lost): idempotent
+    else:
+        info = RankInfo(rank=body.rank, layout=body.layout, last_heartbeat=now, pid=body.pid,
+                        host=body.host, save_dir=body.save_dir, sender=sender)
+        try:
+            info.status = OptimizerStatus(body.status)
+        except ValueError:
+            info.status = OptimizerStatus.UNKNOWN
+        info.iteration = body.iteration
+        info.verifies = body.verifies
+        info.incarnation = body.incarnation
+        info.rejoins = body.rejoins
+        st.ranks[body.rank] = info
+        if old is not None:
+            log.warning("rank %d re-registered as a new process (pid %d)", body.rank, body.pid)
+    info.last_heartbeat = now
+    ctl.server.ident[body.rank] = ident
+    ctl.server.rank_of_ident[ident] = body.rank
+    ctl.server.bind_fd(fd, body.rank)
+    if ctl.first_register_at is None:
+        ctl.first_register_at = now
+    ctl.failover.roster_dirty = True
+    if not st.run_id:
+        st.run_id = body.run_id
+    if repeat:
+        log.debug("rank %d: REGISTER repeated, answered again", body.rank)
+    else:
+        log.info("rank %d registered (pid %d on %s, layout %s); %d/%d ranks", body.rank, body.pid,
+                 body.host, body.layout, len(st.ranks), ctl.world_size)
+
+
+# ---------------------------------------------------------------------- a registered rank's messages
+def _heartbeat(ctl: "Controller", now: float, rank: int, info: RankInfo, body: wire.Heartbeat) -> None:
+    pass  # dispatch stamped last_heartbeat already
+
+
+def _status(ctl: "Controller", now: float, rank: int, info: RankInfo, body: Any) -> None:
+    info.status, info.iteration = OptimizerStatus(body.status), body.iteration
+    info.step = body.step
+
+
+def _fault(ctl: "Controller", now: float, rank: int, info: RankInfo, body: Any) -> None:
+    info.fault = FaultKind(body.kind) if body.kind in _FAULT_KINDS else FaultKind.UNKNOWN
+    info.fault_message = body.message
+    info.fault_where = body.where
+    info.fault_iteration = body.iteration
+    info.fault_at = now
+    # body.iteration is the iteration being computed, not the optimizer status's:
+    # STATUS / STOPPED messages stay the only source of (status, iteration).
+    if info.failed_at is None:
+        info.failed_at = now
+    log.warning("rank %d: %s fault at iteration %d: %s", rank, info.fault.value, body.iteration, body.message)
+
+
+def _stopped(ctl: "Controller", now: float, rank: int, info: RankInfo, body: Any) -> None:
+    st = ctl.state
+    if body.pause_at >= 0 and body.pause_at != st.drain_until:
+        # paused at its first-round limit before the target was known: it says so
+        # again when DRAIN(target) reaches it, if the target is where it is
+        log.debug("rank %d: paused after iteration %d (drain target %s)", rank, body.pause_at, st.drain_until)
+        return
+    info.stopped = True
+    info.status, info.iteration = OptimizerStatus(body.status), body.iteration
+    info.step = body.step
+    log.info("rank %d: stopped, optimizer %s@%d%s", rank, info.status.value, info.iteration,
+             f" (paused after iteration {body.pause_at})" if body.pause_at >= 0 else "")
+
+
+def _draining(ctl: "Controller", now: float, rank: int, info: RankInfo, body: Any) -> None:
+    info.pause_at = body.pause_at
+    log.info("rank %d: will pause after iteration %d", rank, body.pause_at)
+
+
+def _stop_request(ctl: "Controller", now: float, rank: int, info: RankInfo, body: Any) -> None:
+    stop_requested(ctl, rank, body.reason, now)
+
+
+def _action_result(ctl: "Controller", now: float, rank: int, info: RankInfo, body: Any) -> None:
+    p = ctl.state.pending
+    if p is not None and p.action_id == body.action_id and rank in p.targets:
+        p.results[rank] = (body.ok, body.detail)
+        log.info("rank %d: %s %s %s", rank, p.kind, "ok" if body.ok else "FAILED", body.detail)
+
+
+def _integrity(ctl: "Controller", now: float, rank: int, info: RankInfo, body: Any) -> None:
+    info.integrity = IntegrityReport(body.iteration, body.shard_ok, body.shard_digest, body.model_ok,
+                                     body.model_digest, body.detail)
+    log.log(logging.INFO if body.shard_ok and body.model_ok else logging.ERROR,
+            "rank %d: integrity at iteration %d: shard %s %s, model %s %s%s", rank, body.iteration,
+            "ok" if body.shard_ok else "CORRUPT", body.shard_digest[:12],
+            "ok" if body.model_ok else "CORRUPT", body.model_digest[:12],
+            f" ({body.detail})" if body.detail else "")
+
+
+def _goodbye(ctl: "Controller", now: float, rank: int, info: RankInfo, body: Any) -> None:
+    info.exit_code = body.exit_code
+    ctl.state.mark_dead(rank, f"said goodbye (exit code {body.exit_code})", body.exit_code, now)
+    ctl.arbiter.expect_rejoin(rank, body.exit_code, now)  # a rank that said goodbye is not restarted
+    log.info("rank %d: goodbye, exit code %d", rank, body.exit_code)
+
+
+#: message type -> what it does, for the messages of a registered rank
+RANK_HANDLERS: Dict[wire.MsgType, RankHandler] = {
+    wire.MsgType.HEARTBEAT: _heartbeat,
+    wire.MsgType.STATUS: _status,
+    wire.MsgType.FAULT: _fault,
+    wire.MsgType.STOPPED: _stopped,
+    wire.MsgType.DRAINING: _draining,
+    wire.MsgType.STOP_REQUEST: _stop_request,
+    wire.MsgType.ACTION_RESULT: _action_result,
+    wire.MsgType.INTEGRITY: _integrity,
+    wire.MsgType.GOODBYE: _goodbye,
+}
+
+
+# ---------------------------------------------------------------------- other evidence
+def connection_closed(ctl: "Controller", rank: int, now: float) -> None:
+    """The socket monitor saw ``rank``'s control connection close: its process is gone
+    (unless it said goodbye or its exit was reported first)."""
+    info = ctl.state.ranks.get(rank)
+    if info is not None and info.alive and info.exit_code is None:
+        ctl.state.mark_dead(rank, "control connection closed", None, now)
+        log.warning("rank %d: control connection closed", rank)
+        ctl.arbiter.expect_rejoin(rank, None, now)
+
+
+def stop_requested(ctl: "Controller", rank: int, reason: str, at: float) -> None:
+    """A graceful stop was asked for (by a rank's STOP_REQUEST or the launcher)."""
+    st = ctl.state
+    if st.request_stop(at, rank, reason):
+        log.warning("graceful stop requested: %s", reason)
+    else:
+        log.info("graceful stop request ignored (%s): job phase %s%s", reason, st.phase.value,
+                 ", a stop was already requested" if st.stop_request else "")
+
+
+#: what another thread of this process queued (Controller.report_* / request_stop) -> its handler
+COMMANDS: Dict[str, Callable[..., None]] = {
+    "exit": lambda ctl, *a: ctl.arbiter.rank_exited(*a),
+    "abandoned": lambda ctl, *a: ctl.arbiter.restart_abandoned(*a),
+    "stop": stop_requested,
+    "restart": lambda ctl, *a: ctl.arbiter.rank_restarted(*a),
+}
+
+
+def drain_commands(ctl: "Controller", commands: "queue.SimpleQueue[Any]") -> None:
+    """Handle every queued ``(command, args)`` of :data:`COMMANDS`, oldest first."""
+    while True:
+        try:
+            cmd, arg = commands.get_nowait()
+        except queue.Empty:
+            return
+        handler = COMMANDS.get(cmd)
+        if handler is not None:
+            handler(ctl, *arg)

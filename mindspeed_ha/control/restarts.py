@@ -1,0 +1,197 @@
+"""Node agents and restart arbitration (``--enable-worker-reboot``, ARF).
+
+A node's launcher (its agent) restarts a dead worker only when the controller allows
+it (:meth:`RestartArbiter.refused`); the policy then waits for the new process
+(``ClusterState.rejoin_wait``, armed by :meth:`RestartArbiter.expect_rejoin` when the
+death is seen) instead of starting the dying checkpoint. The agent on the controller's
+node asks in process (``Controller.restart_refused`` / ``report_*``); agents of other
+nodes send AGENT_HELLO / RESTART_QUERY / AGENT_REPORT over the control port
+(:mod:`mindspeed_ha.control.agent_link`), handled by :data:`AGENT_HANDLERS` with the
+same decisions.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set
+
+import zmq
+
+from mindspeed_ha.control import wire
+from mindspeed_ha.control.policy import ActionKind
+from mindspeed_ha.control.state import Phase
+
+if TYPE_CHECKING:
+    from mindspeed_ha.control.controller import Controller
+
+log = logging.getLogger("mindspeed_ha.control.controller")
+
+#: exit codes that are a verdict (75-79) or a clean end (0): their worker is never restarted
+_NOT_RESTARTED = frozenset({0, *range(75, 80)})
+
+
+class RestartArbiter:
+    """Whether a dead rank may be restarted, and the record of restarts.
+
+    Runs on the controller's I/O thread under its lock (``Controller.restart_refused``
+    takes the lock for callers of other threads).
+
+    Args:
+        ctl: the controller (its ``state``, ``config``, ``world_size``, ``stepped_down``
+            and ``failover.takeover_at`` are read).
+    """
+
+    def __init__(self, ctl: "Controller"):
+        self.ctl = ctl
+        #: report_rank_restart, in order: rank, incarnation, pid, exit_code, at
+        self.restarts: List[Dict[str, Any]] = []
+        self.abandoned: Set[int] = set()  # ranks the agent will not restart again
+
+    def refused(self, rank: int) -> Optional[str]:
+        """None while the agent may restart a dead ``rank``, else why not (see
+        ``Controller.restart_refused``)."""
+        st = self.ctl.state
+        if self.ctl.stepped_down is not None:
+            return f"this controller stepped down ({self.ctl.stepped_down})"
+        pending = st.pending
+        if st.phase not in (Phase.RUNNING, Phase.RECOVERING):
+            return f"the controller is in phase {st.phase.value} (its verdict on the job is under way)"
+        if st.phase is Phase.RECOVERING and pending is not None and pending.kind == ActionKind.RETRY.value:
+            return "an in-place recovery is already under way (its plan was sent)"
+        if st.stop_request is not None:
+            return "a graceful stop was requested"
+        info = st.ranks.get(rank)
+        if info is not None and not info.rejoins:
+            return (f"rank {rank} registered without rejoin support (needs --enable-worker-reboot): its death "
+                    "takes the dying-checkpoint path")
+        return None
+
+    def expect_rejoin(self, rank: int, code: Optional[int], at: float) -> None:
+        """ARF: a rank whose process died with a code its agent restarts (not 0, not a
+        verdict 75-79; None: its control connection closed, the agent says more), while
+        the job runs or recovers, and whose processor said it can rejoin: the policy
+        waits for its new process (``ClusterState.rejoin_wait``) until the agent reports
+        it abandoned or the wait's deadline."""
+        st = self.ctl.state
+        info = st.ranks.get(rank)
+        if not self.ctl.config.worker_reboot:
+            return
+        if code is not None and code in _NOT_RESTARTED:
+            st.rejoin_wait.pop(rank, None)
+            return
+        if info is None or not info.rejoins or st.stop_request is not None or rank in self.abandoned:
+            return
+        pending = st.pending
+        if st.phase is Phase.RUNNING or (st.phase is Phase.RECOVERING and
+                                          (pending is None or pending.kind != ActionKind.RETRY.value)):
+            if rank not in st.rejoin_wait:
+                st.rejoin_wait[rank] = at
+                log.info("rank %d: its agent may restart it: the new process is awaited to rejoin", rank)
+
+    # ------------------------------------------------------------------ agent reports
+    def rank_exited(self, rank: int, code: int, at: float) -> None:
+        if self.ctl.state.mark_dead(rank, f"process exited with code {code} (agent report)", code, at):
+            log.warning("rank %d: process exited with code %d (agent report)", rank, code)
+        self.expect_rejoin(rank, code, at)
+
+    def restart_abandoned(self, rank: int, why: str, at: float) -> None:
+        self.abandoned.add(rank)  # its exit, reported after this, must not re-arm the wait
+        if self.ctl.state.rejoin_wait.pop(rank, None) is not None:
+            log.warning("rank %d: its agent will not restart it (%s): not waiting for it to rejoin", rank, why)
+
+    def rank_restarted(self, rank: int, incarnation: int, pid: int, code: int, at: float) -> None:
+        self.restarts.append({"rank": rank, "incarnation": incarnation, "pid": pid, "exit_code": code, "at": at})
+        log.warning("rank %d: restarted by its agent as pid %d (incarnation %d; the previous one exited "
+                    "with %d)", rank, pid, incarnation, code)
+
+    def welcome(self, body: wire.AgentHello) -> wire.AgentWelcome:
+        """Which incarnation each of ``body.ranks`` starts as: 0 for a rank that never
+        registered (the job's first start), its last incarnation + 1 for a rank whose
+        process is gone and may rejoin (a lost node's replacement launcher)."""
+        ctl, st = self.ctl, self.ctl.state
+        ranks = list(body.ranks)
+        bad = [r for r in ranks if not 0 <= r < ctl.world_size]
+        if bad or not ranks or len(set(ranks)) != len(ranks):
+            return wire.AgentWelcome(body.query_id, False, [], f"ranks {ranks}: expected distinct ranks in "
+                                                               f"0..{ctl.world_size - 1}")
+        incarnations = []
+        takeover_at = ctl.failover.takeover_at
+        for r in ranks:
+            info = st.ranks.get(r)
+            if info is None:
+                incarnations.append(0)
+                continue
+            if info.alive and info.sender == "" and takeover_at is not None:
+                # a successor still waits for it to register again: a launcher replacing its node says it is gone
+                st.mark_dead(r, "its node's launcher was replaced (lost with the previous leader's node)", None,
+                             takeover_at)
+                self.expect_rejoin(r, None, takeover_at)
+            if info.alive:
+                return wire.AgentWelcome(body.query_id, False, [], f"rank {r} is alive (pid {info.pid} on "
+                                                                   f"{info.host})", wait=True)
+            why = self.refused(r)
+            if why is None and r not in st.rejoin_wait:
+                why = f"rank {r} is not awaited to rejoin (it exited with {info.exit_code})"
+            if why is not None:
+                return wire.AgentWelcome(body.query_id, False, [], why)
+            incarnations.append(info.incarnation + 1)
+        return wire.AgentWelcome(body.query_id, True, incarnations)
+
+
+# ---------------------------------------------------------------------- agents of other nodes
+def _hello(ctl: "Controller", now: float, body: Any) -> Any:
+    reply = ctl.arbiter.welcome(body)
+    log.log(logging.INFO if reply.accepted else logging.WARNING, "node %d's launcher (pid %d on %s), ranks "
+            "%s: %s", body.node_rank, body.pid, body.host, list(body.ranks),
+            f"incarnations {list(reply.incarnations)}" if reply.accepted else f"refused: {reply.detail}")
+    return reply
+
+
+def _restart_query(ctl: "Controller", now: float, body: Any) -> Any:
+    if 0 <= body.rank < ctl.world_size:
+        return wire.RestartAnswer(body.rank, body.query_id, ctl.arbiter.refused(body.rank) or "")
+    return wire.RestartAnswer(body.rank, body.query_id, f"rank {body.rank} outside world size {ctl.world_size}")
+
+
+#: AGENT_REPORT event -> (arbiter, body, now) -> None
+_REPORTS: Dict[str, Callable[[RestartArbiter, Any, float], None]] = {
+    "exit": lambda a, b, now: a.rank_exited(b.rank, b.exit_code, now),
+    "restarted": lambda a, b, now: a.rank_restarted(b.rank, b.incarnation, b.pid, b.exit_code, now),
+    "abandoned": lambda a, b, now: a.restart_abandoned(b.rank, b.detail, now),
+}
+
+
+def _report(ctl: "Controller", now: float, body: Any) -> Any:
+    if not 0 <= body.rank < ctl.world_size:
+        ctl.codec.rejected["bad_body"] += 1
+        return None
+    handler = _REPORTS.get(body.event)
+    if handler is None:
+        ctl.codec.rejected["unexpected_type"] += 1
+    else:
+        handler(ctl.arbiter, body, now)
+    return None
+
+
+#: agent message type -> (controller, now, body) -> the reply to send, or None
+AGENT_HANDLERS: Dict[wire.MsgType, Callable[["Controller", float, Any], Any]] = {
+    wire.MsgType.AGENT_HELLO: _hello,
+    wire.MsgType.RESTART_QUERY: _restart_query,
+    wire.MsgType.AGENT_REPORT: _report,
+}
+
+
+def agent_message(ctl: "Controller", now: float, ident: bytes, msg: wire.Message) -> None:
+    """A message of another node's launcher (``mindspeed_ha.control.agent_link``): the
+    same decisions as the hooks this node's agent calls in process; the reply, if any,
+    goes back to its connection."""
+    handler = AGENT_HANDLERS.get(msg.type)
+    if handler is None:
+        ctl.codec.rejected["bad_body"] += 1
+        return
+    reply = handler(ctl, now, msg.body)
+    if reply is not None:
+        try:
+            ctl.server.send(ident, reply)
+        except (zmq.ZMQError, wire.WireError) as exc:
+            log.warning("controller: cannot answer %s of an agent: %s", msg.type.value, exc)

@@ -1,0 +1,290 @@
+"""The controller's I/O: its ROUTER socket, the socket monitor, ZAP and the wake pipe.
+
+:class:`ControlServer` owns a ZeroMQ ROUTER socket (a CURVE server; processors connect
+DEALER sockets as CURVE clients, see :mod:`auth`), the context's ZAP handler, a socket
+monitor (a closed TCP connection = the rank's process is gone, detected in well under a
+millisecond on the same host) and a wake pipe that other threads write to. It knows
+which connection carries which rank (identity and file descriptor) and reads input in
+bounded batches; what a message means is :mod:`handlers`' business.
+
+Frames are read fairly (the ROUTER reads its connections in turn); within a batch the
+frames of registered ranks are handled first; each frame is checked against its peer's
+rate budget (:class:`admission.PeerLimiter`) before it is authenticated, and stamped
+with the clock read when it is handled.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from mindspeed_ha import env as ha_env
+from mindspeed_ha.control import admission, auth, wire
+from mindspeed_ha.errors import ConfigError
+
+#: the controller's roles log under one name (operators and tests filter on it)
+log = logging.getLogger("mindspeed_ha.control.controller")
+
+#: frames read from the ROUTER socket per loop turn (the decision step follows each turn)
+MAX_FRAMES_PER_TURN = 256
+#: socket-monitor events handled per loop turn
+MAX_EVENTS_PER_TURN = 1024
+#: ZAP requests answered per loop turn
+MAX_ZAP_PER_TURN = 64
+#: monitor events libzmq may queue before its I/O thread waits for this one to read them
+#: (the default of 1000 lets a burst of failed connections stall every connection)
+MONITOR_HWM = 100_000
+#: what the socket monitor reports: closed connections and failed handshakes
+MONITOR_EVENTS = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                  | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+HANDSHAKE_FAILED = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake_failed",
+                    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake_protocol_error",
+                    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "handshake_auth_denied"}
+
+
+class ControlServer:
+    """The controller's sockets and who is behind each connection.
+
+    Args:
+        max_message_bytes: the job's frame size limit.
+        auth_key: the job's key (CURVE keys and ZAP are derived from it).
+        bind_addr: address to bind; ``*`` for all.
+        port: port to bind; 0 picks a free one (see :attr:`port` after :meth:`open`).
+        codec: the controller's :class:`wire.Codec` (frames in and out).
+        clock: monotonic clock (seconds), read for every item handled.
+        limiter: per-peer rate budgets, checked before a frame is authenticated.
+        on_disconnect: ``(rank, now)`` when the connection of ``rank`` closed.
+    """
+
+    def __init__(self, max_message_bytes: int, auth_key: bytes, bind_addr: str, port: int, codec: wire.Codec,
+                 clock: Callable[[], float], limiter: admission.PeerLimiter,
+                 on_disconnect: Callable[[int, float], None]):
+        self.max_message_bytes = max_message_bytes
+        self.keys = auth.derive_keys(auth_key)
+        self.bind_addr = bind_addr
+        self.port = port
+        self.codec = codec
+        self.clock = clock
+        self.limiter = limiter
+        self.on_disconnect = on_disconnect
+        #: connections refused by libzmq before any frame (failed handshakes, ZAP denials), by reason
+        self.transport_rejected = admission.RejectLog(log, "connection")
+        self.ctx: Optional[zmq.Context] = None
+        #: the ROUTER socket (None until :meth:`open`; anything with its recv/send calls in tests)
+        self.router: Any = None
+        self.monitor: Any = None
+        self.zap: Optional[auth.ZapHandler] = None
+        self.closed_zap: Optional[auth.ZapHandler] = None
+        self._wake_r = self._wake_w = -1
+        self._wake_lock = threading.Lock()
+        self.ident: Dict[int, bytes] = {}  # rank -> its connection's ROUTER identity
+        self.rank_of_ident: Dict[bytes, int] = {}
+        self._rank_of_fd: Dict[int, int] = {}
+
+    # ------------------------------------------------------------------ sockets
+    def open(self) -> None:
+        """Create and bind the sockets and the wake pipe. Raises ConfigError if the port
+        is in use; whatever was created is closed again before an error propagates."""
+        ctx = zmq.Context()
+        router = monitor = zap = None
+        wake: Tuple[int, ...] = ()
+        try:
+            zap = auth.ZapHandler(ctx, self.keys)  # before the bind: no connection is ever unchecked
+            router = ctx.socket(zmq.ROUTER)
+            wire.configure_socket(router, self.max_message_bytes)
+            auth.configure_server(router, self.keys)
+            router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            self._bind(router)
+            monitor = self._monitor_socket(ctx, router)
+            wake = os.pipe()
+            for fd in wake:
+                os.set_blocking(fd, False)
+        except BaseException:
+            for fd in wake:
+                os.close(fd)
+            wire.close_all(ctx, monitor, router, zap.socket if zap is not None else None)
+            raise
+        self.ctx, self.router, self.monitor, self.zap = ctx, router, monitor, zap
+        self._wake_r, self._wake_w = wake
+
+    def close(self) -> None:
+        """Close the wake pipe, the sockets and the context (linger 0); the ZAP handler
+        that served stays in :attr:`closed_zap` (for its counters)."""
+        with self._wake_lock:
+            fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
+        ctx, router, monitor, zap = self.ctx, self.router, self.monitor, self.zap
+        self.ctx = self.router = self.monitor = self.zap = None
+        self.closed_zap = zap or self.closed_zap
+        wire.close_all(ctx, monitor, router, zap.socket if zap is not None else None)
+
+    @staticmethod
+    def _monitor_socket(ctx: Any, router: Any) -> Any:
+        """The monitor's PAIR socket, with room for ``MONITOR_HWM`` queued events."""
+        addr = f"inproc://mindspeed-ha-monitor-{id(router):x}"
+        router.monitor(addr, MONITOR_EVENTS)
+        monitor = ctx.socket(zmq.PAIR)
+        try:
+            monitor.setsockopt(zmq.LINGER, 0)
+            monitor.setsockopt(zmq.RCVHWM, MONITOR_HWM)
+            monitor.connect(addr)
+        except BaseException:
+            monitor.close(linger=0)
+            raise
+        return monitor
+
+    def _bind(self, router: Any) -> None:
+        try:
+            if self.port == 0:
+                host = self.bind_addr.strip("[]")
+                self.port = router.bind_to_random_port(wire.endpoint(host, 0).rsplit(":", 1)[0])
+            else:
+                router.bind(wire.endpoint(self.bind_addr, self.port))
+        except zmq.ZMQError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise ConfigError(
+                    f"controller port {self.port} on {self.bind_addr} is already in use: choose another with "
+                    f"--ha-controller-port or {ha_env.TTP_PORT} (1..65535)") from exc
+            raise ConfigError(f"cannot bind the controller to {self.bind_addr}:{self.port}: {exc}") from exc
+
+    # ------------------------------------------------------------------ the loop
+    def serve(self, turn: Callable[[], bool], stopping: threading.Event, tick_s: float) -> None:
+        """Run ``turn`` whenever input arrives or ``tick_s`` passed, until it returns
+        True or ``stopping`` is set; then close everything (see :meth:`close`)."""
+        wake_r = self._wake_r
+        timeout_ms = max(1, int(tick_s * 1000))
+        try:
+            poller = zmq.Poller()
+            for sock in (self.router, self.monitor, self.zap.socket, wake_r):
+                poller.register(sock, zmq.POLLIN)
+            while not stopping.is_set():
+                ready = dict(poller.poll(timeout_ms))  # returns at once while a turn left input behind
+                if wake_r in ready:
+                    try:
+                        while os.read(wake_r, 4096):
+                            pass
+                    except BlockingIOError:
+                        pass
+                if turn():
+                    break
+        finally:
+            self.close()
+
+    def wake(self, blocking: bool = True) -> None:
+        """Make the loop run a turn now. ``blocking=False`` never waits for the pipe's
+        lock (safe in a signal handler that may have interrupted its holder): the loop
+        then sees the work within ``tick_s``."""
+        if not self._wake_lock.acquire(blocking=blocking):
+            return
+        try:
+            if self._wake_w >= 0:
+                try:
+                    os.write(self._wake_w, b"x")
+                except (BlockingIOError, OSError):
+                    pass
+        finally:
+            self._wake_lock.release()
+
+    # ------------------------------------------------------------------ input
+    def serve_zap(self) -> None:
+        """Answer at most ``MAX_ZAP_PER_TURN`` ZAP requests."""
+        if self.zap is not None:
+            self.zap.serve(MAX_ZAP_PER_TURN)
+
+    def drain_monitor(self, limit: int = MAX_EVENTS_PER_TURN) -> None:
+        """Handle at most ``limit`` monitor events: a closed connection of a rank calls
+        ``on_disconnect``; failed handshakes are counted."""
+        if self.monitor is None:
+            return
+        for _ in range(limit):
+            try:
+                evt = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            event, now = evt["event"], self.clock()
+            if event == zmq.EVENT_DISCONNECTED:
+                rank = self._rank_of_fd.pop(int(evt["value"]), None)
+                if rank is not None:
+                    self.on_disconnect(rank, now)
+            elif event in HANDSHAKE_FAILED:
+                self.transport_rejected.note("unauthenticated peers", HANDSHAKE_FAILED[event], now)
+
+    def bind_fd(self, fd: Optional[int], rank: int) -> None:
+        """Remember that connection ``fd`` carries ``rank`` (its close is the rank's death).
+
+        File descriptors are reused: a connection that failed (e.g. a flood of refused
+        ones) may have had the same number, and its "disconnected" event may still be
+        queued. Every event of an earlier connection was queued before this one was
+        accepted, so the queue is read up to its bound before a new binding is made.
+        """
+        if fd is None or self._rank_of_fd.get(fd) == rank:
+            return
+        self.drain_monitor(MONITOR_HWM + 2 * MAX_EVENTS_PER_TURN)
+        self._rank_of_fd[fd] = rank
+
+    def frames(self, limit: int = MAX_FRAMES_PER_TURN) -> Iterator[Tuple[float, bytes, Optional[int], wire.Message]]:
+        """Read at most ``limit`` frames; yield ``(now, identity, fd, message)`` for each one
+        that passes its peer's budget and the codec, registered ranks' frames first."""
+        batch: List[Tuple[bytes, Any]] = []
+        for _ in range(limit):
+            try:
+                parts = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            if len(parts) != 2:
+                self.codec.rejected["bad_framing"] += 1
+                self.codec.reject_log.note(repr(parts[0].bytes), "bad_framing", self.clock())
+                continue
+            batch.append((parts[0].bytes, parts[1]))
+        ranks = self.rank_of_ident
+        for ident, frame in admission.ranks_first(batch, lambda item: item[0] in ranks):
+            now = self.clock()
+            if not self.limiter.allow(ident, ident in ranks, now):
+                self.codec.rejected["rate_limited"] += 1
+                self.codec.reject_log.note(repr(ident), "rate_limited", now)
+                continue
+            msg = self.codec.try_decode(frame.buffer, peer=repr(ident), now=now)
+            if msg is None:
+                continue
+            try:
+                fd = frame.get(zmq.SRCFD)
+            except zmq.ZMQError:
+                fd = None
+            yield now, ident, fd, msg
+
+    def discard_input(self) -> None:
+        """Read and drop a turn's worth of input (a stepped-down controller answers nothing)."""
+        for _ in range(MAX_FRAMES_PER_TURN):
+            try:
+                self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+        self.serve_zap()
+        self.drain_monitor()
+
+    # ------------------------------------------------------------------ output
+    def send(self, ident: bytes, body: Any) -> None:
+        """Send ``body`` to connection ``ident`` now. Raises zmq.ZMQError (e.g. the peer is
+        gone, its queue is full) or WireError (the body does not encode)."""
+        self.router.send_multipart([ident, self.codec.encode(body)], zmq.NOBLOCK)
+
+    def send_to_rank(self, rank: int, body: Any) -> bool:
+        """Send ``body`` to ``rank``'s connection; False (logged) if it has none or the send failed."""
+        ident = self.ident.get(rank)
+        if ident is None:
+            return False
+        try:
+            self.send(ident, body)
+            return True
+        except (zmq.ZMQError, wire.WireError) as exc:
+            log.warning("controller: cannot send %s to rank %d: %s", type(body).__name__, rank, exc)
+            return False

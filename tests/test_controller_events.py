@@ -1,0 +1,118 @@
+"""The controller's phase events: one event per phase, and ``Outcome.timings`` read from them.
+
+A controller that is not started is driven by hand (a fake clock, a fake ROUTER socket);
+the events it records must give the timings the decision log implies.
+"""
+
+import collections
+
+import zmq
+
+from mindspeed_ha.config import HAConfig
+from mindspeed_ha.control import wire
+from mindspeed_ha.control.controller import Controller
+from mindspeed_ha.control.outcome import PhaseTimer
+from mindspeed_ha.control.policy import ActionKind
+from mindspeed_ha.control.state import ClusterState, Layout, Phase, StopRequest
+from mindspeed_ha.events import EventRecorder
+from mindspeed_ha.faults import FaultKind
+
+KEY = b"e" * 32
+CFG = HAConfig(enabled=True, distributed_optimizer=True, replica_count=2, auth_key=KEY, controller_addr="127.0.0.1",
+               heartbeat_interval_s=0.5, heartbeat_timeout_s=3.0, stop_timeout_s=5.0, action_timeout_s=10.0,
+               connect_timeout_s=10.0, save_dir=None)
+
+
+class _Frame:
+    def __init__(self, data):
+        self.bytes = data
+        self.buffer = memoryview(data)
+
+    def get(self, option):
+        raise zmq.ZMQError(zmq.EINVAL)
+
+
+class _Router:
+    def __init__(self):
+        self.inbox = collections.deque()
+        self.sent = []
+
+    def recv_multipart(self, flags=0, copy=True):
+        if not self.inbox:
+            raise zmq.Again()
+        ident, data = self.inbox.popleft()
+        return [_Frame(ident), _Frame(data)]
+
+    def send_multipart(self, parts, flags=0):
+        self.sent.append(parts)
+
+
+class _Clock:
+    t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_silent_ranks_give_detect_decide_total_from_the_events():
+    clock = _Clock()
+    ctl = Controller(CFG, 2, "127.0.0.1", 0, clock=clock)
+    ctl._router = _Router()
+    for r in range(2):
+        codec = wire.Codec(KEY, wire.new_sender("rank", r))
+        lay = Layout(dp_rank=r, dp_size=2, replica_count=2, instance_id=r)
+        ctl._router.inbox.append((b"r%d" % r, codec.encode(wire.Register(r, 2, 1000 + r, "h", lay, "/save", "run",
+                                                                          "updated", 1))))
+    ctl._turn()
+    assert sorted(ctl.state.ranks) == [0, 1]
+    while ctl.state.phase is not Phase.DONE and clock.t < 200:
+        clock.t += 1.0
+        ctl._turn()
+    out = ctl.outcome()
+    first = {}
+    for e in out.events:
+        first.setdefault(e.action, e.t)
+    assert ActionKind.STOP_ALL in first and ActionKind.EXIT in first
+    assert out.timings["detect"] == first[ActionKind.STOP_ALL] - ctl.state.fault.at
+    assert out.timings["total"] == first[ActionKind.EXIT] - ctl.state.fault.at
+    assert "save" not in out.timings  # nothing was dumped
+    phases = [e.name for e in ctl.recorder.events() if e.seconds or e.name in out.timings]
+    assert set(out.timings) <= set(phases)
+    assert {e.name for e in ctl.recorder.events()} >= {"stop_sent", "exit_sent", "detect", "total"}
+    assert all(e.source == "controller" for e in ctl.recorder.events())
+
+
+def test_phase_timer_one_event_per_phase_and_a_new_round_after_resume():
+    st = ClusterState(world_size=1, phase_since=0.0)
+    rec = EventRecorder("controller")
+    timer = PhaseTimer(rec)
+    st.record_fault(10.0, 0, FaultKind.UNKNOWN, "test")
+    timer.applied(11.0, ActionKind.STOP_ALL, st)
+    timer.applied(11.5, ActionKind.STOP_ALL, st)  # a second stop round: no second detect
+    timer.applied(13.0, ActionKind.VERIFY, st)
+    timer.applied(14.0, ActionKind.DUMP, st)
+    timer.applied(20.0, ActionKind.EXIT, st)
+    assert timer.timings() == {"detect": 1.0, "decide": 3.0, "verify": 1.0, "save": 6.0, "total": 10.0}
+    assert [e.name for e in rec.events() if e.seconds == 0] == ["stop_sent", "stop_sent", "verify_sent",
+                                                               "dump_sent", "exit_sent"]
+    timer.applied(21.0, ActionKind.RESUME, st)
+    assert timer.timings() == {}
+
+
+def test_graceful_stop_times_the_drain_and_a_fault_takes_it_over():
+    st = ClusterState(world_size=1, phase_since=0.0)
+    timer = PhaseTimer(EventRecorder("controller"))
+    st.stop_request = StopRequest(5.0, -1, "SIGTERM")
+    timer.applied(6.0, ActionKind.DRAIN, st)
+    timer.applied(8.0, ActionKind.DUMP, st)
+    timer.applied(9.0, ActionKind.EXIT, st)
+    assert timer.timings() == {"save": 1.0, "drain": 3.0, "total": 4.0}
+    st2 = ClusterState(world_size=1, phase_since=0.0)
+    timer2 = PhaseTimer(EventRecorder("controller"))
+    st2.stop_request = StopRequest(5.0, -1, "SIGTERM")
+    timer2.applied(6.0, ActionKind.DRAIN, st2)
+    timer2.applied(7.0, ActionKind.VERIFY, st2)  # drain ends here ...
+    st2.record_fault(7.5, 0, FaultKind.UNKNOWN, "test")
+    timer2.applied(8.0, ActionKind.STOP_ALL, st2)  # ... but a fault takes the round over
+    timer2.applied(9.0, ActionKind.EXIT, st2)
+    assert timer2.timings() == {"detect": 0.5, "decide": 1.0, "verify": 2.0, "total": 1.5}
