@@ -108,8 +108,8 @@ def autoenable() -> bool:
 PATCHES = [
     Patch("testing.loss_log", "megatron.training.training", "train_step", _record_losses,
           "testing", versions=None,
-          doc="MINDSPEED_HA_LOSS_LOG: exact per-iteration losses and grad norm (hex floats)"),
+          doc=f"{ENV_LOSS_LOG}: exact per-iteration losses and grad norm (hex floats)"),
     Patch("testing.patch_report", "megatron.training.training", "pretrain", _report_after_pretrain,
           "testing", versions=None,
-          doc="MINDSPEED_HA_PATCH_REPORT: active patches and runtime per rank after pretrain()"),
+          doc=f"{ENV_PATCH_REPORT}: active patches and runtime per rank after pretrain()"),
 ]

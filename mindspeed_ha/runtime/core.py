@@ -313,6 +313,7 @@ class HARuntime:
         snap.consumed_before = getattr(args, "consumed_train_samples", None)  # the loop counts k after this
         snap.returned = True
         self.completed = k
+        self.faults.step_completed()
         for wrapper in state.replay_wrappers():  # its batches are consumed for good
             wrapper.mark(k)
         state.capture_rerun_machine()

@@ -2,11 +2,12 @@
 exception objects): a fault is reported once, and an outer guard that sees an exception
 again gets the action of its first report.
 
-The ledger refers to the exceptions weakly: once the training thread let go of an
-exception (its traceback's frames hold the aborted step's locals, old process groups
-included), nothing here keeps it alive. An exception type that cannot be referenced
-weakly (``__slots__`` without ``__weakref__``) is not remembered: it is reported each
-time it is seen, as before this record existed.
+The ledger refers to an exception weakly where its type allows (a Python-defined
+exception class), so nothing here keeps an exception (its traceback's frames hold the
+aborted step's locals, old process groups included) alive after the training thread let
+go of it. Instances of the built-in exception types cannot be referenced weakly: those
+are held until the step in progress completes (:meth:`FaultLedger.step_completed`), when
+no guard can see them again.
 """
 
 from __future__ import annotations
@@ -43,15 +44,16 @@ class FaultLedger:
     """The faults this process reported (thread-safe)."""
 
     def __init__(self) -> None:
-        self._reports: Dict[int, Tuple[weakref.ref, FaultReport]] = {}
+        #: id(exception) -> (weak reference or the exception itself, its report)
+        self._reports: Dict[int, Tuple[Any, FaultReport]] = {}
         self._lock = threading.Lock()
 
     def remember(self, exc: BaseException, report: FaultReport) -> None:
         """Keep ``report`` for ``exc`` (replacing an earlier one of the same exception)."""
         try:
-            ref = weakref.ref(exc, self._forget)
-        except TypeError:  # no weak reference possible: not remembered (see the module docstring)
-            return
+            ref: Any = weakref.ref(exc, self._forget)
+        except TypeError:  # a built-in exception type: held until the step completes
+            ref = exc
         with self._lock:
             self._reports[id(exc)] = (ref, report)
 
@@ -65,9 +67,10 @@ class FaultLedger:
         """The report of ``exc`` itself, or None."""
         with self._lock:
             found = self._reports.get(id(exc))
-        if found is None or found[0]() is not exc:
+        if found is None:
             return None
-        return found[1]
+        held = found[0]() if isinstance(found[0], weakref.ref) else found[0]
+        return found[1] if held is exc else None
 
     def seen(self, exc: BaseException) -> bool:
         """Whether ``exc`` or an exception it was raised from or during (its ``__cause__``
@@ -79,3 +82,10 @@ class FaultLedger:
             visited.add(id(exc))
             exc = exc.__cause__ or exc.__context__
         return False
+
+    def step_completed(self) -> None:
+        """The step in progress completed: let go of the exceptions held strongly."""
+        with self._lock:
+            for key, (r, _) in list(self._reports.items()):
+                if not isinstance(r, weakref.ref):
+                    del self._reports[key]
