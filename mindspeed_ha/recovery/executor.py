@@ -47,6 +47,15 @@ def _failed(rt, action, exc: BaseException, what: str) -> None:
     rt.processor.action_result(action.action_id, False, describe(exc))
 
 
+#: the log line of a recovery done, by plan mode (None: the modes that re-run the next step)
+_RECOVERED = {
+    "forward": "rank %(rank)d: recovered in place (%(kind)s, generation %(generation)d): iteration %(iteration)d "
+               "goes on after its optimizer update; seconds %(times)s",
+    None: "rank %(rank)d: recovered in place (%(kind)s, %(mode)s, generation %(generation)d): re-running "
+          "iteration %(next)d; seconds %(times)s",
+}
+
+
 def recover(rt, action) -> Dict[str, float]:
     """Carry out RETRY(plan) in place (a survivor, training thread): the stages of
     ``stages.IN_PLACE[plan.mode]``; then the caller re-runs the step (roll forward: it
@@ -72,12 +81,9 @@ def recover(rt, action) -> Dict[str, float]:
     rt.mark_recovered()
     detail = dict(times, rank=rt.rank, iteration=plan.iteration, generation=plan.generation,
                   repaired=bool(c.repaired), mode=plan.mode)
-    if plan.mode == "forward":
-        log.warning("rank %d: recovered in place (%s, generation %d): iteration %d goes on after its "
-                    "optimizer update; seconds %s", rt.rank, plan.kind.value, plan.generation, plan.iteration, times)
-    else:
-        log.warning("rank %d: recovered in place (%s, %s, generation %d): re-running iteration %d; seconds %s",
-                    rt.rank, plan.kind.value, plan.mode, plan.generation, plan.iteration + 1, times)
+    log.warning(_RECOVERED.get(plan.mode, _RECOVERED[None]), dict(
+        rank=rt.rank, kind=plan.kind.value, mode=plan.mode, generation=plan.generation, iteration=plan.iteration,
+        next=plan.iteration + 1, times=times))
     rt.processor.action_result(action.action_id, True, json.dumps(detail, sort_keys=True))
     return times
 

@@ -149,10 +149,10 @@ def reload_in_place(c: RecoveryContext) -> None:
     c.rt.state.reruns = reload.reload_in_place(c.rt, c.plan)
 
 
-def repair(c: RecoveryContext) -> None:
+def _transfer_state(c: RecoveryContext, progress_of: Callable[[Any, int], dict]) -> None:
     """Damaged ranks receive their state from their source; a restarted rank (in
-    ``plan.rejoin``) also its progress (inside the update: :func:`handover.inside_update`)."""
-    from mindspeed_ha.recovery import handover, progress, transfer
+    ``plan.rejoin``) also its progress, ``progress_of(rt, plan.iteration)``."""
+    from mindspeed_ha.recovery import progress, transfer
 
     for dst, src in sorted(_repairs(c).items()):
         if c.rank == dst:
@@ -161,8 +161,22 @@ def repair(c: RecoveryContext) -> None:
         elif c.rank == src:
             transfer.send_state(c.model, c.optimizer, dst, None)
             if dst in c.plan.rejoin:  # a restarted process: also the counters, scheduler, RNG
-                progress.send(handover.inside_update(c.rt, c.plan.iteration) if c.plan.mode == "forward"
-                              else handover.after(c.rt, c.plan.iteration), dst)
+                progress.send(progress_of(c.rt, c.plan.iteration), dst)
+
+
+def repair(c: RecoveryContext) -> None:
+    """Rollback: the state of k; a restarted rank also the progress at the end of k."""
+    from mindspeed_ha.recovery import handover
+
+    _transfer_state(c, handover.after)
+
+
+def repair_forward(c: RecoveryContext) -> None:
+    """Roll forward: the finished update of j; a restarted rank also the progress as at
+    the entry of j's update and j's forward-backward results (its catch-up step)."""
+    from mindspeed_ha.recovery import handover
+
+    _transfer_state(c, handover.inside_update)
 
 
 def send_counters(c: RecoveryContext) -> None:
@@ -188,7 +202,7 @@ _ROLLBACK = (("clean", clean), ("rebuild", rebuild), ("repair", repair), ("rollb
 IN_PLACE: Dict[str, Tuple[Tuple[str, Stage], ...]] = {
     "rollback": _ROLLBACK,
     "rejoin": _ROLLBACK,
-    "forward": (("clean", clean_communication), ("rebuild", rebuild), ("repair", repair)),
+    "forward": (("clean", clean_communication), ("rebuild", rebuild), ("repair", repair_forward)),
     "reload": (("clean", clean), ("rebuild", rebuild), ("reload", reload_in_place), ("repair", send_counters)),
 }
 
