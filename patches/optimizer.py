@@ -24,9 +24,9 @@ SIGKILLed inside the update of j leaves every survivor inside it (some finished 
 pre-update state gone), so the job rolls forward with the restarted process: it receives
 the finished state of j from a replica and runs a catch-up step j, in which the script's
 ``train_step`` gets the holder's forward-backward losses and ``optimizer.step()`` values
-instead of computing them (``_forward_backward`` below; what the holder sends was
-remembered by the same patches: the losses, ``clip_grad_norm`` / ``get_grad_norm``,
-``count_zeros``), so it joins the survivors' rest of step j (Megatron-LM core_v0.12.1
+instead of computing them (catch-up mode: ``_forward_backward`` and ``_catch_up_step``
+below; what the holder sends was remembered by the same patches: the losses,
+``clip_grad_norm`` / ``get_grad_norm``, ``count_zeros``), so it joins the survivors' rest of step j (Megatron-LM core_v0.12.1
 ``train_step``'s model-parallel all-reduces after ``optimizer.step()``, ``train``'s logging).
 """
 
@@ -43,7 +43,7 @@ def _update_bracket(wrapped, instance, args, kwargs):
     rt = get_runtime()
     if rt is None or rt.current is None:
         return wrapped(*args, **kwargs)
-    outer = rt._update_depth == 0
+    outer = not rt.in_update
     rt.begin_update()  # a recovery's abort raises here: the update has not begun
     try:
         if outer:
@@ -84,7 +84,7 @@ def _finish_in_place(rt, exc: BaseException, where: str, result):
 def _noting(key: str, what: str):
     """A wrapper that remembers ``what`` returns, as ``rt.step_stats[key]``, for the step in
     progress (what ``optimizer.step()`` returns; a restarted process's catch-up step answers
-    it, see :meth:`HARuntime.forward_progress`)."""
+    it, see :func:`mindspeed_ha.recovery.handover.inside_update`)."""
 
     def note(wrapped, instance, args, kwargs):
         result = wrapped(*args, **kwargs)
@@ -109,7 +109,7 @@ def _forward_backward(wrapped, instance, args, kwargs):
     """``get_forward_backward_func()`` as ``train_step`` calls it: the schedule it returns
     is wrapped to remember its result (the per-micro-batch losses of the step in
     progress, which a restarted process's catch-up step needs), and in that catch-up
-    step (:attr:`HARuntime.catching_up`) replaced by one that returns the holder's
+    step (``rt.state.catching_up``) replaced by one that returns the holder's
     losses without computing (the state after the step's update was received)."""
     schedule = wrapped(*args, **kwargs)
     from mindspeed_ha.runtime import get_runtime
@@ -119,7 +119,7 @@ def _forward_backward(wrapped, instance, args, kwargs):
         return schedule
 
     def forward_backward(*a, **kw):
-        if rt.catching_up is not None:
+        if rt.state.catching_up is not None:
             return rt.catch_up_losses()
         result = schedule(*a, **kw)
         if rt.current is not None:
@@ -127,6 +127,20 @@ def _forward_backward(wrapped, instance, args, kwargs):
         return result
 
     return forward_backward
+
+
+def _catch_up_step(wrapped, instance, args, kwargs):
+    """``optimizer.step()``: in a restarted process's catch-up step (ARF roll forward, see
+    :meth:`HARuntime._start_catch_up`) the attached optimizer's first call is answered
+    with the holder's ``(True, grad norm, zero count)`` without touching the state (it
+    holds the finished update of the step already); every other call runs as usual."""
+    from mindspeed_ha.runtime import get_runtime
+
+    rt = get_runtime()
+    answer = rt.catch_up_step(instance) if rt is not None else None
+    if answer is None:
+        return wrapped(*args, **kwargs)
+    return answer
 
 
 _TARGETS = [
@@ -157,6 +171,11 @@ PATCHES += [
           attribute=f"{cls}.count_zeros", wrapper=_note_zeros, feature="ha",
           doc="remember the step's gradient zero count (a restarted process's catch-up step answers it)")
     for cls in ("MegatronOptimizer", "ChainedOptimizer")
+] + [
+    Patch(name=f"worker_reboot.catch_up_step.{cls}", module="megatron.core.optimizer.optimizer",
+          attribute=f"{cls}.step", wrapper=_catch_up_step, feature="worker_reboot",
+          doc="ARF roll forward: a restarted process's catch-up step answers optimizer.step() from the holder")
+    for cls in ("MixedPrecisionOptimizer", "FP32Optimizer", "ChainedOptimizer")
 ] + [
     Patch(name=f"ha.forward_backward.{name}", module=module, attribute="get_forward_backward_func",
           wrapper=_forward_backward, feature="ha", versions=None,

@@ -81,7 +81,8 @@ def _train_step(wrapped, instance, args, kwargs):
 
     bound = _signature(wrapped).bind(*args, **kwargs)  # once per function, not per iteration
     call = bound.arguments
-    rt.attach(call.get("model"), call.get("optimizer"), call.get("opt_param_scheduler"))
+    rt.attach(call.get("model"), call.get("optimizer"), call.get("opt_param_scheduler"),
+              loader=reload.script_loader(wrapped))
     if "data_iterator" in call:  # a re-run of the step reads the same batches again
         call["data_iterator"] = rt.replay_iterator(call["data_iterator"])
     forward_step_func = call.get("forward_step_func")
@@ -96,7 +97,7 @@ def _train_step(wrapped, instance, args, kwargs):
                 reload.track(rt)  # no replica: the data since the last save is kept for a reload
                 if forward_step_func is not None:
                     call["forward_step_func"] = _with_injection(forward_step_func, rt, iteration)
-                if rt.reruns:  # ARF without a replica: a restarted process re-runs those after its checkpoint
+                if rt.state.reruns:  # ARF without a replica: a restarted process re-runs those after its checkpoint
                     reload.rerun(rt, lambda: wrapped(*bound.args, **bound.kwargs))
             result = wrapped(*bound.args, **bound.kwargs)
             break
@@ -112,7 +113,7 @@ def _train_step(wrapped, instance, args, kwargs):
         # back to the dying checkpoint and this rank waits for its EXIT).
         try:
             rt.recover(action)
-            if rt.reruns:  # a reload: the iterations after the checkpoint first (results discarded)
+            if rt.state.reruns:  # a reload: the iterations after the checkpoint first (results discarded)
                 reload.rerun(rt, lambda: wrapped(*bound.args, **bound.kwargs))
         except Exception as exc:
             rt.handle_fault(exc)
@@ -264,6 +265,9 @@ def _rejoin_after_setup(wrapped, instance, args, kwargs):
     rt = get_runtime()
     if rt is not None and rt.processor is not None and rt.processor.incarnation > 0 and rt.config.worker_reboot:
         model, optimizer, opt_param_scheduler = result[:3]
+        from mindspeed_ha.recovery import reload
+
+        rt.attach(model, optimizer, opt_param_scheduler, loader=reload.script_loader(wrapped))
         try:
             rt.rejoin_after_setup(model, optimizer, opt_param_scheduler)
         except Exception as exc:  # the rejoin failed (already reported): the controller's verdict ends the rank

@@ -5,7 +5,7 @@ rank holds a copy of its state (``--distributed-optimizer-no-replica``, a distri
 optimizer with one instance, every replica damaged), the controller's plan is
 ``RecoveryPlan(mode="reload", iteration=k)``, k the last iteration every rank completed
 (:mod:`mindspeed_ha.control.recovery_plan`). Every rank, in its training thread, after
-the clean-up and the process-group rebuild of :meth:`mindspeed_ha.runtime.HARuntime.recover`:
+the clean-up and the process-group rebuild (:data:`mindspeed_ha.recovery.stages.IN_PLACE`):
 
 1. :func:`reload_in_place` checks, before touching any state, that the latest periodic
    checkpoint c (Megatron-LM's tracker ``latest_checkpointed_iteration.txt`` in
@@ -17,8 +17,9 @@ the clean-up and the process-group rebuild of :meth:`mindspeed_ha.runtime.HARunt
 2. It reports its optimizer status UNKNOWN (dirty: no dying checkpoint and no in-place
    plan uses this rank's state until the re-runs end), then loads c in place into the
    live model, optimizer and scheduler with the training script's own loader
-   (Megatron-LM: ``megatron.training.checkpointing.load_checkpoint``; the built-in
-   trainer: ``mindspeed_ha.testing.trainer.checkpointing.load_checkpoint``), ``--load``
+   (Megatron-LM: ``megatron.training.checkpointing.load_checkpoint``; another script,
+   e.g. the built-in trainer: the ``load_checkpoint`` its ``train_step`` module uses,
+   :func:`script_loader`), ``--load``
    pointed at ``--save`` for the call; the loader restores the RNG state saved with c.
    The counters the loader overwrites (consumed samples...) are put back: Megatron-LM's
    loop already counted iterations up to k.
@@ -38,7 +39,7 @@ from __future__ import annotations
 from mindspeed_ha.errors import ReloadError  # noqa: F401  (one error tree)
 import logging
 import os
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, NamedTuple, Optional
 
 from mindspeed_ha.integrations import megatron_lm
 
@@ -75,8 +76,8 @@ def track(rt) -> None:
         return
     # a process restarted without a replica: its iterators start after the checkpoint c it
     # loaded (reload_for_rejoin), so what they take first are c's successors
-    since, rt._kept_from = getattr(rt, "_kept_from", None), None
-    for wrapper in rt._replay_wrappers():
+    since, rt.state.kept_from = rt.state.kept_from, None
+    for wrapper in rt.state.replay_wrappers():
         if not wrapper.keeping:
             wrapper.keep_since(rt.completed if since is None else since)
 
@@ -87,7 +88,7 @@ def on_save(rt, iteration: int) -> None:
     later (at the latest before the next one starts), so the items up to the previous
     save are forgotten instead."""
     args = _args(rt)
-    wrappers = [w for w in rt._replay_wrappers() if w.keeping]
+    wrappers = [w for w in rt.state.replay_wrappers() if w.keeping]
     if not wrappers:
         return
     upto: Optional[int] = int(iteration)
@@ -162,7 +163,7 @@ def reload_in_place(rt, plan) -> List[int]:
     """
     k, ctx, loader, args, c = _target(rt, plan, "no model/optimizer attached (the fault hit before the first step)")
     check_replayable(args, c, k)
-    wrappers = rt._replay_wrappers()
+    wrappers = rt.state.replay_wrappers()
     missing = [w for w in wrappers if not w.can_rewind_to(c)]
     if missing:
         raise ReloadError(f"the data iterator does not hold the batches taken after iteration {c} (keep mode is on "
@@ -187,7 +188,7 @@ def reload_for_rejoin(rt, plan) -> List[int]:
 
     ``args.consumed_train_samples`` (and the other counters the loader sets) stay those of
     c: the data iterators, built next, start after c, so the re-runs read the batches of
-    c+1 .. k; :meth:`HARuntime.rejoin_after_setup` sets the counters of k for the training
+    c+1 .. k; the rejoin's repair stage sets the counters of k for the training
     loop and :meth:`HARuntime.enter_iteration` puts k's consumed samples back at the first step.
 
     Returns:
@@ -204,8 +205,8 @@ def reload_for_rejoin(rt, plan) -> List[int]:
             raise ReloadError(f"--{flag.replace('_', '-')} is set: a reload would not restore the state of "
                               f"iteration {c}")
     _load_latest(ctx, loader, args, c, restore=("load", "finetune"))
-    rt._rejoin_reload = True
-    rt._kept_from = c  # the data iterators it builds next start after c (track)
+    rt.state.rejoin_reload = True
+    rt.state.kept_from = c  # the data iterators it builds next start after c (track)
     reruns = list(range(c + 1, k + 1))
     log.warning("rank %d: restarted: loaded the periodic checkpoint of iteration %d from %s; re-running iterations "
                 "%s silently with the survivors, then %d", rt.rank, c, args.save, reruns or "none", k + 1)
@@ -213,7 +214,7 @@ def reload_for_rejoin(rt, plan) -> List[int]:
 
 
 def rerun(rt, run_step: Callable[[], Any]) -> None:
-    """Re-run the iterations :func:`reload_in_place` returned (``rt.reruns``), then clear them.
+    """Re-run the iterations :func:`reload_in_place` returned (``rt.state.reruns``), then clear them.
 
     Each is one call of ``run_step`` (the wrapped ``train_step`` with the step's
     arguments); its results are discarded (Megatron-LM's loop counted and logged these
@@ -227,19 +228,20 @@ def rerun(rt, run_step: Callable[[], Any]) -> None:
         whatever a re-run raised (``rt.current`` is back to the step in progress, the
         status UNKNOWN: the fault is reported as one during recovery).
     """
-    its, rt.reruns = list(rt.reruns), []
+    state = rt.state
+    its, state.reruns = list(state.reruns), []
     if not its:
         return
     step = rt.current
-    wrappers = rt._replay_wrappers()
-    restarted = getattr(rt, "_rejoin_reload", False)
+    wrappers = state.replay_wrappers()
+    restarted = state.rejoin_reload
     if restarted:
         # a restarted process (reload_for_rejoin) at its first step: the re-runs themselves
         # reach k's RNG and rerun-machine count from the checkpoint's (no state of k to go
         # back to, unlike a survivor); its status is UNKNOWN until they end
-        rt._rejoin_reload = False
-        rt._entry_rng = None
-        rt._rerun_state = None
+        state.rejoin_reload = False
+        state.entry_rng = None
+        state.rerun_state = None
         _invalidate(rt)
     try:
         for i in its:
@@ -250,11 +252,11 @@ def rerun(rt, run_step: Callable[[], Any]) -> None:
     finally:
         rt.current = step
     if restarted:
-        rt._entry_rng = megatron_lm.collect_rng_state()
-        rt._capture_rerun_machine()
+        state.entry_rng = megatron_lm.collect_rng_state()
+        state.capture_rerun_machine()
         snap = rt.snapshot  # the start-up snapshot of k was taken before the re-runs
         if snap is not None and snap.iteration == its[-1]:
-            snap.rng_state = rt._entry_rng
+            snap.rng_state = state.entry_rng
             snap.rerun_state = megatron_lm.capture_rerun_state()
             snap.scheduler_state = megatron_lm.scheduler_state(getattr(rt.ctx, "opt_param_scheduler", None))
     _finish(rt, its[-1])
@@ -268,17 +270,43 @@ def _args(rt):
     return ctx.args if ctx is not None else rt.args
 
 
-def _loader():
+class ScriptLoader(NamedTuple):
+    """The training script's checkpoint loader and its global args."""
+
+    load_checkpoint: Callable[..., Any]
+    get_args: Callable[[], Any]
+
+
+def script_loader(fn) -> Optional[ScriptLoader]:
+    """The ``load_checkpoint`` and ``get_args`` that ``fn``'s module uses (``fn``: the
+    script's ``train_step`` or ``setup_model_and_optimizer``; Megatron-shaped scripts
+    import both by name, e.g. Megatron-LM's and the built-in trainer's ``training.py``),
+    or None when its module has not both."""
+    names = getattr(fn, "__globals__", None) or {}
+    load, get_args = names.get("load_checkpoint"), names.get("get_args")
+    if not (callable(load) and callable(get_args)):
+        return None
+    return ScriptLoader(load, get_args)
+
+
+def _loader(rt):
     """(load_checkpoint, args) of the training script in use: Megatron-LM's when its
-    global args are set, else the built-in trainer's."""
+    global args are set, else the one the script's own module uses (``rt.script_loader``,
+    handed in by the ``train_step`` / ``setup_model_and_optimizer`` patches).
+
+    Raises:
+        ReloadError: neither is known.
+    """
     stock = megatron_lm.current_args()
     if stock is not None:
         from megatron.training import checkpointing
 
         return checkpointing.load_checkpoint, stock
-    from mindspeed_ha.testing.trainer import arguments, checkpointing
-
-    return checkpointing.load_checkpoint, arguments.get_args()
+    loader = rt.script_loader
+    if loader is None:
+        raise ReloadError("the training script's load_checkpoint is not known (no Megatron-LM global args, and "
+                          "its train_step's module imports no load_checkpoint / get_args)")
+    return loader.load_checkpoint, loader.get_args()
 
 
 def _invalidate(rt) -> None:
@@ -287,6 +315,11 @@ def _invalidate(rt) -> None:
     proc = rt.processor
     if proc is None:
         return
+    invalidate = getattr(proc, "invalidate_status", None)
+    if invalidate is not None:
+        invalidate()
+        return
+    # Until Processor has the public ``invalidate_status()`` (helper "proc"): the same steps.
     from mindspeed_ha.control.state import OptimizerStatus
 
     with proc._cond:
@@ -300,16 +333,17 @@ def _finish(rt, k: int) -> None:
     """The state of k is back: rerun state machine and RNG as step k+1 started, status UPDATED(k)."""
     from mindspeed_ha.recovery import rollback
 
-    if rt._rerun_state is not None:
-        rollback.reset_rerun_machine(rt._rerun_state)
-    if rt._entry_rng is not None:
-        megatron_lm.set_rng_state(rt._entry_rng)
+    state = rt.state
+    if state.rerun_state is not None:
+        rollback.reset_rerun_machine(state.rerun_state)
+    if state.entry_rng is not None:
+        megatron_lm.set_rng_state(state.entry_rng)
     if rt.processor is not None:
         rt.processor.end_update(k)  # UNKNOWN -> UPDATED(k); rt.snapshot is still that of k
 
 
-__all__ = ["ReloadError", "possible", "track", "on_save", "latest_checkpoint", "check_replayable",
-           "reload_in_place", "reload_for_rejoin", "rerun"]
+__all__ = ["ReloadError", "ScriptLoader", "script_loader", "possible", "track", "on_save", "latest_checkpoint",
+           "check_replayable", "reload_in_place", "reload_for_rejoin", "rerun"]
 
 
 def _target(rt, plan, unattached: str):
@@ -323,7 +357,7 @@ def _target(rt, plan, unattached: str):
     ctx = rt.ctx
     if ctx is None:
         raise ReloadError(unattached)
-    loader, args = _loader()
+    loader, args = _loader(rt)
     c = latest_checkpoint(getattr(args, "save", None))
     if c > k:
         raise ReloadError(f"the latest checkpoint ({c}) is newer than the last iteration every survivor completed "

@@ -237,7 +237,9 @@ class Injector:
 
         ``target``: the rank's state (an object with ``model`` and ``optimizer``, e.g. the
         runtime's ``DyingContext``), needed by ``fault=corrupt`` and ``fault=uce``; when
-        None, the runtime's (``mindspeed_ha.runtime.get_runtime().ctx``). ``fault=network``
+        None, the runtime's (``mindspeed_ha.runtime.get_runtime().ctx``). The runtime
+        calls this through its fault points (``rt.injector``), which
+        :func:`mindspeed_ha.patches.testing.attach_injector` sets to an Injector. ``fault=network``
         does nothing here: it fires from the communication hook (:meth:`on_collective`).
 
         Raises:
@@ -409,10 +411,12 @@ def _target_tensor(target: Any, what: str):
             raise RuntimeError("fault=uce,what=grad: the first parameter has no main_grad (megatron DDP's "
                                "gradient buffer)")
         return grad
-    from mindspeed_ha.dying import _unwrap_distributed_optimizer
+    from mindspeed_ha import dying
 
+    # the public name comes with the checkpoint package (helper "ck"); the old one until then
+    unwrap = getattr(dying, "unwrap_distributed_optimizer", None) or getattr(dying, "_unwrap_distributed_optimizer")
     key = "param" if what == "main_param" else what
-    opt = _unwrap_distributed_optimizer(target.optimizer)
+    opt = unwrap(target.optimizer)
     if opt is None:  # every DP rank holds the whole state: the inner optimizer's first main param
         opts = getattr(target.optimizer, "chained_optimizers", None) or [target.optimizer]
         for o in opts:

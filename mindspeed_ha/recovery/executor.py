@@ -1,0 +1,118 @@
+"""The recovery executor: runs a plan's stages (:mod:`mindspeed_ha.recovery.stages`) in
+order, records each one as a phase event of the rank (``EventRecorder("rank-<r>")``) and
+sends the RETRY result built from those events: the seconds of each stage by its name
+(``clean``, ``rebuild``, ``reload``, ``repair``, ``rollback``), with the rank, iteration,
+generation, mode and whether it was repaired.
+
+A stage that raises ends the recovery: the failure is logged and sent as the RETRY
+result (the controller falls back to the dying checkpoint), and re-raised for the caller
+to report as a fault during recovery.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Dict, Sequence, Tuple
+
+from mindspeed_ha.recovery import stages as stage_table
+from mindspeed_ha.recovery.stages import RecoveryContext, Stage
+
+log = logging.getLogger("mindspeed_ha.runtime")
+
+
+def run_stages(stages: Sequence[Tuple[str, Stage]], c: RecoveryContext, recorder) -> Dict[str, float]:
+    """Run ``stages`` in order, each one timed as a phase event of ``recorder``.
+
+    Returns:
+        Seconds per stage name (rounded to 1 us), read from the events.
+
+    Raises:
+        Whatever a stage raised (its event has ``ok=False``).
+    """
+    times: Dict[str, float] = {}
+    for name, stage in stages:
+        with recorder.phase(name, c.plan.iteration, mode=c.plan.mode, generation=c.plan.generation, rank=c.rank):
+            stage(c)
+        times[name] = round(recorder.last(name).seconds, 6)
+    return times
+
+
+def _failed(rt, action, exc: BaseException, what: str) -> None:
+    """A recovery stage raised ``exc``: log it and send the failure as the RETRY result;
+    the caller re-raises."""
+    from mindspeed_ha.faults import describe
+
+    log.exception("rank %d: %s failed", rt.rank, what)
+    rt.processor.action_result(action.action_id, False, describe(exc))
+
+
+#: the log line of a recovery done, by plan mode (None: the modes that re-run the next step)
+_RECOVERED = {
+    "forward": "rank %(rank)d: recovered in place (%(kind)s, generation %(generation)d): iteration %(iteration)d "
+               "goes on after its optimizer update; seconds %(times)s",
+    None: "rank %(rank)d: recovered in place (%(kind)s, %(mode)s, generation %(generation)d): re-running "
+          "iteration %(next)d; seconds %(times)s",
+}
+
+
+def recover(rt, action) -> Dict[str, float]:
+    """Carry out RETRY(plan) in place (a survivor, training thread): the stages of
+    ``stages.IN_PLACE[plan.mode]``; then the caller re-runs the step (roll forward: it
+    returns from the optimizer update and the step goes on).
+
+    Returns:
+        Seconds per stage, also sent to the controller as the RETRY result.
+
+    Raises:
+        Whatever a stage raised (after the failure was sent as the RETRY result).
+    """
+    from mindspeed_ha.control.recovery_plan import RecoveryPlan
+
+    plan = RecoveryPlan.from_params(action.params)
+    ctx = rt.ctx
+    c = RecoveryContext(rt, plan, model=ctx.model if ctx is not None else None,
+                        optimizer=ctx.optimizer if ctx is not None else None)
+    try:
+        times = run_stages(stage_table.IN_PLACE[plan.mode], c, rt.events)
+    except Exception as exc:
+        _failed(rt, action, exc, "in-place recovery")
+        raise
+    rt.mark_recovered()
+    detail = dict(times, rank=rt.rank, iteration=plan.iteration, generation=plan.generation,
+                  repaired=bool(c.repaired), mode=plan.mode)
+    log.warning(_RECOVERED.get(plan.mode, _RECOVERED[None]), dict(
+        rank=rt.rank, kind=plan.kind.value, mode=plan.mode, generation=plan.generation, iteration=plan.iteration,
+        next=plan.iteration + 1, times=times))
+    rt.processor.action_result(action.action_id, True, json.dumps(detail, sort_keys=True))
+    return times
+
+
+def rejoin(rt, action, model, optimizer, opt_param_scheduler) -> Dict[str, float]:
+    """Carry out RETRY(plan) in a restarted process at its rejoin point: the stages of
+    ``stages.REJOINING[plan.mode]``.
+
+    Raises:
+        RuntimeError: the plan does not rejoin this rank; or whatever a stage raised
+            (after the failure was sent as the RETRY result).
+    """
+    from mindspeed_ha.control.recovery_plan import RecoveryPlan
+
+    plan = RecoveryPlan.from_params(action.params)
+    ctx = rt.ctx
+    try:
+        stages = stage_table.rejoining(plan, rt.rank)
+        c = RecoveryContext(rt, plan, model=ctx.model if ctx is not None else model, optimizer=optimizer,
+                            scheduler=opt_param_scheduler, args=ctx.args if ctx is not None else rt.args)
+        times = run_stages(stages, c, rt.events)
+    except Exception as exc:
+        _failed(rt, action, exc, "rejoin")
+        raise
+    rt.mark_recovered()
+    incarnation = rt.processor.incarnation
+    log.warning("rank %d (incarnation %d): rejoined at iteration %d from rank %d; seconds %s", rt.rank,
+                incarnation, plan.iteration, plan.repairs[rt.rank], times)
+    rt.processor.action_result(action.action_id, True, json.dumps(
+        dict(times, rank=rt.rank, iteration=plan.iteration, generation=plan.generation, repaired=True,
+             mode=plan.mode, incarnation=incarnation), sort_keys=True))
+    return times
