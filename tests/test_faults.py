@@ -95,7 +95,10 @@ def test_hierarchy_and_describe():
 
 
 CONTROL_PLANE = ["config.py", "faults.py", "control/__init__.py", "control/wire.py", "control/state.py",
-                 "control/policy.py", "control/controller.py", "control/processor.py"]
+                 *(f"control/policy/{m}.py" for m in ("__init__", "arf", "decision", "detect", "drain", "dying",
+                                                      "in_place", "recovering", "recovery", "save", "table",
+                                                      "without_controller")),
+                 "control/recovery_plan.py", "control/controller.py", "control/processor.py"]
 
 
 @pytest.mark.parametrize("rel", CONTROL_PLANE)
