@@ -14,7 +14,8 @@ Optimizer status of one rank (``RankState``)::
 (Megatron's ``args.iteration`` after ``train_step`` returns), i.e. the iteration a
 checkpoint of that state is saved as.
 
-Job phase (``Phase``), driven by :func:`mindspeed_ha.control.policy.decide`::
+Job phase (``Phase``), moved only by the decisions of
+:func:`mindspeed_ha.control.policy.decide` (``PHASE_MOVES`` lists exactly the moves it makes)::
 
     RUNNING -> STOPPING -> VERIFYING -> DUMPING -> ASSEMBLING -> COMMITTING -> EXITING -> DONE
     RUNNING -> DRAINING (graceful stop requested: SIGTERM/SIGINT) -> VERIFYING / DUMPING (every
@@ -22,10 +23,13 @@ Job phase (``Phase``), driven by :func:`mindspeed_ha.control.policy.decide`::
         half the preemption deadline: abandon the iteration) | EXITING | DONE (training ended)
     STOPPING -> DUMPING  (no usable rank can verify its state: test doubles)
     STOPPING / VERIFYING / DUMPING / ASSEMBLING -> EXITING  (no save dir, no complete data, failure)
-    RUNNING -> EXITING (unrecoverable before a stop round), RUNNING -> DONE (all said goodbye)
-    RUNNING -> RECOVERING (a UCE or network fault recoverable in place: abort, park, RETRY(plan))
-        -> RUNNING (every rank recovered) | STOPPING / VERIFYING / DUMPING / EXITING (the
-        plan is impossible or a rank failed during recovery: the dying checkpoint)
+    RUNNING -> DONE (all said goodbye)
+    RUNNING -> RECOVERING (a UCE or network fault recoverable in place, or a dead worker that
+        is restarted (ARF): observe, abort, park, RETRY(plan)) -> RUNNING (every rank recovered)
+        | STOPPING (the plan is impossible or a rank failed during recovery: the dying checkpoint)
+
+Step positions (``StepPosition``): where a rank was when it reported a fault
+(``wire.Fault.where``, kept in ``RankInfo.fault_where``); the in-place plan reads them.
 """
 
 from __future__ import annotations
@@ -38,6 +42,47 @@ from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 from mindspeed_ha.faults import FaultKind, IllegalTransition
 
 log = logging.getLogger(__name__)
+
+
+class WireEnum(str, enum.Enum):
+    """A ``str`` Enum whose members are their wire strings: ``str()``, ``format()`` and
+    ``%s`` give the value (``"forward"``, not ``"RecoveryMode.FORWARD"``), ``==`` and
+    ``in`` compare with plain strings, and msgpack / json encode a member as its value.
+    (``enum.StrEnum`` does the same from Python 3.11; the package supports 3.10.)"""
+
+    def __str__(self) -> str:
+        return str.__str__(self)
+
+    def __format__(self, spec: str) -> str:
+        return str.__format__(str.__str__(self), spec)
+
+
+class StepPosition(WireEnum):
+    """Where a rank was when it reported a fault (``wire.Fault.where``).
+
+    Other values travel too (the fault guard outside ``train_step`` names what raised:
+    ``train``, ``save``, ...): ``RankInfo.fault_where`` stays a plain ``str``; these are
+    the positions the in-place recovery plan tells apart.
+    """
+
+    NONE = ""
+    """No fault reported, or a processor that does not say."""
+    TRAIN_STEP = "train_step"
+    """In ``train_step`` before the optimizer update."""
+    UPDATE = "update"
+    """Inside the optimizer update, not finished: the rank's state is dirty."""
+    UPDATE_DONE = "update_done"
+    """The update finished; the rank waits in the update's commit barrier (patches/optimizer.py)."""
+    REJOIN = "rejoin"
+    """A restarted process (ARF) parked at its rejoin point: model and optimizer built
+    (fresh, no checkpoint), data iterators not yet."""
+
+
+#: where a rank may be stopped for an in-place recovery (plain strings: RankInfo.fault_where)
+IN_STEP: FrozenSet[str] = frozenset(p.value for p in (StepPosition.NONE, StepPosition.TRAIN_STEP,
+                                                     StepPosition.UPDATE, StepPosition.UPDATE_DONE))
+#: inside the optimizer update (finished or not): the roll-forward situation
+IN_UPDATE: FrozenSet[str] = frozenset(p.value for p in (StepPosition.UPDATE, StepPosition.UPDATE_DONE))
 
 
 class OptimizerStatus(str, enum.Enum):
@@ -124,8 +169,8 @@ class Phase(str, enum.Enum):
 
 
 PHASE_MOVES: Dict[Phase, FrozenSet[Phase]] = {
-    Phase.RUNNING: frozenset({Phase.STOPPING, Phase.DRAINING, Phase.RECOVERING, Phase.EXITING, Phase.DONE}),
-    Phase.RECOVERING: frozenset({Phase.RUNNING, Phase.STOPPING, Phase.VERIFYING, Phase.DUMPING, Phase.EXITING}),
+    Phase.RUNNING: frozenset({Phase.STOPPING, Phase.DRAINING, Phase.RECOVERING, Phase.DONE}),
+    Phase.RECOVERING: frozenset({Phase.RUNNING, Phase.STOPPING}),
     Phase.DRAINING: frozenset({Phase.STOPPING, Phase.VERIFYING, Phase.DUMPING, Phase.EXITING, Phase.DONE}),
     Phase.STOPPING: frozenset({Phase.VERIFYING, Phase.DUMPING, Phase.EXITING}),
     Phase.VERIFYING: frozenset({Phase.DUMPING, Phase.EXITING}),
@@ -196,7 +241,7 @@ class RankInfo:
     verifies: bool = False  # answers VERIFY with an integrity report (REGISTER)
     integrity: Any = None  # integrity.IntegrityReport of the frozen state, once reported
     pause_at: Optional[int] = None  # graceful stop, first round: where the rank said it pauses (-1: not started)
-    fault_where: str = ""  # what raised the reported fault (wire.Fault.where)
+    fault_where: str = ""  # what raised the reported fault (wire.Fault.where; see StepPosition)
     fault_iteration: int = -1  # the iteration being computed when it raised
     fault_at: Optional[float] = None  # when its latest FAULT arrived (controller clock)
     step: int = -1  # the train_step the rank's training thread entered (STATUS / STOPPED), -1: unknown
@@ -255,7 +300,7 @@ class ClusterState:
     phase: Phase = Phase.RUNNING
     phase_since: float = 0.0
     fault: Optional[FaultRecord] = None
-    plan: Any = None  # policy.DumpPlan once chosen
+    plan: Any = None  # policy.DumpPlan once DUMP was sent
     pending: Optional[PendingAction] = None
     exit_code: Optional[int] = None
     exit_reason: str = ""

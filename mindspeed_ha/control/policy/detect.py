@@ -1,0 +1,113 @@
+"""RUNNING: who is gone, which fault came first, and which path it takes. Pure.
+
+A fault goes to one of three paths: in place (a UCE or network error the flags allow,
+reported by a live rank: RECOVERING), worker restart (ARF: RECOVERING, waiting for the
+restarted process to rejoin), or the dying checkpoint (STOPPING). A graceful-stop
+request with no fault starts DRAINING.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Mapping, Optional, Tuple
+
+from mindspeed_ha.config import HAConfig
+from mindspeed_ha.control.policy.arf import worker_restart
+from mindspeed_ha.control.policy.decision import ActionKind, Decision, DrainPlan, StopPlan, live_targets, noop
+from mindspeed_ha.control.policy.recovery import in_place_possible
+from mindspeed_ha.control.state import ClusterState, Phase
+from mindspeed_ha.faults import FaultKind
+
+#: (rank, kind, reason, evidence time on the controller's monotonic clock)
+FaultEvidence = Tuple[int, FaultKind, str, float]
+
+
+def gone_ranks(now: float, state: ClusterState, config: HAConfig) -> Dict[int, str]:
+    """Ranks that cannot take part any more, with the reason (dead, goodbye, silent)."""
+    out: Dict[int, str] = {}
+    for r, info in sorted(state.ranks.items()):
+        if not info.alive:
+            out[r] = info.dead_reason or f"exited with {info.exit_code}"
+        elif info.exit_code is not None:
+            out[r] = f"said goodbye ({info.exit_code})"
+        elif now - info.last_heartbeat > config.heartbeat_timeout_s:
+            out[r] = f"no heartbeat for {now - info.last_heartbeat:.3f} s > {config.heartbeat_timeout_s} s"
+    return out
+
+
+def detect_fault(now: float, state: ClusterState, config: HAConfig) -> Optional[FaultEvidence]:
+    """The earliest fault evidence: (rank, kind, reason, evidence time) or None."""
+    found: List[Tuple[float, int, FaultKind, str]] = []
+    for r, info in sorted(state.ranks.items()):
+        at = info.failed_at if info.failed_at is not None else info.last_heartbeat
+        if info.fault is not None:
+            found.append((at, r, info.fault, f"rank {r} reported {info.fault.value} fault in iteration "
+                          f"{info.fault_iteration if info.fault_iteration >= 0 else info.iteration + 1}: "
+                          f"{info.fault_message}"))
+        elif not info.alive and info.exit_code != 0:
+            found.append((at, r, FaultKind.PROCESS, f"rank {r} died: {info.dead_reason}"))
+        elif info.alive and info.exit_code not in (None, 0):
+            found.append((at, r, FaultKind.PROCESS, f"rank {r} exits with {info.exit_code}"))
+        elif info.alive and info.exit_code is None and now - info.last_heartbeat > config.heartbeat_timeout_s:
+            found.append((info.last_heartbeat, r, FaultKind.PROCESS,
+                          f"rank {r} missed heartbeats for {now - info.last_heartbeat:.3f} s "
+                          f"(> {config.heartbeat_timeout_s} s)"))
+    for r, (code, why, at) in sorted(state.unregistered_exits.items()):
+        if code != 0:
+            found.append((at, r, FaultKind.PROCESS, f"rank {r} died before registering: {why}"))
+    if not found:
+        return None
+    at, r, kind, reason = min(found)
+    if len(found) > 1:
+        reason += f" (+{len(found) - 1} more failed ranks: {sorted(f[1] for f in found if f[1] != r)})"
+    return r, kind, reason, at
+
+
+def every_rank_finished(state: ClusterState) -> bool:
+    """Every rank of the job registered and said GOODBYE(0)."""
+    return bool(state.ranks) and len(state.ranks) >= state.world_size and all(
+        i.exit_code == 0 for i in state.ranks.values())
+
+
+def recover_in_place(state: ClusterState, rank: int, kind: FaultKind, config: HAConfig) -> bool:
+    """Whether a fault reported by ``rank`` starts an in-place recovery (see
+    :mod:`.recovery`): a UCE or network error the flags allow, reported by a rank that
+    is still alive. The full rules are checked once every rank is parked."""
+    info = state.ranks.get(rank)
+    return (info is not None and info.alive and info.exit_code is None and info.fault is kind
+            and in_place_possible(kind, config) is None)
+
+
+def stop_for_fault(state: ClusterState, gone: Mapping[int, str], fault: FaultEvidence, why: str) -> Decision:
+    """STOP_ALL for the dying checkpoint: every live rank freezes (STOPPING)."""
+    rank, kind, reason, at = fault
+    return Decision(ActionKind.STOP_ALL, reason + why, StopPlan(rank, kind, at), live_targets(state, gone),
+                    Phase.STOPPING)
+
+
+def running(now: float, state: ClusterState, config: HAConfig, gone: Mapping[int, str]) -> Decision:
+    """RUNNING: done, a graceful stop, or a fault and its path (see the module docstring)."""
+    if every_rank_finished(state):
+        return noop("every rank finished (GOODBYE 0)", Phase.DONE)
+    fault = detect_fault(now, state, config)
+    if fault is None and state.stop_request is not None:
+        return Decision(ActionKind.DRAIN, f"graceful stop requested ({state.stop_request.reason}): every rank "
+                        "finishes the iteration in progress, then the checkpoint of the last one is written",
+                        DrainPlan(-1), live_targets(state, gone), Phase.DRAINING)
+    if fault is None:
+        return noop("running")
+    rank, kind, reason, at = fault
+    targets = tuple(r for r in live_targets(state, gone) if r not in state.rejoin_wait)
+    observe = StopPlan(rank, kind, at, in_place=True)
+    if recover_in_place(state, rank, kind, config) and not gone:
+        return Decision(ActionKind.STOP_ALL, reason + "; recovering in place: every rank reports its state",
+                        observe, targets, Phase.RECOVERING)
+    if worker_restart(state, kind, config, gone):
+        return Decision(ActionKind.STOP_ALL, reason + "; the dead worker is restarted (--enable-worker-reboot): "
+                        "the others report their state and wait for it to rejoin", observe, targets,
+                        Phase.RECOVERING)
+    return Decision(ActionKind.STOP_ALL, reason + "; stopping all ranks for a dying checkpoint",
+                    StopPlan(rank, kind, at), targets, Phase.STOPPING)
+
+
+__all__ = ["FaultEvidence", "detect_fault", "every_rank_finished", "gone_ranks", "recover_in_place", "running",
+           "stop_for_fault"]
