@@ -4,18 +4,18 @@ When a rank reports a device memory error (UCE, with ``--enable-hbmfault-repair`
 network error (with the master switch, ``--ha-network-retries`` > 0), the controller
 aborts every rank's step (STOP with ``recover``), waits until every rank is parked in
 its fault handler, then calls :func:`~mindspeed_ha.control.policy.in_place.plan_recovery`
-on what they reported. The plan
-says which iteration every rank returns to and who repairs whom; the ranks carry it
-out in stages (clean, rebuild groups, repair, roll back, re-run the step; the rank
-runtime's recovery executor runs the stages of ``plan.mode``). Anything the plan cannot cover falls
-back to the dying checkpoint (:class:`NoRecovery` says why), so nothing loops.
+on what they reported. The plan says which iteration every rank returns to and who
+repairs whom; the ranks carry it out in stages (clean, rebuild groups, repair, roll
+back, re-run the step; the rank runtime runs the stages of ``plan.mode``). Anything
+the plan cannot cover falls back to the dying checkpoint (:class:`NoRecovery` says
+why), so nothing loops.
 
 Rules (in order; the first that fails gives :class:`NoRecovery`):
 
 1. Every fault is a UCE (needs ``hbm_repair``), a network error (needs
    ``network_retries`` > 0), an abort caused by the recovery itself, or a survivor's
    process fault (a peer crashed; needs ``worker_reboot``). An unknown error: the dying
-   checkpoint. A dead process is restarted by ARF (below), never planned here.
+   checkpoint. A dead process: the worker-restart plan (ARF, below) or the dying checkpoint.
 2. Every rank of the job is alive and parked inside ``train_step`` (a fault raised
    between iterations, in a save or in evaluation cannot re-run or finish a step).
 3. The ranks are in one of two consistent situations (anything else: the dying
