@@ -192,7 +192,8 @@ _replayed = False  # a replay ran to its end in this process
 
 
 def incarnation() -> int:
-    """This process's incarnation (``ha_env.INCARNATION``, 0 when unset).
+    """This process's incarnation (``MINDSPEED_HA_INCARNATION``, ``ha_env.INCARNATION``, set by
+    the launcher's agent on a restarted worker; 0 when unset).
 
     Raises:
         ValueError: the variable is not a non-negative integer.
