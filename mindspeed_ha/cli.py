@@ -54,7 +54,7 @@ def _cmd_preprocess(ns, rest) -> int:
 
 
 def _cmd_demo(ns) -> int:
-    from mindspeed_ha.demo import run_demo
+    from mindspeed_ha.testing.demo import run_demo
 
     return run_demo(ns)
 
