@@ -136,7 +136,7 @@ def _check_before_start(targs, ns) -> None:
     if ns.save:
         _check_save_writable(ns.save)
     if os.environ.get(ha_env.INJECT):  # a bad test spec: say so once, before 4 tracebacks
-        from mindspeed_ha.testing.injector import parse_env
+        from mindspeed_ha.faultspec import parse_env
 
         try:
             parse_env(os.environ[ha_env.INJECT])

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from .registry import Patch, _on_import
+from .registry import Patch, apply_pending
 
 log = logging.getLogger("mindspeed_ha.patches")
 
@@ -77,7 +77,7 @@ def _ours(attr: str):
     c10d = sys.modules.get(C10D)
     if c10d is None:
         return None
-    _on_import(c10d)  # idempotent: applies the c10d patches not applied yet
+    apply_pending(c10d)  # idempotent: applies the c10d patches not applied yet
     layer = getattr(c10d, attr, None)
     patch = getattr(layer, "_self_patch", None)
     return layer if patch is not None and patch.name == f"ha.comm.{attr}" else None

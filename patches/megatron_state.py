@@ -5,7 +5,7 @@ A regular save of iteration ``k`` (Megatron-LM core_v0.12.1 ``megatron/training/
 ``skipped_train_samples``; ``consumed_valid_samples`` after the evaluation of ``k``) and
 the FLOP count ``num_floating_point_operations_so_far``, a local of ``train`` that it
 passes to ``checkpoint_and_decide_exit``. Two thin wrappers copy them into the runtime's
-:class:`mindspeed_ha.dying.IterationSnapshot` of ``k``; nothing is recomputed:
+:class:`mindspeed_ha.checkpoint.state.IterationSnapshot` of ``k``; nothing is recomputed:
 
 * ``num_floating_point_operations(args, batch_size)``: ``train`` calls it right after it
   counted ``k`` (the first call after ``train_step`` of ``k`` returned; ``training_log``

@@ -257,8 +257,6 @@ def apply_pending(module) -> None:
                 _apply(module, patch)
 
 
-#: the old private name, until ``patches/comm.py`` imports :func:`apply_pending`
-_on_import = apply_pending
 
 
 _relayered: Dict[str, tuple] = {}  # name -> (parent, attr, under, layer), in the order put on

@@ -49,7 +49,7 @@ def _dd_rate(directory, nbytes):
 
 def _primitive_rates(directory, nbytes=128 << 20):
     """Single-core rates (bytes/s) of what a saver does per byte, on this machine: the
-    integrity digest (blake2b, as ``dying._Digest``), CRC-32 (zlib), and write + fsync of
+    integrity digest (blake2b, as ``mindspeed_ha.checkpoint.integrity.Digest``), CRC-32 (zlib), and write + fsync of
     a new file in ``directory`` from memory (``os.pwrite``)."""
     import hashlib
     import zlib

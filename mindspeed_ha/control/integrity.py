@@ -3,7 +3,7 @@
 After a fault the controller asks every usable rank that can verify (``RankInfo.verifies``)
 for an :class:`IntegrityReport` of its frozen state (ACTION ``verify``): per part, whether
 every value is finite and the layout is the expected one (``*_ok``), and a digest of the
-bytes (``*_digest``; computed by :func:`mindspeed_ha.dying.verify_state`, the same function
+bytes (``*_digest``; computed by :func:`mindspeed_ha.checkpoint.integrity.verify_state`, the same function
 that re-verifies what a saver wrote). Two parts per rank:
 
 * ``shard``: its optimizer shard (fp32 main params, ``exp_avg``, ``exp_avg_sq``), held by the

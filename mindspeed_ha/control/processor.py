@@ -241,8 +241,8 @@ class Processor:
         """The training side of an in-place recovery (see :class:`~protocol.RecoveryHooks`):
         ``abort(reason)`` on STOP(recover), ``aborted(message)`` the exception the step
         calls raise until RETRY, ``use_store("host:port")`` for a successor's store.
-        Register before :meth:`start`; without it the processor imports
-        ``mindspeed_ha.recovery.comm`` / ``groups`` when it first needs them."""
+        Register before :meth:`start` (the runtime does, ``runtime/bootstrap.py``); without
+        it the processor has no collectives to interrupt."""
         with self._cond:
             self._proto.hooks = RecoveryHooks(abort, aborted, use_store)
 

@@ -36,7 +36,7 @@ from typing import Callable, Dict, FrozenSet, Optional, Tuple
 from mindspeed_ha.control import wire
 from mindspeed_ha.control.policy import ActionKind
 from mindspeed_ha.control.state import OptimizerStatus, RankState
-from mindspeed_ha.errors import ControllerLostError, ProcessorExited
+from mindspeed_ha.errors import CommunicationError, ControllerLostError, ProcessorExited
 
 #: the processor's logger: every line of the rank's control plane keeps the name operators and tests filter on
 log = logging.getLogger("mindspeed_ha.control.processor")
@@ -81,23 +81,13 @@ _HOLD = {StepState.RUNNING: 0, StepState.DRAINING: 0, StepState.OBSERVED: 1, Ste
          StepState.RECOVERING: 3, StepState.EXITED: 4}
 
 
-def _default_abort(reason: str) -> None:
-    """Until the runtime registers its hooks: interrupt the collectives (old behaviour)."""
-    from mindspeed_ha.recovery import comm  # lazy: the control plane imports no torch-side code
-
-    comm.abort(reason)
+def _no_collectives(_: str) -> None:
+    """A processor without a runtime (unit tests, tools) has no collectives to interrupt
+    and no groups to rebuild."""
 
 
-def _default_aborted(message: str) -> BaseException:
-    from mindspeed_ha.recovery.comm import CollectiveAborted
-
-    return CollectiveAborted(message)
-
-
-def _default_use_store(endpoint: str) -> None:
-    from mindspeed_ha.recovery import groups
-
-    groups.use_rendezvous_store(endpoint)
+def _aborted(message: str) -> BaseException:
+    return CommunicationError(message)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,13 +103,14 @@ class RecoveryHooks:
         use_store: ``use_store("host:port")``: rendezvous the next group rebuilds in a
             controller successor's store (ACTION param ``store``).
 
-    The defaults import :mod:`mindspeed_ha.recovery.comm` / ``groups`` when first called
-    (the behaviour before the hooks existed), for a runtime that registers none.
+    The runtime registers :mod:`mindspeed_ha.recovery.comm`'s and ``groups``' functions
+    (``runtime/bootstrap.py``); the defaults, for a processor without a runtime, do nothing
+    and raise a plain :class:`~mindspeed_ha.errors.CommunicationError`.
     """
 
-    abort: Callable[[str], None] = _default_abort
-    aborted: Callable[[str], BaseException] = _default_aborted
-    use_store: Callable[[str], None] = _default_use_store
+    abort: Callable[[str], None] = _no_collectives
+    aborted: Callable[[str], BaseException] = _aborted
+    use_store: Callable[[str], None] = _no_collectives
 
 
 @dataclasses.dataclass

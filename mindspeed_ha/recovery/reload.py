@@ -312,21 +312,8 @@ def _loader(rt):
 def _invalidate(rt) -> None:
     """Report this rank's optimizer status UNKNOWN (its state is about to be overwritten:
     neither a dying checkpoint nor an in-place plan may use it)."""
-    proc = rt.processor
-    if proc is None:
-        return
-    invalidate = getattr(proc, "invalidate_status", None)
-    if invalidate is not None:
-        invalidate()
-        return
-    # Until Processor has the public ``invalidate_status()`` (helper "proc"): the same steps.
-    from mindspeed_ha.control.state import OptimizerStatus
-
-    with proc._cond:
-        _, it = proc._state.snapshot()
-        proc._state.transition(OptimizerStatus.UNKNOWN, it)
-        proc._status_dirty = True
-    proc._poke()
+    if rt.processor is not None:
+        rt.processor.mark_unknown()
 
 
 def _finish(rt, k: int) -> None:

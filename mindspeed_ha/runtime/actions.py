@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import logging
 
-from mindspeed_ha import dying
+from mindspeed_ha.checkpoint import dying
+from mindspeed_ha.checkpoint.formats import checkpoint_format
+from mindspeed_ha.checkpoint.integrity import verify_state
 from mindspeed_ha.faults import EXIT_DYING_CHECKPOINT_SAVED
 
 log = logging.getLogger("mindspeed_ha.runtime")
@@ -31,7 +33,7 @@ def on_verify(rt, params: dict):
         return False, f"rank {rt.rank}: not frozen at a completed update ({status.value}@{k})"
     if rt.ctx is None or rt.snapshot is None or rt.snapshot.iteration != k:
         return False, f"rank {rt.rank}: no consistent state for iteration {k}"
-    report = dying.verify_state(rt.ctx, k)
+    report = verify_state(rt.ctx, k)
     rt.processor.report_integrity(report)
     verdict = "ok" if report.shard_ok and report.model_ok else f"CORRUPT ({report.detail})"
     return True, (f"rank {rt.rank}: iteration {k} {verdict}, shard {report.shard_digest[:12] or '-'}, "
@@ -63,7 +65,8 @@ def on_assemble(rt, params: dict):
 def on_commit(rt, params: dict):
     """COMMIT: publish the dying checkpoint (rename, tracker)."""
     plan, _ = _roles(rt, params)
-    return True, f"rank {rt.rank}: {dying.commit(rt.args.save, plan.iteration)}"
+    fmt = checkpoint_format(rt.ctx.args if rt.ctx is not None else rt.args)
+    return True, f"rank {rt.rank}: {dying.commit(rt.args.save, plan.iteration, fmt)}"
 
 
 def on_exit(rt, code: int, reason: str) -> None:
@@ -79,7 +82,7 @@ def on_exit(rt, code: int, reason: str) -> None:
     too) removes the whole staging dir here, after its own last write: the last
     removal follows every write, and the partial files of a saver that died go with
     it. Removal is idempotent and moves the dir away before deleting it
-    (:func:`dying.discard`), so concurrent removals, and a commit the controller
+    (:func:`mindspeed_ha.checkpoint.commit.discard`), so concurrent removals, and a commit the controller
     timed out, are harmless.
     """
     from mindspeed_ha.control.processor import default_exit_handler

@@ -99,6 +99,10 @@ def make_processor(config, rank: int, layout, args, exit_handler):
     # ARF: with --enable-worker-reboot a restarted process of this rank rejoins
     # (recovery/rejoin.py replays its start-up, rejoin_after_setup repairs it)
     processor.rejoins = bool(config.worker_reboot)
+    from mindspeed_ha.recovery import comm, groups
+
+    processor.set_recovery_hooks(abort=comm.abort, aborted=comm.CollectiveAborted,
+                                 use_store=groups.use_rendezvous_store)
     return processor
 
 

@@ -29,7 +29,7 @@ import logging
 import os
 from typing import Callable, Optional
 
-from mindspeed_ha import dying
+from mindspeed_ha.checkpoint.state import DyingContext, IterationSnapshot
 from mindspeed_ha import env as ha_env
 from mindspeed_ha.events import EventRecorder
 from mindspeed_ha.integrations import megatron_lm
@@ -65,10 +65,10 @@ class HARuntime:
     Attributes (public, read by the patches and the recovery stages):
         config, args, rank, layout, processor, controller_proc: the configuration and the
             control-plane side (set at start-up).
-        ctx: the rank's :class:`~mindspeed_ha.dying.DyingContext` (model, optimizer,
+        ctx: the rank's :class:`~mindspeed_ha.checkpoint.state.DyingContext` (model, optimizer,
             scheduler), attached at the first ``train_step``.
         current / completed: the iteration in progress / the last one ``train_step`` completed.
-        snapshot: the :class:`~mindspeed_ha.dying.IterationSnapshot` of the last update.
+        snapshot: the :class:`~mindspeed_ha.checkpoint.state.IterationSnapshot` of the last update.
         staged: the iteration of the dying checkpoint this rank writes (None: none).
         step_stats: the step's forward-backward losses, gradient norm and zero count
             (patches/optimizer.py): what a holder hands a process restarted inside this
@@ -90,8 +90,8 @@ class HARuntime:
         self.layout = None
         self.current: Optional[int] = None
         self.completed: Optional[int] = None
-        self.snapshot: Optional[dying.IterationSnapshot] = None
-        self.ctx: Optional[dying.DyingContext] = None
+        self.snapshot: Optional[IterationSnapshot] = None
+        self.ctx: Optional[DyingContext] = None
         self.staged: Optional[int] = None
         self.state = StepState()
         self.recoveries = 0
@@ -134,7 +134,7 @@ class HARuntime:
         # object parse_args returned); the built-in trainer has none there.
         args = megatron_lm.current_args() or self.args
         lay = self.layout or Layout()
-        self.ctx = dying.DyingContext(
+        self.ctx = DyingContext(
             args=args, model=model, optimizer=optimizer, opt_param_scheduler=opt_param_scheduler,
             tp_rank=lay.tp_rank, pp_rank=lay.pp_rank, pp_size=lay.pp_size, shard_id=lay.shard_id,
         )
@@ -329,9 +329,9 @@ class HARuntime:
     def take_snapshot(self, iteration: int) -> None:
         """A new snapshot of ``iteration`` with the RNG state now. The rest is added when
         train_step returns (iteration_done) and when the training loop counted the
-        iteration (dying.IterationSnapshot says where)."""
+        iteration (IterationSnapshot says where)."""
         prev = self.snapshot
-        self.snapshot = dying.IterationSnapshot(iteration, megatron_lm.collect_rng_state(),
+        self.snapshot = IterationSnapshot(iteration, megatron_lm.collect_rng_state(),
                                                 flops_before=prev.flops if prev is not None else None)
 
     def handle_fault(self, exc: BaseException, where: str = "train_step"):
