@@ -323,6 +323,7 @@ class Controller:
         server.drain_monitor(MAX_EVENTS_PER_TURN)
         for now, ident, fd, msg in server.frames(MAX_FRAMES_PER_TURN):
             handlers.dispatch(self, now, ident, fd, msg)
+        server.flush_closed()  # after the frames: a rank's GOODBYE before its close
         now = self.clock()
         self.codec.reject_log.flush(now)
         self.transport_rejected.flush(now)

@@ -192,6 +192,7 @@ def _goodbye(ctl: "Controller", now: float, rank: int, info: RankInfo, body: Any
     info.exit_code = body.exit_code
     ctl.state.mark_dead(rank, f"said goodbye (exit code {body.exit_code})", body.exit_code, now)
     ctl.arbiter.expect_rejoin(rank, body.exit_code, now)  # a rank that said goodbye is not restarted
+    ctl.server.send_to_rank(rank, wire.GoodbyeAck(rank))  # only now may its connection close
     log.info("rank %d: goodbye, exit code %d", rank, body.exit_code)
 
 

@@ -155,6 +155,7 @@ class ControlLink:
         self.registered = threading.Event()
         self.register_attempts = 0  # REGISTER frames sent (I/O thread only)
         self.register_error: Optional[str] = None
+        self.goodbye_acked = False  # the controller handled this rank's GOODBYE (I/O thread only)
         self._stop_io = threading.Event()
         self._ctx: Optional[zmq.Context] = None
         self.sock = None
@@ -379,6 +380,9 @@ class ControlLink:
             log.exception("rank %d: cannot flush the control queue", self.rank)
         with self._outbox.cond:
             goodbye = self._outbox.goodbye_queued
+        lost = self.controller_lost_at is not None  # nobody to say goodbye to: no linger
+        if goodbye and not lost:
+            self._await_goodbye_ack()
         ctx, sock, monitor = self._ctx, self.sock, self._monitor
         self._ctx = self.sock = self._monitor = None
         if monitor is not None:
@@ -386,6 +390,28 @@ class ControlLink:
                 sock.disable_monitor()
             except zmq.ZMQError:
                 pass
-        lost = self.controller_lost_at is not None  # nobody to say goodbye to: no linger
-        wire.close_all(ctx, monitor, sock, linger_ms=GOODBYE_LINGER_MS if goodbye and not lost else 0)
+        linger = GOODBYE_LINGER_MS if goodbye and not lost and not self.goodbye_acked else 0
+        wire.close_all(ctx, monitor, sock, linger_ms=linger)
         self._outbox.close_pipe()
+
+    def _await_goodbye_ack(self) -> None:
+        """Wait up to ``GOODBYE_LINGER_MS`` for GOODBYE_ACK before the socket closes.
+
+        The controller learns of a closed connection from its socket monitor, which may
+        report the close before the GOODBYE that preceded it on the wire has been read:
+        without the answer a rank ending normally could be taken for a dead one (found in
+        CI: a finished job that attempted a dying checkpoint). Other messages that arrive
+        meanwhile are dropped: the rank is ending.
+        """
+        deadline = time.monotonic() + GOODBYE_LINGER_MS / 1000.0
+        while not self.goodbye_acked and self.sock is not None and self.registered.is_set():
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0 or not self.sock.poll(left_ms, zmq.POLLIN):
+                return
+            try:
+                frame = self.sock.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                continue
+            msg = self.codec.try_decode(frame.buffer, peer="controller")
+            if msg is not None and msg.type is wire.MsgType.GOODBYE_ACK:
+                self.goodbye_acked = True

@@ -396,6 +396,8 @@ class Processor:
             self._proto.on_stop(body)
         elif t is wire.MsgType.DRAIN:
             self._proto.on_drain(body)
+        elif t is wire.MsgType.GOODBYE_ACK:
+            link.goodbye_acked = True
         elif t is wire.MsgType.ACTION:
             if body.params.get("store"):  # a successor's rendezvous store (controller failover)
                 self._proto.hooks.use_store(str(body.params["store"]))

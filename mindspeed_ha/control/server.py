@@ -86,6 +86,10 @@ class ControlServer:
         self.ident: Dict[int, bytes] = {}  # rank -> its connection's ROUTER identity
         self.rank_of_ident: Dict[bytes, int] = {}
         self._rank_of_fd: Dict[int, int] = {}
+        #: closed connections seen by the monitor, (rank, when), held until the ROUTER has
+        #: been read empty: a rank's last frames (its GOODBYE) are handled before its close
+        self._closed: List[Tuple[int, float]] = []
+        self._input_empty = False
 
     # ------------------------------------------------------------------ sockets
     def open(self) -> None:
@@ -201,8 +205,14 @@ class ControlServer:
             self.zap.serve(MAX_ZAP_PER_TURN)
 
     def drain_monitor(self, limit: int = MAX_EVENTS_PER_TURN) -> None:
-        """Handle at most ``limit`` monitor events: a closed connection of a rank calls
-        ``on_disconnect``; failed handshakes are counted."""
+        """Read at most ``limit`` monitor events: a closed connection of a rank is held for
+        :meth:`flush_closed`; failed handshakes are counted.
+
+        The monitor's event and the connection's last frames travel apart: libzmq queues
+        the frames a peer sent before it closed on the ROUTER, then the event on the
+        monitor, so a loop that reads the monitor first sees the close before the GOODBYE
+        (and took a job that ended normally for a dead one).
+        """
         if self.monitor is None:
             return
         for _ in range(limit):
@@ -214,7 +224,7 @@ class ControlServer:
             if event == zmq.EVENT_DISCONNECTED:
                 rank = self._rank_of_fd.pop(int(evt["value"]), None)
                 if rank is not None:
-                    self.on_disconnect(rank, now)
+                    self._closed.append((rank, now))
             elif event in HANDSHAKE_FAILED:
                 self.transport_rejected.note("unauthenticated peers", HANDSHAKE_FAILED[event], now)
 
@@ -229,16 +239,32 @@ class ControlServer:
         if fd is None or self._rank_of_fd.get(fd) == rank:
             return
         self.drain_monitor(MONITOR_HWM + 2 * MAX_EVENTS_PER_TURN)
+        # the close of this rank's earlier connection is handled before the new one counts
+        self._report_closed([c for c in self._closed if c[0] == rank])
         self._rank_of_fd[fd] = rank
+
+    def flush_closed(self) -> None:
+        """Call ``on_disconnect`` for the closes :meth:`drain_monitor` held, once
+        :meth:`frames` has read the ROUTER empty since (every frame those ranks sent before
+        closing has then been handled); otherwise they wait for a later turn."""
+        if self._input_empty:
+            self._report_closed(list(self._closed))
+
+    def _report_closed(self, closed: List[Tuple[int, float]]) -> None:
+        for item in closed:
+            self._closed.remove(item)
+            self.on_disconnect(*item)
 
     def frames(self, limit: int = MAX_FRAMES_PER_TURN) -> Iterator[Tuple[float, bytes, Optional[int], wire.Message]]:
         """Read at most ``limit`` frames; yield ``(now, identity, fd, message)`` for each one
         that passes its peer's budget and the codec, registered ranks' frames first."""
         batch: List[Tuple[bytes, Any]] = []
+        self._input_empty = False
         for _ in range(limit):
             try:
                 parts = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
+                self._input_empty = True
                 break
             if len(parts) != 2:
                 self.codec.rejected["bad_framing"] += 1
@@ -263,13 +289,16 @@ class ControlServer:
 
     def discard_input(self) -> None:
         """Read and drop a turn's worth of input (a stepped-down controller answers nothing)."""
+        self.drain_monitor()
+        self._input_empty = False
         for _ in range(MAX_FRAMES_PER_TURN):
             try:
                 self.router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
+                self._input_empty = True
                 break
         self.serve_zap()
-        self.drain_monitor()
+        self.flush_closed()
 
     # ------------------------------------------------------------------ output
     def send(self, ident: bytes, body: Any) -> None:

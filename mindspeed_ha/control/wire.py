@@ -54,7 +54,8 @@ log = logging.getLogger(__name__)
 #: 5: REGISTER.incarnation / .rejoins (worker reboot)
 #: 6: the launchers' agents on other nodes: AGENT_HELLO / AGENT_WELCOME, RESTART_QUERY /
 #:    RESTART_ANSWER, AGENT_REPORT; array fields are checked element by element
-SCHEMA_VERSION = 6
+#: 7: GOODBYE_ACK: a rank closes its connection only once its GOODBYE was handled
+SCHEMA_VERSION = 7
 TAG_BYTES = 32
 DEFAULT_MAX_BYTES = 1 << 20
 #: what CURVE adds to a frame on the wire (MESSAGE command, nonce, MAC: 33 bytes), rounded up
@@ -75,6 +76,7 @@ class MsgType(str, enum.Enum):
     ACTION_RESULT = "action_result"
     INTEGRITY = "integrity"
     GOODBYE = "goodbye"
+    GOODBYE_ACK = "goodbye_ack"
     STOP_REQUEST = "stop_request"
     DRAIN = "drain"
     DRAINING = "draining"
@@ -250,10 +252,18 @@ class Integrity:
 
 @dataclasses.dataclass(frozen=True)
 class Goodbye:
-    """processor -> controller: the rank is exiting with ``exit_code``."""
+    """processor -> controller: the rank is exiting with ``exit_code`` (answered by GOODBYE_ACK)."""
 
     rank: int
     exit_code: int
+
+
+@dataclasses.dataclass(frozen=True)
+class GoodbyeAck:
+    """controller -> processor: the GOODBYE of ``rank`` was handled; its connection may close
+    (its close is then no longer evidence of a death)."""
+
+    rank: int
 
 
 # ------------------------------------------------ the launchers' agents (--enable-worker-reboot)
@@ -334,6 +344,7 @@ BODY_TYPES: Dict[MsgType, Type[Any]] = {
     MsgType.ACTION_RESULT: ActionResult,
     MsgType.INTEGRITY: Integrity,
     MsgType.GOODBYE: Goodbye,
+    MsgType.GOODBYE_ACK: GoodbyeAck,
     MsgType.STOP_REQUEST: StopRequest,
     MsgType.DRAIN: Drain,
     MsgType.DRAINING: Draining,
@@ -587,6 +598,6 @@ __all__ = [
     "SCHEMA_VERSION", "MsgType", "Message", "Codec", "WireError", "new_sender", "configure_socket", "close_all",
     "endpoint",
     "Register", "Registered", "Heartbeat", "Status", "Fault", "Stop", "Stopped", "Action", "ActionResult",
-    "Integrity", "Goodbye", "StopRequest", "Drain", "Draining", "BODY_TYPES", "Layout",
+    "Integrity", "Goodbye", "GoodbyeAck", "StopRequest", "Drain", "Draining", "BODY_TYPES", "Layout",
 ]
 

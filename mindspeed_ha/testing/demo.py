@@ -168,6 +168,8 @@ def _faulty_in_place(job: _Job, extra: Sequence[str], summary: dict):
                              ha_env.RECOVERY_LOG: recovery_log})
     summary["faulty_seconds"] = round(time.monotonic() - t0, 2)
     summary["faulty_exit_code"] = faulty.returncode
+    with open(job.path("faulty_run.log"), "w") as f:  # kept with --workdir
+        f.write(faulty.stdout + faulty.stderr)
     return faulty, phases.RunLogs.read(report, inject_log, recovery_log, nproc=ns.nproc)
 
 
