@@ -276,7 +276,8 @@ def test_no_save_dir_exits_77(job):
     assert not j.calls["dump"]
 
 
-def test_normal_end_all_goodbye(closing):
+def _two_ranks(closing):
+    """A started controller of a 2-rank job and its two registered processors."""
     ctl = Controller(CFG, 2, "127.0.0.1", 0, tick_s=0.01).start()
     closing.callback(ctl.stop)
     ps = []
@@ -284,6 +285,11 @@ def test_normal_end_all_goodbye(closing):
         p = Processor(CFG, r, Layout(dp_rank=r, dp_size=2, replica_count=2, instance_id=r), None, port=ctl.port)
         closing.callback(p.close, None)
         ps.append(p.start())
+    return ctl, ps
+
+
+def test_normal_end_all_goodbye(closing):
+    ctl, ps = _two_ranks(closing)
     for p in ps:
         p.close(0)
     out = ctl.wait_done(10)
@@ -298,13 +304,7 @@ def test_a_rank_closes_its_connection_only_after_its_goodbye_was_handled(closing
     hogs: a dying checkpoint attempted, exit 76 in the report). The controller answers
     GOODBYE_ACK and the rank closes only after it: when ``close(0)`` returns, the
     controller has recorded the exit."""
-    ctl = Controller(CFG, 2, "127.0.0.1", 0, tick_s=0.01).start()
-    closing.callback(ctl.stop)
-    ps = []
-    for r in range(2):
-        p = Processor(CFG, r, Layout(dp_rank=r, dp_size=2, replica_count=2, instance_id=r), None, port=ctl.port)
-        closing.callback(p.close, None)
-        ps.append(p.start())
+    ctl, ps = _two_ranks(closing)
     for r, p in enumerate(ps):
         p.close(0)
         assert ctl.state.ranks[r].exit_code == 0, "the rank closed before its GOODBYE was handled"
