@@ -105,9 +105,10 @@ def _train_step(wrapped, instance, args, kwargs):
             action = rt.handle_fault(exc)
             if action is None or getattr(action, "kind", None) != "retry":
                 raise
-            # the aborted attempt's frames (kept by the traceback) hold the old process
-            # groups in their locals: cleared, so the rebuild leaves no holder behind
-            traceback.clear_frames(exc.__traceback__)
+            # the aborted attempt's frames (kept by the tracebacks) hold the old process
+            # groups and their ops' Works in their locals: cleared, so the rebuild leaves no
+            # holder behind and the old groups' sockets and threads go with them
+            _clear_frames(exc)
         # RETRY (in-place recovery): clean, rebuild groups, repair, roll back; then re-run
         # the step. A failure here is reported as a new fault (the controller then falls
         # back to the dying checkpoint and this rank waits for its EXIT).
@@ -120,6 +121,22 @@ def _train_step(wrapped, instance, args, kwargs):
             raise
     rt.iteration_done()
     return result
+
+
+def _clear_frames(exc: BaseException) -> None:
+    """Clear the locals of every finished frame in the tracebacks of ``exc`` and of the
+    exceptions chained to it (``__context__``, ``__cause__``): a gloo Work left in a local
+    keeps its group's context, sockets and event-loop thread alive until the garbage
+    collector happens to break the exception -> traceback -> frame cycle (+4 descriptors
+    and +1 thread per abandoned op, now and then, over 10 recoveries measured here)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        for chained in (exc.__cause__,):
+            if chained is not None:
+                _clear_frames(chained)
+        exc = exc.__context__
 
 
 def _guarded_call(rt, where: str, wrapped, args, kwargs):

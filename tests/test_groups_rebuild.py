@@ -76,29 +76,35 @@ def test_rebuild_after_poisoned_dp_group_trains_bitwise_equal(tp, pp, tmp_path):
         for gen, report in (("1", r["report1"]), ("2", r["report2"])):
             assert report["unswapped"] == [], (rank, gen, report["unswapped"])
             assert report["groups_rebuilt"] == r["groups_before"], (rank, gen, report)
+            # every holder is reachable from the known roots: the whole-heap walk was not needed
+            assert report["unlisted"] == [], (rank, gen, report["unlisted"])
         assert r["retired"] == 2 * r["groups_before"]
-        assert r["stale"] == [], (rank, r["stale"])
+        assert r["alive"] == 0 and r["stale"] == [], (rank, r["alive"], r["stale"])
+        # the old generations were destroyed: their threads and sockets are gone (two rebuilds
+        # of 21 gloo groups kept them all: +2 x 21 x 3 threads and more descriptors)
+        grown = (r["threads_after"] - r["threads_before"], r["fds_after"] - r["fds_before"])
+        assert max(grown) < r["groups_before"] // 4, (rank, grown)
         assert r["world_is_new"] and r["excluded_untouched"] and r["generation_reuse_refused"], r
         swapped = set(r["report1"]["swapped"])
         for holder in ("megatron.core.parallel_state._DATA_PARALLEL_GROUP",
                        "megatron.core.parallel_state._DATA_PARALLEL_GROUP_WITH_CP",
                        "megatron.core.parallel_state._DATA_PARALLEL_GROUP_GLOO",
                        "megatron.core.parallel_state._TENSOR_MODEL_PARALLEL_GROUP",
-                       "mindspeed_ha.patches.replica._INSTANCE_GROUP",
-                       "DistributedOptimizer.data_parallel_group",
-                       "DistributedOptimizer.data_parallel_group_gloo",
-                       "_ParamAndGradBucketGroup.intra_distributed_optimizer_instance_group",
-                       "_ParamAndGradBuffer.data_parallel_group"):
+                       "mindspeed_ha.patches.replica._INSTANCE_GROUP"):
             assert holder in swapped, (rank, holder, sorted(swapped))
-        for holder in ("Timer._barrier_group", "partial.group", "._KEEP.tuple (tuple rebuilt)"):
+        for holder in ("<DistributedOptimizer>.data_parallel_group",
+                       "<DistributedOptimizer>.data_parallel_group_gloo",
+                       "<_ParamAndGradBucketGroup>.intra_distributed_optimizer_instance_group",
+                       "<_ParamAndGradBuffer>.data_parallel_group",
+                       "<Timer>._barrier_group", "_KEEP.partial.group", "._KEEP.tuple (tuple rebuilt)"):
             assert any(s.endswith(holder) for s in swapped), (rank, holder, sorted(swapped))
         assert r["recovered"]["grad_norms"] == r["reference"]["grad_norms"], (rank, r)
         assert r["recovered"]["losses"] == r["reference"]["losses"], (rank, r)
     last_stage = [r for r in results if r["reference"]["losses"]]
     assert len(last_stage) == WORLD // pp and all(len(r["reference"]["losses"]) == STEPS for r in last_stage)
-    times = [(round(r[k]["seconds"], 3), round(r[k]["create_seconds"], 3)) for r in results
-             for k in ("report1", "report2")]
-    print(f"\nrebuild TP{tp} PP{pp}, {results[0]['groups_before']} groups/rank, (total s, creating s) "
+    times = [tuple(round(r[k][f], 3) for f in ("seconds", "create_seconds", "swap_seconds", "destroy_seconds"))
+             for r in results for k in ("report1", "report2")]
+    print(f"\nrebuild TP{tp} PP{pp}, {results[0]['groups_before']} groups/rank, (total, create, swap, destroy s) "
           f"per rank and generation: {times}; holders swapped on rank 0: {results[0]['report1']['swapped']}")
 
 
@@ -109,8 +115,8 @@ def test_every_kind_of_holder_is_swapped(tmp_path):
     [r] = _run_ranks(["kinds"], 1, tmp_path, timeout_s=100)
     assert r["unswapped"] == [] and r["stale"] == [], r
     assert all(r["live"]), r["live"]
-    for holder in ("_KEEP.keyed[<group", "_KEEP.members (member)", "_Slotted.group", "closure cell",
-                   "_KEEP.nested.inner (tuple rebuilt)", "partial.group"):
+    for holder in ("_KEEP.keyed[<key ProcessGroup>]", "_KEEP.members (member)", "<_Slotted>.group", "closure cell",
+                   "_KEEP.nested.inner (tuple rebuilt)", "_KEEP.nested.inner[1] (tuple rebuilt)", "_KEEP.kw.group"):
         assert any(holder in s for s in r["swapped"]), (holder, r["swapped"])
 
 
@@ -205,6 +211,8 @@ def _step(ddp, optimizer, step: int):
 def _train(tp, pp, between=None):
     losses, norms = [], []
     ddp, optimizer = _build(tp, pp, seed=1234)
+    # where the runtime keeps them in a real job (reachable from a module's globals)
+    _KEEP.setdefault("models", []).append((ddp, optimizer))
     for step in range(1, STEPS + 1):
         if between is not None:
             between(step)
@@ -257,17 +265,20 @@ def _worker(tp: int, pp: int, out_dir: str) -> None:
             if rank == 0:  # launched and abandoned: the DP peer never joins
                 _KEEP["abandoned"] = dist.all_reduce(torch.ones(8), group=dp, async_op=True)
             del dp
-            old_world = c10d._get_default_group()
+            old_world = c10d._get_default_group().group_name  # a name: a local group would be held
             result["groups_before"] = len(c10d._world.pg_map) - 1  # all but the fallback group
+            result["fds_before"], result["threads_before"] = _resources()
             report = groups.rebuild_process_groups(1, exclude=[_KEEP["fallback"]])
             result["report1"] = dataclasses.asdict(report)
-            result["world_is_new"] = (c10d._get_default_group() is not old_world
+            # the runtime keeps no abandoned op (a Work keeps its backend's threads and sockets)
+            _KEEP.pop("abandoned", None)
+            result["world_is_new"] = (c10d._get_default_group().group_name != old_world
                                       and c10d._get_default_group() is groups.successor(old_world)
                                       and dist.get_rank() == rank)
-            del old_world
         elif step == 3:
             report = groups.rebuild_process_groups(2, exclude=[_KEEP["fallback"]])
             result["report2"] = dataclasses.asdict(report)
+            result["fds_after"], result["threads_after"] = _resources()
             try:
                 groups.rebuild_process_groups(2, exclude=[_KEEP["fallback"]])
                 result["generation_reuse_refused"] = False
@@ -275,9 +286,11 @@ def _worker(tp: int, pp: int, out_dir: str) -> None:
                 result["generation_reuse_refused"] = True
 
     result["recovered"] = _train(tp, pp, between)
-    retired = groups.retired_groups()
-    result["retired"] = len(retired)
+    gc.collect()
+    retired = groups.retired_groups()  # the replaced groups still alive: none
+    result["retired"], result["alive"] = len(groups.retired_names()), len(retired)
     result["stale"] = groups.stale_holders(retired)
+    del retired
     t = torch.ones(1)
     dist.all_reduce(t, group=_KEEP["fallback"])
     result["excluded_untouched"] = (_KEEP["fallback"] is fallback and t.item() == WORLD
@@ -285,6 +298,14 @@ def _worker(tp: int, pp: int, out_dir: str) -> None:
     dist.barrier()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+
+
+def _resources():
+    """(open file descriptors, threads) of this process."""
+    import psutil
+
+    me = psutil.Process()
+    return me.num_fds(), me.num_threads()
 
 
 class _Slotted:

@@ -269,6 +269,7 @@ class _Helpers:
         while True:
             job = q.get()
             job()
+            del job  # its closure holds a Work: the destroyed group's sockets and thread
             with self._lock:
                 self._idle.append(q)
 
