@@ -1,4 +1,8 @@
-"""Find and swap every Python reference to some objects: the holder walk of a group rebuild.
+"""Find and swap every Python reference to some objects: the whole-heap holder walk.
+
+A group rebuild first swaps what :mod:`mindspeed_ha.recovery.reachable` reaches from the
+known roots (fast); this walk runs only when an old group is still held afterwards (its
+weak reference alive), and at test time to prove that nothing is left (``stale_holders``).
 
 Why: :func:`mindspeed_ha.recovery.groups.rebuild_process_groups` replaces every process
 group of a rank while the model, the optimizer and Megatron's ``parallel_state`` stay
