@@ -54,8 +54,10 @@ def _cmd_preprocess(ns, rest) -> int:
 
 
 def _cmd_demo(ns) -> int:
+    from mindspeed_ha.launch.proctree import become_subreaper
     from mindspeed_ha.testing.demo import run_demo
 
+    become_subreaper()  # a worker whose launcher died stays in this process's tree (ended on a signal)
     return run_demo(ns)
 
 

@@ -303,7 +303,7 @@ class HAConfig:
             connect_timeout_s=_env_float(
                 env, ENV_CONNECT_TIMEOUT, "--ha-connect-timeout",
                 _arg(args, "ha_connect_timeout"), DEFAULT_CONNECT_TIMEOUT_S),
-            max_message_bytes=_int_env(env, ENV_MAX_MESSAGE_BYTES, DEFAULT_MAX_MESSAGE_BYTES),
+            max_message_bytes=_int_env(env, ENV_MAX_MESSAGE_BYTES, DEFAULT_MAX_MESSAGE_BYTES, "4096..67108864"),
             preemption_deadline_s=_preemption_deadline(args, env),
             network_retries=_network_retries(args),
             auth_key=auth_key_from(env),
@@ -342,14 +342,14 @@ def _preemption_deadline(args: Any, env: Mapping[str, str]) -> float:
     return value
 
 
-def _int_env(env: Mapping[str, str], name: str, default: int) -> int:
+def _int_env(env: Mapping[str, str], name: str, default: int, accepted: str) -> int:
     raw = env.get(name)
     if raw in (None, ""):
         return default
     try:
         return int(raw)
     except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+        raise ConfigError(f"{name}={raw!r} is not an integer (accepted range {accepted})") from None
 
 
 def controller_addr_from(args: Any, env: Mapping[str, str]) -> str:

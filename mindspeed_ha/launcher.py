@@ -29,7 +29,11 @@ What it adds when the training arguments carry ``--enable-high-availability``:
   published, the tracker untouched) and workers still running ``PREEMPT_KILL_MARGIN_S``
   later are SIGKILLed; the launcher then exits 77. On a node without the controller the
   signal is passed on to the local workers, which ask the controller themselves. A second
-  signal falls back to torchrun's own shutdown.
+  signal falls back to torchrun's own shutdown (SIGTERM to every worker, SIGKILL after its
+  shutdown timeout, 30 s by default); a third SIGKILLs every descendant at once. The
+  launcher is a child subreaper and, once a signal stopped the job, ends whatever is left
+  of its process tree before it exits (exit 128 + the signal's number). The same without
+  the HA flag, from the first signal on.
 * ``MINDSPEED_HA_REPORT=FILE`` writes the controller's event log and outcome as JSON.
 * ``--enable-worker-reboot`` (in the training arguments): a worker that dies (non-zero
   exit or a signal) is started again alone, same rank and env plus
@@ -44,7 +48,16 @@ What it adds when the training arguments carry ``--enable-high-availability``:
   n >= 1, and its workers rejoin the running job instead of starting a new one.
   ``--nnodes`` > 1 needs the same ``MINDSPEED_HA_AUTH_KEY`` in every launcher's env.
 
-Without the HA flag it behaves exactly like torchrun.
+Without the HA flag it behaves like torchrun, but for the signals (above) and the checks
+below.
+
+Bad input ends the launcher with one line naming the flag or variable and the accepted
+range, exit 2, before anything starts: its own environment (``MINDSPEED_HA_LOG``,
+``MINDSPEED_HA_DYING_GRACE_S``, ``MINDSPEED_HA_REPORT``, ``MINDSPEED_HA_LEASE_S``,
+``MINDSPEED_HA_WARM_SPARES``, ``MINDSPEED_HA_CPU_BACKEND``, ``MINDSPEED_HA_DISABLE_PATCHES``,
+``MINDSPEED_HA_INJECT``) before torch is imported, then torchrun's numeric flags, then the
+HA flags and settings (``HAConfig``). A report that cannot be written at the end is a
+warning; the exit status stays the job's.
 
 The parts live in :mod:`mindspeed_ha.launch` (the agent-side state and torchrun patches,
 controller failover, the report); this module parses, starts the control plane, runs
@@ -60,6 +73,7 @@ import functools
 import logging
 import os
 import secrets
+import signal
 import socket
 import sys
 from typing import Dict, Optional
@@ -67,7 +81,7 @@ from typing import Dict, Optional
 from mindspeed_ha import env as ha_env
 from mindspeed_ha import faults
 from mindspeed_ha.errors import ConfigError
-from mindspeed_ha.launch import report, standby, survivors
+from mindspeed_ha.launch import proctree, report, standby, survivors
 from mindspeed_ha.launch.survivors import EXIT_MARGIN_S, Survivors
 
 log = logging.getLogger("mindspeed_ha.launcher")
@@ -106,24 +120,81 @@ def ha_args(script_args):
     return ns
 
 
+#: the longest grace for the dying checkpoint, seconds (a day)
+MAX_GRACE_S = 86400.0
+#: ``MINDSPEED_HA_LOG``: the ``logging`` level names (any case); the first five are the usual ones
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL", "WARN", "FATAL", "NOTSET")
+
+
 def _grace_s() -> float:
-    """``MINDSPEED_HA_DYING_GRACE_S``, seconds.
+    """``MINDSPEED_HA_DYING_GRACE_S``, seconds in (0, ``MAX_GRACE_S``], default 600.
 
     Raises:
-        ConfigError: not a number > 0.
+        ConfigError: not a number, or out of range (NaN and inf too).
     """
-    raw = os.environ.get(ENV_GRACE, "600")
+    raw = os.environ.get(ENV_GRACE, "").strip() or "600"
     try:
         grace = float(raw)
     except ValueError:
         grace = -1.0
-    if not grace > 0:
-        raise ConfigError(f"{ENV_GRACE}={raw!r}: expected seconds > 0 (default 600)")
+    if not 0 < grace <= MAX_GRACE_S:  # NaN fails too
+        raise ConfigError(f"{ENV_GRACE}={raw!r}: accepted range (0, {MAX_GRACE_S:.0f}] seconds (default 600)")
     return grace
 
 
+def _log_level() -> str:
+    """``MINDSPEED_HA_LOG``, a ``logging`` level name, default INFO.
+
+    Raises:
+        ConfigError: not one of :data:`LOG_LEVELS`.
+    """
+    raw = os.environ.get(ha_env.LOG, "").strip()
+    if not raw:
+        return "INFO"
+    if raw.upper() not in LOG_LEVELS:
+        raise ConfigError(f"{ha_env.LOG}={raw!r}: accepted {'|'.join(LOG_LEVELS[:5])} (any case; default INFO)")
+    return raw.upper()
+
+
+def _check_switch(name: str) -> None:
+    raw = os.environ.get(name, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ConfigError(f"{name}={raw!r}: accepted 0 or 1 (unset: 0)")
+
+
+def _check_env() -> None:
+    """The launcher's own environment variables, checked before torch is imported and before
+    anything starts (the HA job settings of ``HAConfig`` follow in :func:`_check_before_start`).
+
+    Raises:
+        ConfigError: naming the variable and the accepted values.
+    """
+    from mindspeed_ha.control.lease import lease_seconds
+    from mindspeed_ha.patches.registry import check_disabled
+
+    _log_level()
+    _grace_s()
+    if os.environ.get(ha_env.REPORT):
+        report.check_path(os.environ[ha_env.REPORT], ha_env.REPORT)
+    try:
+        lease_seconds()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    _check_switch(ha_env.WARM_SPARES)
+    _check_switch(ha_env.CPU_BACKEND)
+    check_disabled()
+    if os.environ.get(ha_env.INJECT):  # a bad test spec: say so once, before 4 tracebacks
+        from mindspeed_ha.faultspec import parse_env
+
+        try:
+            parse_env(os.environ[ha_env.INJECT])
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+
 def _check_before_start(targs, ns) -> None:
-    """Everything that can be checked before a worker starts (nothing can be lost yet).
+    """Everything about the HA job that can be checked before a worker starts (nothing can
+    be lost yet).
 
     Raises:
         ConfigError: naming the flag / env var and the accepted range.
@@ -132,16 +203,8 @@ def _check_before_start(targs, ns) -> None:
 
     validate_ha_args(ns, _world_size(targs), ns.tensor_model_parallel_size,
                      ns.pipeline_model_parallel_size, ns.context_parallel_size)
-    _grace_s()
     if ns.save:
         _check_save_writable(ns.save)
-    if os.environ.get(ha_env.INJECT):  # a bad test spec: say so once, before 4 tracebacks
-        from mindspeed_ha.faultspec import parse_env
-
-        try:
-            parse_env(os.environ[ha_env.INJECT])
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
 
 
 def _check_save_writable(save: str) -> None:
@@ -171,23 +234,77 @@ def _is_local_address(addr: str) -> bool:
 
 
 def _nnodes(targs) -> int:
+    """The most nodes of ``--nnodes`` (``N`` or ``MIN:MAX``; checked by :func:`_check_torchrun_args`)."""
     return int(str(targs.nnodes).split(":")[-1])
 
 
+def _nproc(targs) -> int:
+    """``--nproc-per-node`` as a number (torchrun's reading of ``auto``/``cpu``/``gpu``/...).
+
+    Raises:
+        ConfigError: neither an integer >= 1 nor a device name torch resolves here.
+    """
+    from torch.distributed.run import determine_local_world_size
+
+    raw = targs.nproc_per_node
+    try:
+        n = int(determine_local_world_size(str(raw)))
+    except (ValueError, RuntimeError) as exc:
+        raise ConfigError(f"--nproc-per-node={raw!r}: accepted an integer >= 1, or auto|cpu|gpu|xpu ({exc})") from None
+    if n < 1:
+        raise ConfigError(f"--nproc-per-node={raw!r}: accepted an integer >= 1, or auto|cpu|gpu|xpu")
+    return n
+
+
 def _world_size(targs) -> int:
-    return _nnodes(targs) * int(targs.nproc_per_node)
+    return _nnodes(targs) * _nproc(targs)
+
+
+def _check_torchrun_args(targs) -> None:
+    """torchrun's numeric flags, which torchrun itself reads with a traceback or not at all:
+    ``--nnodes`` (``N`` or ``MIN:MAX``, 1 <= MIN <= MAX), ``--nproc-per-node``,
+    ``--node-rank`` (0 <= rank < nodes), ``--master-port`` (0..65535), ``--max-restarts``
+    (>= 0), ``--monitor-interval`` (finite seconds > 0).
+
+    Raises:
+        ConfigError: naming the flag and the accepted range.
+    """
+    import math
+
+    parts = str(targs.nnodes).split(":")
+    try:
+        lo, hi = (int(parts[0]), int(parts[-1])) if len(parts) in (1, 2) else (0, 0)
+    except ValueError:
+        lo = hi = 0
+    if not 1 <= lo <= hi:
+        raise ConfigError(f"--nnodes={targs.nnodes!r}: accepted N or MIN:MAX, integers with 1 <= MIN <= MAX")
+    _nproc(targs)
+    if not 0 <= int(targs.node_rank) < hi:
+        raise ConfigError(f"--node-rank={targs.node_rank}: accepted range 0..{hi - 1} (--nnodes {targs.nnodes})")
+    if targs.master_port is not None and not 0 <= int(targs.master_port) <= 65535:
+        raise ConfigError(f"--master-port={targs.master_port}: accepted range 0..65535")
+    if int(targs.max_restarts) < 0:
+        raise ConfigError(f"--max-restarts={targs.max_restarts}: accepted integers >= 0")
+    interval = float(targs.monitor_interval)
+    if not (math.isfinite(interval) and interval > 0):
+        raise ConfigError(f"--monitor-interval={targs.monitor_interval}: accepted finite seconds > 0")
 
 
 def _parse(argv):
     """torchrun's arguments, with the workers started through ``mindspeed_ha.boot``
     (which imports mindspeed_ha before the user's code); ``(targs, ha_ns)`` or None
-    (the error printed) when the training script does not exist."""
+    (the error printed) when the training script does not exist.
+
+    Raises:
+        ConfigError: a numeric torchrun flag out of range (:func:`_check_torchrun_args`).
+    """
     from torch.distributed.run import get_args_parser
 
     parser = get_args_parser()
     parser.prog = "mindspeed-ha-run"
     parser.description = _DESCRIPTION
     targs = parser.parse_args(argv)
+    _check_torchrun_args(targs)
     ns = ha_args(targs.training_script_args)
     if not targs.module and not targs.no_python and not os.path.isfile(targs.training_script):
         print(f"mindspeed-ha-run: error: training script {targs.training_script!r} not found",
@@ -397,16 +514,58 @@ def _close(state: Survivors, watch: Optional[standby.Standby]) -> None:
             old.close()
 
 
+def _early_signal(signum, frame):
+    """SIGTERM / SIGINT before torchrun's handler is in place (no worker exists yet)."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv=None) -> int:
     """``mindspeed-ha-run``: torchrun's command line. Returns the exit status (see the
-    description: 0, the workers' codes, 75/76/77/79, 2 for bad arguments)."""
-    logging.basicConfig(level=os.environ.get(ha_env.LOG, "INFO"),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    description: 0, the workers' codes, 75/76/77/79, 2 for bad arguments, 128 + the
+    signal's number when a signal stopped it without a graceful stop).
+
+    Signals (SIGTERM, SIGINT; see :func:`mindspeed_ha.launch.survivors.on_termination_signal`):
+    with the HA flag the first one starts a graceful stop; the next one (the first without
+    the flag) torchrun's shutdown; any later one SIGKILLs every descendant at once. This
+    process is a child subreaper (:func:`mindspeed_ha.launch.proctree.become_subreaper`)
+    and, once a signal stopped the job, ends whatever is left of its tree before it exits.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
-    parsed = _parse(argv)
+    try:
+        level = _log_level()
+        _check_env()
+    except ConfigError as exc:  # before torch is even imported: nothing started
+        print(f"mindspeed-ha-run: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _early_signal)
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    proctree.become_subreaper()
+    try:
+        parsed = _parse(argv)
+    except ConfigError as exc:
+        print(f"mindspeed-ha-run: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     if parsed is None:
         return 2
-    targs, ns = parsed
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    survivors.install_signals()
+    try:
+        return _launch(argv, *parsed)
+    except SignalException as exc:
+        survivors.say(f"stopped by {exc.sigval.name} (exit {128 + int(exc.sigval)})")
+        return 128 + int(exc.sigval)
+    finally:
+        if survivors.shutdown_signal is not None:
+            left = proctree.end_tree()
+            if left:
+                survivors.say(f"processes {left} still there after SIGKILL (uninterruptible sleep?)")
+
+
+def _launch(argv, targs, ns) -> int:
+    """The job: plain torchrun without the HA flag, else the control plane and torchrun
+    with the HA agent; the exit status."""
     if not getattr(ns, "enable_high_availability", False):
         from torch.distributed.run import run
 
@@ -423,14 +582,13 @@ def main(argv=None) -> int:
         watch = standby.Standby(state, plane.lease, plane.config, _world_size(targs), int(targs.node_rank))
     try:
         if plane.link is not None:
-            state.first_incarnations = _hello(plane.link, targs, plane.config)
-    except Exception as exc:  # AgentLinkError: refused / no controller; nothing started
-        print(f"mindspeed-ha-run: error: {exc}", file=sys.stderr, flush=True)
-        plane.link.close()
-        return 2
-    agent = _reboot_agent(targs, argv, state) if plane.config.worker_reboot else None
-    survivors.install(state)
-    try:
+            try:
+                state.first_incarnations = _hello(plane.link, targs, plane.config)
+            except Exception as exc:  # AgentLinkError: refused / no controller; nothing started
+                print(f"mindspeed-ha-run: error: {exc}", file=sys.stderr, flush=True)
+                return 2
+        agent = _reboot_agent(targs, argv, state) if plane.config.worker_reboot else None
+        survivors.install(state)
         return _run_job(targs, agent, plane, state)
     finally:
         _close(state, watch)

@@ -60,7 +60,9 @@ def apply_ha_args(parsed) -> None:
     """
     from mindspeed_ha import runtime
     from mindspeed_ha.config import HAConfig, validate_ha_args
+    from mindspeed_ha.patches.registry import check_disabled
 
+    check_disabled()
     config = HAConfig.from_args(parsed)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     validate_ha_args(

@@ -220,6 +220,29 @@ def _disabled_by_env() -> Set[str]:
     return {n.strip() for n in os.environ.get(ENV_DISABLE, "").split(",") if n.strip()}
 
 
+def check_disabled() -> None:
+    """Every name in ``MINDSPEED_HA_DISABLE_PATCHES`` is a registered patch (the launcher
+    checks before its workers start, each rank when it parses its arguments).
+
+    Raises:
+        mindspeed_ha.errors.ConfigError: naming the variable, the unknown names (with the
+            closest registered ones) and where the accepted names are listed.
+    """
+    import difflib
+
+    from mindspeed_ha.errors import ConfigError
+
+    with _lock:
+        known = sorted(_patches)
+    unknown = sorted(_disabled_by_env() - set(known))
+    if not unknown:
+        return
+    close = sorted({m for n in unknown for m in difflib.get_close_matches(n, known, n=1)})
+    hint = f" (did you mean {', '.join(close)}?)" if close else ""
+    raise ConfigError(f"{ENV_DISABLE}: unknown patch name(s) {', '.join(unknown)}{hint}; accepted: a comma-separated "
+                      f"list of the {len(known)} names `mindspeed-ha patches` prints")
+
+
 def _apply(module, patch: Patch) -> None:
     if patch.name in _applied:
         return

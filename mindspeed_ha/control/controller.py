@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
+import math
 import os
 import queue
 import sys
@@ -357,6 +358,21 @@ def _process_age_s() -> Optional[float]:
         return None
 
 
+def _check_flags(a: argparse.Namespace) -> None:
+    """The standalone controller's numeric flags (before anything binds).
+
+    Raises:
+        ConfigError: naming the flag and the accepted range.
+    """
+    if a.world_size < 1:
+        raise ConfigError(f"--world-size={a.world_size}: accepted integers >= 1")
+    if a.port is not None and not 0 <= a.port <= 65535:
+        raise ConfigError(f"--port={a.port}: accepted range 0..65535 (0: any free port)")
+    t = a.registration_timeout
+    if t is not None and not (math.isfinite(t) and t > 0):
+        raise ConfigError(f"--registration-timeout={t}: accepted finite seconds > 0")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """``python -m mindspeed_ha.control.controller``: run until DONE; exit with the job's code."""
     p = argparse.ArgumentParser(prog="python -m mindspeed_ha.control.controller",
@@ -370,6 +386,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        _check_flags(a)
         cfg = HAConfig.from_args(argparse.Namespace(save=a.save), os.environ)
         ctl = Controller(cfg, a.world_size, a.bind, a.port if a.port is not None else cfg.controller_port)
         ctl.start()

@@ -55,6 +55,8 @@ from typing import Callable, Optional
 ENV_LEASE_DIR = ha_env.LEASE_DIR
 ENV_LEASE_S = ha_env.LEASE_S
 DEFAULT_LEASE_S = 10.0
+#: the longest lease, seconds: a standby takes over at most this long after the leader's loss
+MAX_LEASE_S = 3600.0
 _TERM = re.compile(r"^term-(\d+)\.json$")
 
 
@@ -77,7 +79,8 @@ def lease_dir(base: str, auth_key: bytes) -> str:
 
 
 def lease_seconds() -> float:
-    """``MINDSPEED_HA_LEASE_S`` (seconds > 0), default ``DEFAULT_LEASE_S``.
+    """``MINDSPEED_HA_LEASE_S``, seconds in (0, ``MAX_LEASE_S``], default ``DEFAULT_LEASE_S``
+    (``inf`` would mean a standby never takes over).
 
     Raises:
         ValueError: naming the variable and the accepted range.
@@ -87,8 +90,9 @@ def lease_seconds() -> float:
         value = float(raw) if raw else DEFAULT_LEASE_S
     except ValueError:
         value = -1.0
-    if not value > 0:
-        raise ValueError(f"{ENV_LEASE_S}={raw!r}: expected seconds > 0 (default {DEFAULT_LEASE_S})")
+    if not 0 < value <= MAX_LEASE_S:  # NaN fails too
+        raise ValueError(f"{ENV_LEASE_S}={raw!r}: accepted range (0, {MAX_LEASE_S:g}] seconds "
+                         f"(default {DEFAULT_LEASE_S:g})")
     return value
 
 

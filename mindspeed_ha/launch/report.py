@@ -10,7 +10,9 @@ and the tests read them): ``phase``, ``exit_code``, ``reason``, ``iteration``,
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import time
 from typing import Iterable
@@ -98,13 +100,49 @@ def report(controller) -> dict:
     }
 
 
-def write_report(controller) -> None:
+def check_path(path: str, source: str) -> None:
+    """``path`` can be written as a report file: not a directory, in an existing writable
+    directory (checked at start-up, creating nothing).
+
+    Raises:
+        ConfigError: naming ``source`` (the variable or flag) and what is accepted.
+    """
+    from mindspeed_ha.errors import ConfigError
+
+    parent = os.path.dirname(os.path.abspath(path)) if path else ""
+    if not path or os.path.isdir(path):
+        why = "empty" if not path else "a directory"
+    elif not os.path.isdir(parent):
+        why = f"{parent!r} is not a directory"
+    elif not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        why = "not writable"
+    else:
+        return
+    raise ConfigError(f"{source}={path!r}: {why}; accepted: a file path in an existing writable directory")
+
+
+def write_report(controller) -> bool:
     """``MINDSPEED_HA_REPORT=FILE``: :func:`report` written to FILE (atomically: a
-    temporary file renamed over it); nothing when the variable is unset."""
+    temporary file renamed over it); nothing when the variable is unset.
+
+    Returns:
+        False when the file could not be written (a warning is logged; the job's exit
+        status does not change: the report is about the job, not part of it), else True.
+    """
     path = os.environ.get(ha_env.REPORT)
     if not path:
-        return
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(report(controller), f, indent=1)
-    os.replace(tmp, path)
+        return True
+    tmp, opened = f"{path}.tmp", False
+    try:
+        with open(tmp, "w") as f:
+            opened = True
+            json.dump(report(controller), f, indent=1)
+        os.replace(tmp, path)
+    except OSError as exc:
+        if opened:  # ours and partial (e.g. ENOSPC)
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+        logging.getLogger("mindspeed_ha.launcher").warning("%s=%s: the report could not be written (%s); the job's "
+                                                           "exit status is unchanged", ha_env.REPORT, path, exc)
+        return False
+    return True

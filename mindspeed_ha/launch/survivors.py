@@ -8,7 +8,8 @@
   workers still running.
 * ``_terminate_process_handler`` (:func:`on_termination_signal`): the first SIGTERM or
   SIGINT starts a graceful stop (the controller's, or the local workers' on a node without
-  it) instead of torchrun's kill.
+  it) instead of torchrun's kill; the next one torchrun's shutdown; any later one SIGKILLs
+  every descendant at once (installed without the HA flag too, :func:`install_signals`).
 
 Both patches read the one :class:`Survivors` that :func:`install` made current; they are
 installed once per process (``mindspeed-ha-run`` only, never in a worker).
@@ -117,20 +118,38 @@ class Survivors:
 
 _current: Optional[Survivors] = None
 _installed = False
+_signals_installed = False
+#: the signal that began torchrun's shutdown (SignalException raised), or None
+shutdown_signal: Optional[int] = None
 
 
 def install(state: Survivors) -> None:
     """Make ``state`` the one the torchrun patches act on, patching torchrun's
-    ``SubprocessContext._poll`` and ``_terminate_process_handler`` on the first call."""
+    ``SubprocessContext._poll`` (and ``_terminate_process_handler``, :func:`install_signals`)
+    on the first call."""
     global _current, _installed
     _current = state
+    install_signals()
     if _installed:
         return
     wrapt.wrap_function_wrapper("torch.distributed.elastic.multiprocessing.api", "SubprocessContext._poll",
                                 poll_lets_survivors_finish)
-    wrapt.wrap_function_wrapper("torch.distributed.elastic.multiprocessing.api", "_terminate_process_handler",
-                                on_termination_signal)
     _installed = True
+
+
+def install_signals() -> None:
+    """Patch torchrun's ``_terminate_process_handler`` (once) and make it this process's
+    SIGTERM / SIGINT handler now, so a signal before the workers start (torchrun registers
+    its handler only when it starts them) ends the launcher the same way."""
+    global _signals_installed
+    if not _signals_installed:
+        wrapt.wrap_function_wrapper("torch.distributed.elastic.multiprocessing.api", "_terminate_process_handler",
+                                    on_termination_signal)
+        _signals_installed = True
+    import torch.distributed.elastic.multiprocessing.api as mp_api
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, mp_api._terminate_process_handler)
 
 
 def say(text: str) -> None:
@@ -143,16 +162,36 @@ def say(text: str) -> None:
 
 def on_termination_signal(wrapped, instance, args, kwargs):
     """torchrun's handler for SIGTERM/SIGINT/SIGHUP/SIGQUIT, which raises ``SignalException``
-    (its shutdown: SIGTERM to every worker, SIGKILL 30 s later). The first SIGTERM or
-    SIGINT once workers run starts a graceful stop instead and returns; anything else,
-    or a second signal, goes to torchrun."""
+    (its shutdown: SIGTERM to every worker, SIGKILL ``shutdown_timeout`` (30 s) later).
+
+    * The first SIGTERM or SIGINT once workers run, with the HA flag, starts a graceful stop
+      instead and returns.
+    * Otherwise the first signal (or the second, after a graceful stop began) goes to
+      torchrun: its shutdown.
+    * Any signal once torchrun's shutdown began ends every descendant at once (SIGKILL,
+      :func:`mindspeed_ha.launch.proctree.end_tree`) and returns: raised again, it would
+      break off torchrun's shutdown between its SIGTERM and its SIGKILL and leave the
+      workers running when the launcher exits.
+    """
+    global shutdown_signal
     signum = args[0]
+    name = signal.Signals(signum).name
+    if shutdown_signal is not None:
+        from mindspeed_ha.launch import proctree
+
+        say(f"{name} during the shutdown: SIGKILL to every worker")
+        left = proctree.end_tree()
+        if left:
+            say(f"processes {left} still there after SIGKILL (uninterruptible sleep?)")
+        return None
     state = _current
     if (state is None or state.pcontext is None or state.stop_at is not None
             or signum not in (signal.SIGTERM, signal.SIGINT)):
+        shutdown_signal = signum
+        say(f"{name}: stopping every worker (torchrun's shutdown: SIGTERM, SIGKILL after its shutdown timeout; "
+            "another signal: SIGKILL now)")
         return wrapped(*args, **kwargs)
     state.stop_at, state.stop_signal = time.monotonic(), signum
-    name = signal.Signals(signum).name
     if state.controller is not None:
         state.controller.request_stop(f"{name} to the launcher (pid {os.getpid()})")
         say(f"{name}: graceful stop: every rank finishes its iteration, then the checkpoint of the last one "

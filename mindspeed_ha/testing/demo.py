@@ -343,6 +343,22 @@ def check_options(ns) -> Optional[str]:
     """What is wrong with the demo's options (the message for exit status 2), or None.
     Sets ``ns.kill_point`` to the fault's default point when not given."""
     fault, reboot = ns.fault, ns.reboot
+    for flag, value, least in (("--nproc", ns.nproc, 2), ("--train-iters", ns.train_iters, 1),
+                               ("--tensor-model-parallel-size", ns.tensor_model_parallel_size, 1),
+                               ("--pipeline-model-parallel-size", ns.pipeline_model_parallel_size, 1)):
+        if value < least:
+            return f"{flag}={value}: accepted integers >= {least}"
+    if ns.nproc % (ns.tensor_model_parallel_size * ns.pipeline_model_parallel_size):
+        return (f"--nproc={ns.nproc}: accepted multiples of --tensor-model-parallel-size x "
+                f"--pipeline-model-parallel-size = {ns.tensor_model_parallel_size * ns.pipeline_model_parallel_size}")
+    if ns.report:
+        from mindspeed_ha.errors import ConfigError
+        from mindspeed_ha.launch.report import check_path
+
+        try:
+            check_path(ns.report, "--report")
+        except ConfigError as exc:
+            return str(exc)
     if reboot and fault != "kill":
         return (f"--reboot goes with --fault kill only (got --fault {fault}): a {fault} fault is recovered in the "
                 "running processes, nothing is restarted")
@@ -361,24 +377,53 @@ def check_options(ns) -> Optional[str]:
     return None
 
 
-def _end_on_sigterm() -> None:
-    """SIGTERM ends the demo like Ctrl-C: the run in progress (its own process group) is
-    killed by the harness on the way out, nothing is left running."""
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM to the demo; ``signum`` is the signal's number."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+def _end_on_signal():
+    """SIGINT and SIGTERM end the demo at once: the first one SIGKILLs every process this
+    one started (the launcher of the run in progress and its workers, which live in sessions
+    of their own: :func:`mindspeed_ha.launch.proctree.end_tree`) and raises
+    :class:`Interrupted`; later ones are ignored (the demo is ending). Returns what restores
+    the previous handlers (nothing is installed off the main thread)."""
     import signal
+    import threading
 
-    def on_term(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    from mindspeed_ha.launch import proctree
 
+    def on_signal(signum, frame):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        proctree.end_tree()
+        raise Interrupted(signum)
+
+    saved = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    return lambda: [signal.signal(sig, handler) for sig, handler in saved.items()]
+
+
+def _write_report(path: str, summary: dict) -> None:
+    """``--report``: the summary as JSON; a write failure is a warning (the demo's exit
+    status stays what the runs gave)."""
     try:
-        signal.signal(signal.SIGTERM, on_term)
-    except ValueError:  # not the main thread (tests calling run_demo): leave the default
-        pass
+        with open(path, "w") as f:
+            json.dump(summary, f, indent=1)
+    except OSError as exc:
+        print(f"mindspeed-ha demo: warning: --report {path!r} could not be written: {exc}", file=sys.stderr)
 
 
 def run_demo(ns) -> int:
     """``mindspeed-ha demo`` (the options of :mod:`mindspeed_ha.cli`). Returns the exit
-    status: 0 survived, 1 not, 2 bad options. ``--report``: the summary as JSON, written
-    whatever happens; ``--workdir``: kept, else a temporary directory removed at the end."""
+    status: 0 survived, 1 not, 2 bad options (one line naming the option, before anything
+    starts), 128 + the signal's number when SIGINT or SIGTERM ended it (every process it
+    started ended too). ``--report``: the summary as JSON, written whatever happens (a write
+    failure is a warning); ``--workdir``: kept, else a temporary directory removed at the end."""
     from mindspeed_ha.testing.harness import launcher_command
 
     ns.fault = getattr(ns, "fault", "kill")
@@ -387,7 +432,7 @@ def run_demo(ns) -> int:
     if problem is not None:
         print(problem, file=sys.stderr)
         return 2
-    _end_on_sigterm()
+    restore = _end_on_signal()
     keep = ns.workdir is not None
     workdir = os.path.abspath(ns.workdir) if keep else tempfile.mkdtemp(prefix="mindspeed-ha-demo-")
     os.makedirs(workdir, exist_ok=True)
@@ -396,9 +441,14 @@ def run_demo(ns) -> int:
     summary = _in_place_summary(ns) if in_place else _dying_summary(ns)
     try:
         return run_in_place(job, summary) if in_place else run_dying_checkpoint(job, summary)
+    except Interrupted as exc:
+        print(f"mindspeed-ha demo: interrupted by signal {exc.signum}: every process it started was ended",
+              file=sys.stderr)
+        summary["interrupted_by_signal"] = exc.signum
+        return 128 + exc.signum
     finally:
         if ns.report:
-            with open(ns.report, "w") as f:
-                json.dump(summary, f, indent=1)
+            _write_report(ns.report, summary)
         if not keep:
             shutil.rmtree(workdir, ignore_errors=True)
+        restore()

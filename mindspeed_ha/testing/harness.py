@@ -140,7 +140,8 @@ def launch(nproc: int, train_args: Sequence[str], *, env: Optional[Mapping[str, 
         launcher: command prefix; default :func:`torchrun_command` (``nproc``). Any
             command that accepts ``-m module args...`` works (e.g. ``mindspeed-ha-run``).
         env: extra environment (``OMP_NUM_THREADS=1`` is set unless given).
-        timeout_s: the whole process group is SIGKILLed after this; ``timed_out`` set.
+        timeout_s: the launcher and every process under it are SIGKILLed after this (also when
+            the wait is interrupted, e.g. by KeyboardInterrupt); ``timed_out`` set.
         loss_log: path for ``--loss-log`` (default: a new file in a temp dir; an existing
             file is truncated first so only this run's lines are read).
     """
@@ -171,7 +172,7 @@ def launch(nproc: int, train_args: Sequence[str], *, env: Optional[Mapping[str, 
             out, err = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             timed_out = True
-            _kill_group(proc.pid)
+            _end_run(proc.pid)
             try:
                 out, err = proc.communicate(timeout=_DRAIN_S)
             except subprocess.TimeoutExpired:  # a process outside the group holds the pipes open
@@ -181,8 +182,8 @@ def launch(nproc: int, train_args: Sequence[str], *, env: Optional[Mapping[str, 
                 proc.wait()
                 out, err = "", f"(output lost: the pipes stayed open {_DRAIN_S} s after the kill)"
         finally:
-            if proc.poll() is None:
-                _kill_group(proc.pid)
+            if proc.poll() is None:  # interrupted (KeyboardInterrupt, ...): the launcher and its workers
+                _end_run(proc.pid)
                 proc.wait()
         _kill_group(proc.pid)  # stragglers that outlived the launcher
         grad_norms: Dict[int, str] = {}
@@ -199,6 +200,15 @@ def launch(nproc: int, train_args: Sequence[str], *, env: Optional[Mapping[str, 
 
 #: seconds to drain the pipes after the process group was killed on timeout
 _DRAIN_S = 30
+
+
+def _end_run(pid: int) -> None:
+    """SIGKILL the launcher ``pid`` and every process under it (its workers run in sessions of
+    their own, out of reach of a signal to its process group)."""
+    from mindspeed_ha.launch.proctree import end_tree
+
+    end_tree(pid, include_root=True)
+    _kill_group(pid)
 
 
 def _kill_group(pgid: int) -> None:
