@@ -81,13 +81,13 @@ from typing import Dict, Optional
 from mindspeed_ha import env as ha_env
 from mindspeed_ha import faults
 from mindspeed_ha.errors import ConfigError
-from mindspeed_ha.launch import proctree, report, standby, survivors
+from mindspeed_ha.launch import checks, proctree, report, standby, survivors
 from mindspeed_ha.launch.survivors import EXIT_MARGIN_S, Survivors
 
 log = logging.getLogger("mindspeed_ha.launcher")
 
 #: seconds the survivors of a failure get to finish the dying checkpoint (default 600)
-ENV_GRACE = ha_env.DYING_GRACE_S
+ENV_GRACE = checks.ENV_GRACE
 
 _DESCRIPTION = (
     "mindspeed-ha launcher: torchrun's arguments and behaviour, plus, when the training "
@@ -120,78 +120,6 @@ def ha_args(script_args):
     return ns
 
 
-#: the longest grace for the dying checkpoint, seconds (a day)
-MAX_GRACE_S = 86400.0
-#: ``MINDSPEED_HA_LOG``: the ``logging`` level names (any case); the first five are the usual ones
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL", "WARN", "FATAL", "NOTSET")
-
-
-def _grace_s() -> float:
-    """``MINDSPEED_HA_DYING_GRACE_S``, seconds in (0, ``MAX_GRACE_S``], default 600.
-
-    Raises:
-        ConfigError: not a number, or out of range (NaN and inf too).
-    """
-    raw = os.environ.get(ENV_GRACE, "").strip() or "600"
-    try:
-        grace = float(raw)
-    except ValueError:
-        grace = -1.0
-    if not 0 < grace <= MAX_GRACE_S:  # NaN fails too
-        raise ConfigError(f"{ENV_GRACE}={raw!r}: accepted range (0, {MAX_GRACE_S:.0f}] seconds (default 600)")
-    return grace
-
-
-def _log_level() -> str:
-    """``MINDSPEED_HA_LOG``, a ``logging`` level name, default INFO.
-
-    Raises:
-        ConfigError: not one of :data:`LOG_LEVELS`.
-    """
-    raw = os.environ.get(ha_env.LOG, "").strip()
-    if not raw:
-        return "INFO"
-    if raw.upper() not in LOG_LEVELS:
-        raise ConfigError(f"{ha_env.LOG}={raw!r}: accepted {'|'.join(LOG_LEVELS[:5])} (any case; default INFO)")
-    return raw.upper()
-
-
-def _check_switch(name: str) -> None:
-    raw = os.environ.get(name, "").strip()
-    if raw not in ("", "0", "1"):
-        raise ConfigError(f"{name}={raw!r}: accepted 0 or 1 (unset: 0)")
-
-
-def _check_env() -> None:
-    """The launcher's own environment variables, checked before torch is imported and before
-    anything starts (the HA job settings of ``HAConfig`` follow in :func:`_check_before_start`).
-
-    Raises:
-        ConfigError: naming the variable and the accepted values.
-    """
-    from mindspeed_ha.control.lease import lease_seconds
-    from mindspeed_ha.patches.registry import check_disabled
-
-    _log_level()
-    _grace_s()
-    if os.environ.get(ha_env.REPORT):
-        report.check_path(os.environ[ha_env.REPORT], ha_env.REPORT)
-    try:
-        lease_seconds()
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    _check_switch(ha_env.WARM_SPARES)
-    _check_switch(ha_env.CPU_BACKEND)
-    check_disabled()
-    if os.environ.get(ha_env.INJECT):  # a bad test spec: say so once, before 4 tracebacks
-        from mindspeed_ha.faultspec import parse_env
-
-        try:
-            parse_env(os.environ[ha_env.INJECT])
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-
-
 def _check_before_start(targs, ns) -> None:
     """Everything about the HA job that can be checked before a worker starts (nothing can
     be lost yet).
@@ -204,23 +132,7 @@ def _check_before_start(targs, ns) -> None:
     validate_ha_args(ns, _world_size(targs), ns.tensor_model_parallel_size,
                      ns.pipeline_model_parallel_size, ns.context_parallel_size)
     if ns.save:
-        _check_save_writable(ns.save)
-
-
-def _check_save_writable(save: str) -> None:
-    """--save must be a directory we can create or write, checked without creating it.
-
-    Raises:
-        ConfigError: naming --save.
-    """
-    path = os.path.abspath(save)
-    while not os.path.exists(path):
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(f"--save {save!r} is not a writable directory ({path!r} is not a writable directory)")
+        checks.check_save_writable(ns.save)
 
 
 def _is_local_address(addr: str) -> bool:
@@ -234,60 +146,11 @@ def _is_local_address(addr: str) -> bool:
 
 
 def _nnodes(targs) -> int:
-    """The most nodes of ``--nnodes`` (``N`` or ``MIN:MAX``; checked by :func:`_check_torchrun_args`)."""
-    return int(str(targs.nnodes).split(":")[-1])
-
-
-def _nproc(targs) -> int:
-    """``--nproc-per-node`` as a number (torchrun's reading of ``auto``/``cpu``/``gpu``/...).
-
-    Raises:
-        ConfigError: neither an integer >= 1 nor a device name torch resolves here.
-    """
-    from torch.distributed.run import determine_local_world_size
-
-    raw = targs.nproc_per_node
-    try:
-        n = int(determine_local_world_size(str(raw)))
-    except (ValueError, RuntimeError) as exc:
-        raise ConfigError(f"--nproc-per-node={raw!r}: accepted an integer >= 1, or auto|cpu|gpu|xpu ({exc})") from None
-    if n < 1:
-        raise ConfigError(f"--nproc-per-node={raw!r}: accepted an integer >= 1, or auto|cpu|gpu|xpu")
-    return n
+    return checks.nnodes(targs)
 
 
 def _world_size(targs) -> int:
-    return _nnodes(targs) * _nproc(targs)
-
-
-def _check_torchrun_args(targs) -> None:
-    """torchrun's numeric flags, which torchrun itself reads with a traceback or not at all:
-    ``--nnodes`` (``N`` or ``MIN:MAX``, 1 <= MIN <= MAX), ``--nproc-per-node``,
-    ``--node-rank`` (0 <= rank < nodes), ``--master-port`` (0..65535), ``--max-restarts``
-    (>= 0), ``--monitor-interval`` (finite seconds > 0).
-
-    Raises:
-        ConfigError: naming the flag and the accepted range.
-    """
-    import math
-
-    parts = str(targs.nnodes).split(":")
-    try:
-        lo, hi = (int(parts[0]), int(parts[-1])) if len(parts) in (1, 2) else (0, 0)
-    except ValueError:
-        lo = hi = 0
-    if not 1 <= lo <= hi:
-        raise ConfigError(f"--nnodes={targs.nnodes!r}: accepted N or MIN:MAX, integers with 1 <= MIN <= MAX")
-    _nproc(targs)
-    if not 0 <= int(targs.node_rank) < hi:
-        raise ConfigError(f"--node-rank={targs.node_rank}: accepted range 0..{hi - 1} (--nnodes {targs.nnodes})")
-    if targs.master_port is not None and not 0 <= int(targs.master_port) <= 65535:
-        raise ConfigError(f"--master-port={targs.master_port}: accepted range 0..65535")
-    if int(targs.max_restarts) < 0:
-        raise ConfigError(f"--max-restarts={targs.max_restarts}: accepted integers >= 0")
-    interval = float(targs.monitor_interval)
-    if not (math.isfinite(interval) and interval > 0):
-        raise ConfigError(f"--monitor-interval={targs.monitor_interval}: accepted finite seconds > 0")
+    return checks.nnodes(targs) * checks.nproc(targs)
 
 
 def _parse(argv):
@@ -296,7 +159,7 @@ def _parse(argv):
     (the error printed) when the training script does not exist.
 
     Raises:
-        ConfigError: a numeric torchrun flag out of range (:func:`_check_torchrun_args`).
+        ConfigError: a numeric torchrun flag out of range (:func:`mindspeed_ha.launch.checks.check_torchrun_args`).
     """
     from torch.distributed.run import get_args_parser
 
@@ -304,7 +167,7 @@ def _parse(argv):
     parser.prog = "mindspeed-ha-run"
     parser.description = _DESCRIPTION
     targs = parser.parse_args(argv)
-    _check_torchrun_args(targs)
+    checks.check_torchrun_args(targs)
     ns = ha_args(targs.training_script_args)
     if not targs.module and not targs.no_python and not os.path.isfile(targs.training_script):
         print(f"mindspeed-ha-run: error: training script {targs.training_script!r} not found",
@@ -387,7 +250,7 @@ def _start_control_plane(targs, ns) -> _ControlPlane:
 
 
 def _survivors(plane: _ControlPlane, targs) -> Survivors:
-    state = Survivors(plane.controller, _grace_s(), plane.config.preemption_deadline_s, link=plane.link)
+    state = Survivors(plane.controller, checks.grace_s(), plane.config.preemption_deadline_s, link=plane.link)
     state.lease = plane.lease
     if plane.lease is not None:
         from mindspeed_ha.control.agent_link import node_link
@@ -532,8 +395,8 @@ def main(argv=None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        level = _log_level()
-        _check_env()
+        level = checks.log_level()
+        checks.check_env()
     except ConfigError as exc:  # before torch is even imported: nothing started
         print(f"mindspeed-ha-run: error: {exc}", file=sys.stderr, flush=True)
         return 2
@@ -561,6 +424,8 @@ def main(argv=None) -> int:
             left = proctree.end_tree()
             if left:
                 survivors.say(f"processes {left} still there after SIGKILL (uninterruptible sleep?)")
+            for sig in (signal.SIGTERM, signal.SIGINT):  # ending anyway: the exit status stays 128 + signal
+                signal.signal(sig, signal.SIG_IGN)
 
 
 def _launch(argv, targs, ns) -> int:

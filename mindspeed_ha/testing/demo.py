@@ -377,19 +377,11 @@ def check_options(ns) -> Optional[str]:
     return None
 
 
-class Interrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM to the demo; ``signum`` is the signal's number."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"signal {signum}")
-        self.signum = signum
-
-
 def _end_on_signal():
     """SIGINT and SIGTERM end the demo at once: the first one SIGKILLs every process this
     one started (the launcher of the run in progress and its workers, which live in sessions
     of their own: :func:`mindspeed_ha.launch.proctree.end_tree`) and raises
-    :class:`Interrupted`; later ones are ignored (the demo is ending). Returns what restores
+    ``KeyboardInterrupt(signum)``; later ones are ignored (the demo is ending). Returns what restores
     the previous handlers (nothing is installed off the main thread)."""
     import signal
     import threading
@@ -402,7 +394,7 @@ def _end_on_signal():
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
         proctree.end_tree()
-        raise Interrupted(signum)
+        raise KeyboardInterrupt(signum)
 
     saved = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     return lambda: [signal.signal(sig, handler) for sig, handler in saved.items()]
@@ -441,11 +433,12 @@ def run_demo(ns) -> int:
     summary = _in_place_summary(ns) if in_place else _dying_summary(ns)
     try:
         return run_in_place(job, summary) if in_place else run_dying_checkpoint(job, summary)
-    except Interrupted as exc:
-        print(f"mindspeed-ha demo: interrupted by signal {exc.signum}: every process it started was ended",
+    except KeyboardInterrupt as exc:
+        signum = exc.args[0] if exc.args and isinstance(exc.args[0], int) else 2  # 2: SIGINT (Ctrl-C)
+        print(f"mindspeed-ha demo: interrupted by signal {signum}: every process it started was ended",
               file=sys.stderr)
-        summary["interrupted_by_signal"] = exc.signum
-        return 128 + exc.signum
+        summary["interrupted_by_signal"] = signum
+        return 128 + signum
     finally:
         if ns.report:
             _write_report(ns.report, summary)
