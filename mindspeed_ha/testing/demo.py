@@ -391,13 +391,17 @@ def _end_on_signal():
     from mindspeed_ha.launch import proctree
 
     def on_signal(signum, frame):
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
+        for sig in (signal.SIGINT, signal.SIGTERM):  # not SIG_IGN: one already caught would print a warning
+            signal.signal(sig, _ignore)
         proctree.end_tree()
         raise KeyboardInterrupt(signum)
 
     saved = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     return lambda: [signal.signal(sig, handler) for sig, handler in saved.items()]
+
+
+def _ignore(signum, frame) -> None:
+    """A signal after the first: the demo is ending already."""
 
 
 def _write_report(path: str, summary: dict) -> None:

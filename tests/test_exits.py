@@ -1,0 +1,147 @@
+"""Clean exits: SIGINT / SIGTERM to the demo or to ``mindspeed-ha-run``, also repeated, leave no
+process behind (issue 21: Ctrl-C to the demo left its 4 workers running, orphaned to init).
+
+Every descendant is read with psutil once the workers exist (polled: an observable state),
+before the signals; afterwards none may still run. Whatever a failing test leaves is SIGKILLed.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+POLL_S = 0.05  # polling observable state (processes, a file), never a synchronisation sleep
+
+
+def _wait_for(what, predicate, proc, timeout_s):
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        assert proc.poll() is None, f"exited ({proc.returncode}) before {what}"
+        time.sleep(POLL_S)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _descendants(pid):
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _workers(pid, marker, n):
+    """The descendants of ``pid`` whose command line contains ``marker``, once there are ``n``."""
+    found = []
+    for p in _descendants(pid):
+        try:
+            if any(marker in part for part in p.cmdline()):
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found if len(found) >= n else None
+
+
+def _running(procs):
+    alive = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+        except psutil.NoSuchProcess:
+            continue
+    return alive
+
+
+def _kill_all(procs):
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+
+
+@pytest.mark.timeout(300)
+def test_demo_sigint_twice_then_sigterm_leaves_no_process(tmp_path):
+    """``mindspeed-ha demo``: once its 4 workers exist, SIGINT, SIGINT, SIGTERM back to back.
+    The demo exits 130 (the first signal) and none of its descendants (the launcher, the
+    workers in their own sessions) survives. On the code before the fix the 4 workers kept
+    running."""
+    proc = subprocess.Popen([sys.executable, "-m", "mindspeed_ha.cli", "demo", "--train-iters", "4",
+                             "--kill-iteration", "2", "--workdir", str(tmp_path / "work")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    tree = []
+    try:
+        _wait_for("the 4 workers", lambda: _workers(proc.pid, "mindspeed_ha.boot", 4), proc, 240)
+        tree = _descendants(proc.pid)
+        for sig in (signal.SIGINT, signal.SIGINT, signal.SIGTERM):
+            os.kill(proc.pid, sig)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 130, out[-3000:]
+        assert "interrupted by signal 2" in out and "Traceback" not in out, out[-3000:]
+        _wait_for_gone(tree)
+    finally:
+        _kill_all(tree)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def _wait_for_gone(tree):
+    """Every process of ``tree`` gone or a zombie; a killed process can take a moment to be
+    reaped by its new parent, so this polls (bounded) before it names the survivors."""
+    end = time.monotonic() + 10
+    alive = _running(tree)
+    while alive and time.monotonic() < end:
+        time.sleep(POLL_S)
+        alive = _running(alive)
+    assert not alive, [(p.pid, p.cmdline()) for p in alive]
+
+
+WORKER = """
+import os, signal, sys
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a worker that does not stop on torchrun's SIGTERM
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+open(os.path.join(sys.argv[1], "ready." + os.environ["LOCAL_RANK"]), "w").close()
+while True:
+    signal.pause()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_launcher_second_signal_ends_workers_that_ignore_sigterm(tmp_path):
+    """``mindspeed-ha-run`` (no HA flag: torchrun's path, workers import nothing) with 2 workers
+    that ignore SIGTERM and SIGINT. The first SIGTERM begins torchrun's shutdown (SIGTERM to
+    the workers, SIGKILL 30 s later); the second SIGKILLs every descendant now. The launcher
+    exits 143 and leaves nothing. Before the fix the second signal broke torchrun's shutdown
+    off between its SIGTERM and its SIGKILL and the launcher exited, the workers still running."""
+    script = tmp_path / "stubborn.py"
+    script.write_text(WORKER)
+    err_path = tmp_path / "launcher.err"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "mindspeed_ha.launcher", "--standalone", "--nproc-per-node",
+                                 "2", "--log-dir", str(tmp_path / "logs"), str(script), str(tmp_path)],
+                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    tree = []
+    try:
+        _wait_for("both workers ready", lambda: all((tmp_path / f"ready.{r}").exists() for r in (0, 1)), proc, 100)
+        tree = _descendants(proc.pid)
+        assert len(_workers(proc.pid, str(script), 2)) == 2
+        os.kill(proc.pid, signal.SIGTERM)
+        _wait_for("torchrun's shutdown", lambda: "stopping every worker" in err_path.read_text(), proc, 30)
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(60) == 128 + signal.SIGTERM, err_path.read_text()[-3000:]
+        text = err_path.read_text()
+        assert "SIGTERM during the shutdown: SIGKILL to every worker" in text and "Traceback" not in text, text[-3000:]
+        _wait_for_gone(tree)
+    finally:
+        _kill_all(tree)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
