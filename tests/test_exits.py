@@ -83,9 +83,9 @@ def test_demo_sigint_twice_then_sigterm_leaves_no_process(tmp_path):
         for sig in (signal.SIGINT, signal.SIGINT, signal.SIGTERM):
             os.kill(proc.pid, sig)
         out, _ = proc.communicate(timeout=60)
+        _wait_for_gone(tree)
         assert proc.returncode == 130, out[-3000:]
         assert "interrupted by signal 2" in out and "Traceback" not in out, out[-3000:]
-        _wait_for_gone(tree)
     finally:
         _kill_all(tree)
         if proc.poll() is None:
@@ -106,21 +106,44 @@ def _wait_for_gone(tree):
 
 WORKER = """
 import os, signal, sys
-signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a worker that does not stop on torchrun's SIGTERM
-signal.signal(signal.SIGINT, signal.SIG_IGN)
+def note(signum, frame):  # a worker that does not stop on torchrun's SIGTERM: it only notes it
+    open(os.path.join(sys.argv[1], "signalled." + os.environ["LOCAL_RANK"]), "w").close()
+signal.signal(signal.SIGTERM, note)
+signal.signal(signal.SIGINT, note)
 open(os.path.join(sys.argv[1], "ready." + os.environ["LOCAL_RANK"]), "w").close()
 while True:
     signal.pause()
 """
 
 
+def _signal_until_exit(proc, tmp_path, limit):
+    """SIGTERM to the launcher, each time once its effect is seen (every worker noted a
+    signal again: torchrun's shutdown SIGTERMed them) or the launcher ended; at most
+    ``limit`` signals. Returns how many were sent."""
+    for sent in range(1, limit + 1):
+        for r in (0, 1):
+            (tmp_path / f"signalled.{r}").unlink(missing_ok=True)
+        os.kill(proc.pid, signal.SIGTERM)
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            if proc.poll() is not None:
+                return sent
+            if all((tmp_path / f"signalled.{r}").exists() for r in (0, 1)):
+                break
+            time.sleep(POLL_S)
+        else:
+            raise AssertionError("neither the launcher's end nor torchrun's SIGTERM to the workers")
+    return limit
+
+
 @pytest.mark.timeout(120)
-def test_launcher_second_signal_ends_workers_that_ignore_sigterm(tmp_path):
+def test_launcher_repeated_sigterm_ends_workers_that_ignore_it(tmp_path):
     """``mindspeed-ha-run`` (no HA flag: torchrun's path, workers import nothing) with 2 workers
-    that ignore SIGTERM and SIGINT. The first SIGTERM begins torchrun's shutdown (SIGTERM to
-    the workers, SIGKILL 30 s later); the second SIGKILLs every descendant now. The launcher
-    exits 143 and leaves nothing. Before the fix the second signal broke torchrun's shutdown
-    off between its SIGTERM and its SIGKILL and the launcher exited, the workers still running."""
+    that only note SIGTERM and SIGINT. SIGTERM, then again each time it took effect: the first
+    begins torchrun's shutdown (SIGTERM to the workers, SIGKILL 30 s later), the second
+    SIGKILLs every descendant now; the launcher exits 143 and leaves nothing. Before the fix,
+    torchrun's shutdown ran again after the second signal and the third broke it off between
+    its SIGTERM and its SIGKILL: the launcher exited with a traceback, the workers still running."""
     script = tmp_path / "stubborn.py"
     script.write_text(WORKER)
     err_path = tmp_path / "launcher.err"
@@ -133,13 +156,12 @@ def test_launcher_second_signal_ends_workers_that_ignore_sigterm(tmp_path):
         _wait_for("both workers ready", lambda: all((tmp_path / f"ready.{r}").exists() for r in (0, 1)), proc, 100)
         tree = _descendants(proc.pid)
         assert len(_workers(proc.pid, str(script), 2)) == 2
-        os.kill(proc.pid, signal.SIGTERM)
-        _wait_for("torchrun's shutdown", lambda: "stopping every worker" in err_path.read_text(), proc, 30)
-        os.kill(proc.pid, signal.SIGTERM)
-        assert proc.wait(60) == 128 + signal.SIGTERM, err_path.read_text()[-3000:]
-        text = err_path.read_text()
-        assert "SIGTERM during the shutdown: SIGKILL to every worker" in text and "Traceback" not in text, text[-3000:]
+        sent = _signal_until_exit(proc, tmp_path, 3)
+        code = proc.wait(60)
         _wait_for_gone(tree)
+        text = err_path.read_text()
+        assert (sent, code) == (2, 128 + signal.SIGTERM), text[-3000:]
+        assert "SIGTERM during the shutdown: SIGKILL to every worker" in text and "Traceback" not in text, text[-3000:]
     finally:
         _kill_all(tree)
         if proc.poll() is None:
