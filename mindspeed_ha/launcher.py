@@ -396,7 +396,8 @@ def main(argv=None) -> int:
     with the HA flag the first one starts a graceful stop; the next one (the first without
     the flag) torchrun's shutdown; any later one SIGKILLs every descendant at once. This
     process is a child subreaper (:func:`mindspeed_ha.launch.proctree.become_subreaper`)
-    and, once a signal stopped the job, ends whatever is left of its tree before it exits.
+    and, after a signal (a graceful stop too), ends whatever is left of its tree before it
+    exits.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -425,11 +426,11 @@ def main(argv=None) -> int:
         survivors.say(f"stopped by {exc.sigval.name} (exit {128 + int(exc.sigval)})")
         return 128 + int(exc.sigval)
     finally:
-        if survivors.shutdown_signal is not None:
+        if survivors.signalled():  # whatever a worker left behind (it runs in a session of its own)
             left = proctree.end_tree()
             if left:
                 survivors.say(f"processes {left} still there after SIGKILL (uninterruptible sleep?)")
-            for sig in (signal.SIGTERM, signal.SIGINT):  # ending anyway: the exit status stays 128 + signal
+            for sig in (signal.SIGTERM, signal.SIGINT):  # ending anyway: the exit status stays as it is
                 signal.signal(sig, _ignore)
 
 

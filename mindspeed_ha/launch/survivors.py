@@ -152,6 +152,11 @@ def install_signals() -> None:
         signal.signal(sig, mp_api._terminate_process_handler)
 
 
+def signalled() -> bool:
+    """Whether SIGTERM / SIGINT reached this launcher (a graceful stop or torchrun's shutdown)."""
+    return shutdown_signal is not None or (_current is not None and _current.stop_at is not None)
+
+
 def say(text: str) -> None:
     """One line to stderr without logging's locks (safe in a signal handler)."""
     try:
