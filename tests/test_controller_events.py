@@ -116,3 +116,37 @@ def test_graceful_stop_times_the_drain_and_a_fault_takes_it_over():
     timer2.applied(8.0, ActionKind.STOP_ALL, st2)  # ... but a fault takes the round over
     timer2.applied(9.0, ActionKind.EXIT, st2)
     assert timer2.timings() == {"detect": 0.5, "decide": 1.0, "verify": 2.0, "total": 1.5}
+
+
+def test_a_fault_reported_after_the_retry_answer_survives_the_resume():
+    """Found by the soak run: rank 1 answered RETRY, re-ran the step and reported a new
+    network fault before the last rank answered; RESUME erased every rank's fault, so rank 1
+    stayed parked in its fault handler and its peers blocked in a collective (gloo's 600 s
+    timeout). The fault reported after the RETRY was sent must start the next round."""
+    from mindspeed_ha.control import effects
+    from mindspeed_ha.control.policy import Decision, decide
+    from mindspeed_ha.control.state import PendingAction
+
+    clock = _Clock()
+    ctl = Controller(CFG, 2, "127.0.0.1", 0, clock=clock)
+    ctl._router = _Router()
+    st = ctl.state
+    for r in range(2):
+        codec = wire.Codec(KEY, wire.new_sender("rank", r))
+        lay = Layout(dp_rank=r, dp_size=2, replica_count=2, instance_id=r)
+        ctl._router.inbox.append((b"r%d" % r, codec.encode(wire.Register(r, 2, 1000 + r, "h", lay, "/save", "run",
+                                                                          "updated", 1))))
+    ctl._turn()
+    st.phase = Phase.RECOVERING
+    for r, at in ((0, 99.0), (1, 101.0)):  # rank 0: the fault recovered; rank 1: a new one after the RETRY
+        info = st.ranks[r]
+        info.fault, info.fault_message, info.fault_at, info.failed_at = FaultKind.NETWORK, "link", at, 99.0
+        info.last_heartbeat = clock.t
+    st.record_fault(99.0, 0, FaultKind.NETWORK, "link")
+    st.pending = PendingAction(7, ActionKind.RETRY.value, (0, 1), 100.0, {}, {0: (True, ""), 1: (True, "")})
+    effects._recovered(ctl, clock.t, Decision(ActionKind.RESUME, "recovered", None, (), Phase.RUNNING))
+    assert st.ranks[0].fault is None
+    assert st.ranks[1].fault is FaultKind.NETWORK and st.ranks[1].failed_at == 101.0
+    st.phase = Phase.RUNNING
+    d = decide(clock.t, st, CFG)
+    assert d.action is ActionKind.STOP_ALL and "rank 1 reported network fault" in d.reason, d.reason
