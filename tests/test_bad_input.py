@@ -91,3 +91,27 @@ def test_launcher_reads_flags_without_abbreviations():
 
     ns = _ha_args(["--num-layers", "4", "--enable-high-availability"])
     assert ns.num_layers_per_virtual_pipeline_stage is None
+
+
+def test_conflicting_optimizer_instances_name_both_flags(parse):
+    """HA sets Megatron's --num-distributed-optimizer-instances to the replica count; another
+    value would be overridden without a word."""
+    with pytest.raises(ConfigError, match=r"--num-distributed-optimizer-instances=4 .*--ha-replica-count"):
+        parse(["--enable-high-availability", "--num-distributed-optimizer-instances", "4"])
+    args = parse(["--enable-high-availability", "--num-distributed-optimizer-instances", "2"])
+    assert args.num_distributed_optimizer_instances == 2
+
+
+def test_custom_fsdp_with_replicas_names_flag():
+    """megatron-core's custom FSDP ignores the optimizer instances: no replicas to hold."""
+    import argparse
+
+    from mindspeed_ha.config import validate_ha_args
+
+    def ns(**kw):
+        return argparse.Namespace(enable_high_availability=True, use_distributed_optimizer=True,
+                                  use_custom_fsdp=True, **kw)
+
+    with pytest.raises(ConfigError, match=r"--use-custom-fsdp .*--ha-replica-count=2"):
+        validate_ha_args(ns(), 4, 1, 1, env={})
+    assert validate_ha_args(ns(distributed_optimizer_no_replica=True), 4, 1, 1, env={}).replica_count == 1
