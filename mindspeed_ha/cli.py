@@ -120,8 +120,10 @@ def main(argv=None) -> int:
     if ns.cmd == "patches":
         return _cmd_patches(ns)
     if ns.cmd == "soak":
+        from mindspeed_ha.launch.proctree import become_subreaper
         from mindspeed_ha.testing import soak
 
+        become_subreaper()  # as the demo's
         return soak.main(ns)
     return _cmd_demo(ns)
 

@@ -325,3 +325,14 @@ def test_demo_numeric_options(argv, needle, tmp_path):
     ns = argparse.Namespace(**dict(vars(ns), nproc=4, train_iters=4, tensor_model_parallel_size=1,
                                    pipeline_model_parallel_size=2, report=str(tmp_path / "no" / "r.json")))
     assert "--report" in (check_options(ns) or "")
+
+
+def test_soak_bad_report_path_exits_2_before_any_run(tmp_path, capsys):
+    import argparse
+
+    from mindspeed_ha.testing import soak
+
+    ns = argparse.Namespace(faults=3, seed=0, kinds="uce=1", layout="tp1pp2", workdir=None,
+                            report=str(tmp_path / "missing" / "soak.json"))
+    assert soak.main(ns) == 2
+    assert "--report=" in capsys.readouterr().out

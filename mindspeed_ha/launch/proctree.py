@@ -8,6 +8,8 @@ died is re-parented to init and keeps running. Two tools close that gap:
 * :func:`become_subreaper`: Linux ``prctl(PR_SET_CHILD_SUBREAPER)`` (linux/prctl.h: 36):
   a descendant whose parent dies is re-parented to this process instead of init, so it
   stays in this process's tree and :func:`end_tree` still finds it.
+* :func:`interrupt_on_signal`: SIGINT / SIGTERM to a command that runs jobs (the demo)
+  end its whole tree at once, then raise ``KeyboardInterrupt``.
 * :func:`end_tree`: SIGSTOP every descendant, top down, until a walk finds no new one
   (a stopped process cannot fork, so nothing is started behind the walk's back), then
   SIGKILL each of them and each one's process group (the workers lead theirs), and wait,
@@ -22,8 +24,9 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import psutil
 
@@ -121,3 +124,30 @@ def _running(p: psutil.Process) -> bool:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def _ignore(signum, frame) -> None:
+    """A signal after the first: the process is ending already (not SIG_IGN: a signal
+    already caught when the handler changes would print a warning)."""
+
+
+def interrupt_on_signal() -> Callable[[], None]:
+    """For a command that runs jobs as its children (``mindspeed-ha demo``, ``soak``): the
+    first SIGINT or SIGTERM SIGKILLs every descendant (:func:`end_tree`: the launchers and
+    their workers, which live in sessions of their own) and raises ``KeyboardInterrupt(signum)``;
+    later ones are ignored. Off the main thread nothing is installed.
+
+    Returns:
+        A function that puts the previous handlers back.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def on_signal(signum, frame):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, _ignore)
+        end_tree()
+        raise KeyboardInterrupt(signum)
+
+    saved = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    return lambda: [signal.signal(sig, handler) for sig, handler in saved.items()]

@@ -377,33 +377,6 @@ def check_options(ns) -> Optional[str]:
     return None
 
 
-def _end_on_signal():
-    """SIGINT and SIGTERM end the demo at once: the first one SIGKILLs every process this
-    one started (the launcher of the run in progress and its workers, which live in sessions
-    of their own: :func:`mindspeed_ha.launch.proctree.end_tree`) and raises
-    ``KeyboardInterrupt(signum)``; later ones are ignored (the demo is ending). Returns what restores
-    the previous handlers (nothing is installed off the main thread)."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    from mindspeed_ha.launch import proctree
-
-    def on_signal(signum, frame):
-        for sig in (signal.SIGINT, signal.SIGTERM):  # not SIG_IGN: one already caught would print a warning
-            signal.signal(sig, _ignore)
-        proctree.end_tree()
-        raise KeyboardInterrupt(signum)
-
-    saved = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    return lambda: [signal.signal(sig, handler) for sig, handler in saved.items()]
-
-
-def _ignore(signum, frame) -> None:
-    """A signal after the first: the demo is ending already."""
-
-
 def _write_report(path: str, summary: dict) -> None:
     """``--report``: the summary as JSON; a write failure is a warning (the demo's exit
     status stays what the runs gave)."""
@@ -428,7 +401,9 @@ def run_demo(ns) -> int:
     if problem is not None:
         print(problem, file=sys.stderr)
         return 2
-    restore = _end_on_signal()
+    from mindspeed_ha.launch.proctree import interrupt_on_signal
+
+    restore = interrupt_on_signal()
     keep = ns.workdir is not None
     workdir = os.path.abspath(ns.workdir) if keep else tempfile.mkdtemp(prefix="mindspeed-ha-demo-")
     os.makedirs(workdir, exist_ok=True)

@@ -35,6 +35,7 @@ import tempfile
 import time
 from typing import Dict, List, Mapping, Optional, Sequence
 
+from mindspeed_ha import env as ha_env
 from mindspeed_ha.testing import schedule as fault_schedule
 from mindspeed_ha.testing.harness import FOUR_RANK_LAYOUTS, four_rank_args, launch, launcher_command, read_jsonl
 
@@ -131,8 +132,8 @@ def run_soak(faults: int, seed: int, weights: Mapping[str, int], layout: str = "
     base = launch(4, args, launcher=launcher, timeout_s=timeout_s)
     t1 = time.monotonic()
     run = launch(4, args, launcher=launcher, timeout_s=timeout_s,
-                 env={"MINDSPEED_HA_INJECT": fault_schedule.inject_value(specs),
-                      "MINDSPEED_HA_RECOVERY_LOG": rec_log, "MINDSPEED_HA_REPORT": report_path})
+                 env={ha_env.INJECT: fault_schedule.inject_value(specs),
+                      ha_env.RECOVERY_LOG: rec_log, ha_env.REPORT: report_path})
     t2 = time.monotonic()
     with open(os.path.join(workdir, "soak_run.log"), "w") as f:
         f.write(run.stdout + run.stderr)
@@ -181,15 +182,30 @@ def ok(report: Mapping) -> bool:
 
 
 def main(ns) -> int:
-    """``mindspeed-ha soak``: exit 0 if :func:`ok`, 1 if not, 2 on bad arguments."""
+    """``mindspeed-ha soak``: exit 0 if :func:`ok`, 1 if not, 2 on bad arguments (an unwritable
+    ``--report`` too), 128 + the signal's number when SIGINT or SIGTERM ended it (and every
+    process it started)."""
+    from mindspeed_ha.launch.proctree import interrupt_on_signal
+    from mindspeed_ha.launch.report import check_path
+
     try:
         weights = parse_weights(ns.kinds)
         if ns.faults < 1:
             raise ValueError(f"--faults={ns.faults}: accepted range >= 1")
+        if ns.report:
+            check_path(ns.report, "--report")  # a ConfigError, a ValueError
     except ValueError as exc:
         print(f"mindspeed-ha soak: {exc}")
         return 2
-    report = run_soak(ns.faults, ns.seed, weights, ns.layout, ns.workdir)
+    restore = interrupt_on_signal()
+    try:
+        report = run_soak(ns.faults, ns.seed, weights, ns.layout, ns.workdir)
+    except KeyboardInterrupt as exc:  # SIGINT / SIGTERM: every process it started was ended
+        signum = exc.args[0] if exc.args and isinstance(exc.args[0], int) else 2
+        print(f"mindspeed-ha soak: interrupted by signal {signum}: every process it started was ended")
+        return 128 + signum
+    finally:
+        restore()
     print(f"soak: {report['faults']} faults {report['by_kind']} in {report['iterations']} iterations ({report['layout']}), "
           f"seed {report['seed']}: exit {report['exit']}, {report['recoveries']} recoveries "
           f"{report['recoveries_by_mode']}, {report['restarts']} restarts, losses {report['loss_match']}, "
@@ -203,6 +219,9 @@ def main(ns) -> int:
     for line in report["over_limits"]:
         print("over the limit:", line)
     if ns.report:
-        with open(ns.report, "w") as f:
-            json.dump(report, f, indent=1)
+        try:
+            with open(ns.report, "w") as f:
+                json.dump(report, f, indent=1)
+        except OSError as exc:  # a warning: the soak's verdict stands
+            print(f"mindspeed-ha soak: warning: --report {ns.report!r} could not be written: {exc}")
     return 0 if ok(report) else 1
