@@ -43,25 +43,25 @@ NO_NPU_CACHING = "PYTORCH_NO_NPU_MEMORY_CACHING"
 CONTROLLER_HOSTED = "MINDSPEED_HA_CONTROLLER_HOSTED"
 #: the incarnation of a restarted worker (0 = first start), set by the agent
 INCARNATION = "MINDSPEED_HA_INCARNATION"
-#: warm spares per node: pre-imported interpreters a restart takes over
+#: warm spares per node: pre-imported interpreters a restart takes over (0 or 1)
 WARM_SPARES = "MINDSPEED_HA_WARM_SPARES"
-#: seconds the launcher grants the survivors to write the dying checkpoint
+#: seconds the launcher grants the survivors to write the dying checkpoint ((0, 86400], default 600)
 DYING_GRACE_S = "MINDSPEED_HA_DYING_GRACE_S"
-#: path of the launcher's JSON report (outcome, recoveries, phase seconds)
+#: path of the launcher's JSON report (outcome, recoveries, phase seconds); its directory must exist
 REPORT = "MINDSPEED_HA_REPORT"
 #: parent of the controller-failover lease directories (default ``<--save>/.mindspeed_ha``)
 LEASE_ROOT = "MINDSPEED_HA_LEASE_ROOT"
 #: this job's lease directory (set by the launcher for its controllers)
 LEASE_DIR = "MINDSPEED_HA_LEASE_DIR"
-#: lease seconds of controller failover (default 10)
+#: lease seconds of controller failover ((0, 3600], default 10)
 LEASE_S = "MINDSPEED_HA_LEASE_S"
 #: this node's address for the other launchers' agent links
 NODE_ADDR = "MINDSPEED_HA_NODE_ADDR"
-#: the launcher's log level (a ``logging`` level name)
+#: the launcher's log level (a ``logging`` level name, any case; default INFO)
 LOG = "MINDSPEED_HA_LOG"
 
 # ---------------------------------------------------------------- patches and checkpoints
-#: comma-separated patch names not to apply
+#: comma-separated patch names not to apply (each one ``mindspeed-ha patches`` lists)
 DISABLE_PATCHES = "MINDSPEED_HA_DISABLE_PATCHES"
 #: "0"/"1": force the CPU backend off/on (default: on without CUDA and NPU)
 CPU_BACKEND = "MINDSPEED_HA_CPU_BACKEND"
