@@ -377,11 +377,6 @@ def _close(state: Survivors, watch: Optional[standby.Standby]) -> None:
             old.close()
 
 
-def _ignore(signum, frame) -> None:
-    """A signal while the launcher ends after a signal (not SIG_IGN: a signal already caught
-    would print a warning)."""
-
-
 def _early_signal(signum, frame):
     """SIGTERM / SIGINT before torchrun's handler is in place (no worker exists yet)."""
     raise SystemExit(128 + signum)
@@ -431,7 +426,7 @@ def main(argv=None) -> int:
             if left:
                 survivors.say(f"processes {left} still there after SIGKILL (uninterruptible sleep?)")
             for sig in (signal.SIGTERM, signal.SIGINT):  # ending anyway: the exit status stays as it is
-                signal.signal(sig, _ignore)
+                signal.signal(sig, signal.SIG_IGN)  # (a Python handler is undone while the interpreter exits)
 
 
 def _launch(argv, targs, ns) -> int:

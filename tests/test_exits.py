@@ -116,52 +116,67 @@ while True:
 """
 
 
-def _signal_until_exit(proc, tmp_path, limit):
-    """SIGTERM to the launcher, each time once its effect is seen (every worker noted a
-    signal again: torchrun's shutdown SIGTERMed them) or the launcher ended; at most
-    ``limit`` signals. Returns how many were sent."""
+def _said(err_path):
+    """The launcher's lines that say a signal began something it goes on with (a graceful
+    stop, torchrun's shutdown): the next signal may follow."""
+    text = err_path.read_text()
+    return text.count(": graceful stop") + text.count(": stopping every worker")
+
+
+def _signal_until_exit(proc, tmp_path, err_path, limit):
+    """SIGTERM to the launcher, each time once its effect is seen (:func:`_said` grew, or
+    every worker noted a signal again: torchrun's shutdown SIGTERMed them) or the launcher
+    ended; at most ``limit`` signals. Returns how many were sent."""
     for sent in range(1, limit + 1):
         for r in (0, 1):
             (tmp_path / f"signalled.{r}").unlink(missing_ok=True)
+        said = _said(err_path)
         os.kill(proc.pid, signal.SIGTERM)
         end = time.monotonic() + 60
         while time.monotonic() < end:
             if proc.poll() is not None:
                 return sent
-            if all((tmp_path / f"signalled.{r}").exists() for r in (0, 1)):
+            if _said(err_path) > said or all((tmp_path / f"signalled.{r}").exists() for r in (0, 1)):
                 break
             time.sleep(POLL_S)
         else:
-            raise AssertionError("neither the launcher's end nor torchrun's SIGTERM to the workers")
+            raise AssertionError("neither the launcher's end nor an effect of the signal")
     return limit
 
 
-@pytest.mark.timeout(120)
-def test_launcher_repeated_sigterm_ends_workers_that_ignore_it(tmp_path):
-    """``mindspeed-ha-run`` (no HA flag: torchrun's path, workers import nothing) with 2 workers
-    that only note SIGTERM and SIGINT. SIGTERM, then again each time it took effect: the first
-    begins torchrun's shutdown (SIGTERM to the workers, SIGKILL 30 s later), the second
-    SIGKILLs every descendant now; the launcher exits 143 and leaves nothing. Before the fix,
-    torchrun's shutdown ran again after the second signal and the third broke it off between
-    its SIGTERM and its SIGKILL: the launcher exited with a traceback, the workers still running."""
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("ha", [False, True], ids=["torchrun", "ha"])
+def test_launcher_repeated_sigterm_ends_workers_that_ignore_it(tmp_path, ha):
+    """``mindspeed-ha-run`` with 2 workers (a script that imports nothing and only notes
+    SIGTERM and SIGINT). SIGTERM, then again each time it took effect. torchrun's path (no
+    HA flag): the first begins torchrun's shutdown (SIGTERM to the workers, SIGKILL 30 s
+    later), the second SIGKILLs every descendant now. With the HA flag the first is the
+    graceful stop (the controller's; these workers never register), the second torchrun's
+    shutdown, the third the SIGKILL. The launcher exits 143 and leaves nothing. Before the
+    fix, torchrun's shutdown ran again after the signal that interrupted it and the next one
+    broke it off between its SIGTERM and its SIGKILL: the launcher exited with a traceback,
+    the workers still running."""
     script = tmp_path / "stubborn.py"
     script.write_text(WORKER)
     err_path = tmp_path / "launcher.err"
+    extra = ["--enable-high-availability", "--ha-controller-port", "0"] if ha else []
     with open(err_path, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "mindspeed_ha.launcher", "--standalone", "--nproc-per-node",
-                                 "2", "--log-dir", str(tmp_path / "logs"), str(script), str(tmp_path)],
+                                 "2", "--log-dir", str(tmp_path / "logs"), str(script), str(tmp_path), *extra],
                                 stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
     tree = []
     try:
         _wait_for("both workers ready", lambda: all((tmp_path / f"ready.{r}").exists() for r in (0, 1)), proc, 100)
         tree = _descendants(proc.pid)
         assert len(_workers(proc.pid, str(script), 2)) == 2
-        sent = _signal_until_exit(proc, tmp_path, 3)
+        sent = _signal_until_exit(proc, tmp_path, err_path, 4)
         code = proc.wait(60)
         _wait_for_gone(tree)
         text = err_path.read_text()
-        assert (sent, code) == (2, 128 + signal.SIGTERM), text[-3000:]
+        assert code == 128 + signal.SIGTERM, text[-3000:]
         assert "SIGTERM during the shutdown: SIGKILL to every worker" in text and "Traceback" not in text, text[-3000:]
+        graceful = "SIGTERM: graceful stop" in text
+        assert graceful <= ha and sent == 2 + graceful, (sent, text[-3000:])
     finally:
         _kill_all(tree)
         if proc.poll() is None:
