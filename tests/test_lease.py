@@ -252,3 +252,39 @@ def test_lease_files_are_private_and_never_follow_a_planted_link(tmp_path, monke
     os.symlink(d, tmp_path / "link")
     with pytest.raises(PermissionError, match="symbolic link"):
         LeaseDir(str(tmp_path / "link"), KEY).take(_term(3))
+
+
+def _listening_addresses(port):
+    """The local addresses of the LISTEN sockets on ``port`` (from /proc/net/tcp{,6})."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                addr, hex_port = local.rsplit(":", 1)
+                if state == "0A" and int(hex_port, 16) == port:
+                    found.add(addr)
+    return found
+
+
+def test_a_successor_hosts_its_rebuild_store_on_the_job_interface_only(tmp_path):
+    """The TCPStore a standby hosts when it takes over (process-group rebuilds) listens on
+    the address the job uses, not on every interface (torch's TCPStore server binds the
+    wildcard address whatever its host argument says)."""
+    import types
+
+    from mindspeed_ha.config import HAConfig
+    from mindspeed_ha.launch.standby import Standby
+
+    cfg = HAConfig(enabled=True, auth_key=KEY, controller_addr="127.0.0.1", save_dir=None)
+    me = types.SimpleNamespace(config=cfg, lease=LeaseDir(str(tmp_path / "lease"), KEY), world_size=1, node_rank=1,
+                               state=types.SimpleNamespace(controller=None, old_links=[], link=None), store=None)
+    try:
+        assert Standby._take_over(me, 1)
+        assert me.lease.current().store_port == me.store.port
+        assert _listening_addresses(me.store.port) == {"0100007F"}  # 127.0.0.1, nothing else
+        me.store.set("k", b"v")
+    finally:
+        if me.state.controller is not None:
+            me.state.controller.leadership.stop()
+            me.state.controller.stop()

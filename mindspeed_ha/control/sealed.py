@@ -38,6 +38,8 @@ import secrets
 import stat
 from typing import Optional
 
+from mindspeed_ha.errors import HAError
+
 log = logging.getLogger("mindspeed_ha.control.lease")
 
 _LABEL = b"mindspeed-ha/sealed/v1\0"
@@ -46,7 +48,7 @@ _MAC_HEX = 64
 MAX_FILE_BYTES = 16 << 20
 
 
-class SealError(ValueError):
+class SealError(HAError, ValueError):
     """A file that is not sealed with the job's key (forged, damaged, another job's)."""
 
 

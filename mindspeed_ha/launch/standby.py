@@ -144,13 +144,12 @@ class Standby(threading.Thread):
                 log.exception("controller failover: watching the lease or taking the next term failed")
 
     def _take_over(self, term: int) -> bool:
-        import torch.distributed as dist
-
         from mindspeed_ha.control.controller import Controller
+        from mindspeed_ha.launch.stores import tcp_store
 
         local = self.config.controller_addr in ("127.0.0.1", "localhost")
         host = os.environ.get(ha_env.NODE_ADDR) or ("127.0.0.1" if local else socket.gethostname())
-        store = dist.TCPStore(host, 0, None, True, datetime.timedelta(seconds=300), wait_for_workers=False)
+        store = tcp_store(host, 0, None, datetime.timedelta(seconds=300), wait_for_workers=False)  # on host only
         controller = Controller(self.config, world_size=self.world_size, bind_addr=host, port=0)
         controller.take_over(self.lease.read_roster())
         controller.rebuild_store = f"{host}:{store.port}"
