@@ -288,3 +288,52 @@ def test_a_successor_hosts_its_rebuild_store_on_the_job_interface_only(tmp_path)
         if me.state.controller is not None:
             me.state.controller.leadership.stop()
             me.state.controller.stop()
+
+
+def test_node0s_static_rendezvous_store_listens_on_the_master_address_only(tmp_path, monkeypatch):
+    """Node 0's agent hosts torchrun's static-rendezvous store (the default group's, where
+    the start-up records live) on ``--master-addr`` only; torch's own would listen on every
+    interface."""
+    import socket
+
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
+
+    from mindspeed_ha.agent import WorkerRebootAgent
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    handler = StaticTCPRendezvous("127.0.0.1", port, 0, 1, "run", 30)
+    spec = WorkerSpec(role="trainer", local_world_size=1, rdzv_handler=handler, entrypoint="python", args=())
+    monkeypatch.setattr(LocalElasticAgent, "_rendezvous", lambda self, group: None)  # torch's part: not under test
+    agent = WorkerRebootAgent(spec, DefaultLogsSpecs(log_dir=str(tmp_path)))
+    agent._rendezvous(agent._worker_group)
+    try:
+        assert handler._store is not None and handler._store.port == port
+        assert _listening_addresses(port) == {"0100007F"}
+    finally:
+        handler._store = None
+
+
+def test_a_ranks_io_thread_reading_a_malformed_lease_lives_on(tmp_path, monkeypatch):
+    """A rank's link looks into the lease directory at start-up and whenever its connection
+    is closed (to follow a new leader); a stranger's or malformed term there neither raises
+    nor redirects it."""
+    from mindspeed_ha.config import HAConfig
+    from mindspeed_ha.control.link import ControlLink
+
+    lease = LeaseDir(str(tmp_path / "lease"), KEY)
+    assert lease.take(_term(0))
+    d = tmp_path / "lease"
+    bad = dict(json.loads(_plain(5)), term="5")
+    (d / "term-5.json").write_bytes(sealed.seal(KEY, "term-5.json", json.dumps(bad).encode()))
+    (d / "term-6.json").write_bytes(json.dumps(bad | {"term": 6}).encode())  # a stranger's: no MAC
+    monkeypatch.setenv("MINDSPEED_HA_LEASE_DIR", str(d))
+    cfg = HAConfig(enabled=True, auth_key=KEY, controller_addr="127.0.0.1", save_dir=None)
+    link = ControlLink(cfg, 0, None, None, None, None, addr=None, port=None, handle=print, register_body=dict,
+                       on_lost=print, end=print)
+    assert (link.addr, link.port) == ("127.0.0.1", _term(0).port)
+    assert link._follow_leader(1e9) is False  # nothing higher than the term it follows
