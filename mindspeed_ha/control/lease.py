@@ -68,6 +68,8 @@ DEFAULT_LEASE_S = 10.0
 _TERM = re.compile(r"^term-(0|[1-9][0-9]{0,17})\.json$", re.ASCII)
 #: largest term, counter file read back, bytes
 _MAX_SMALL = 64 << 10
+#: refused files logged one line each (a directory full of forgeries writes no more)
+_MAX_REFUSED_LOGGED = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,14 +145,19 @@ class LeaseDir:
             return None if payload is None else parse(payload)
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, TypeError, KeyError, OverflowError) as exc:  # SealError is a ValueError
+        except Exception as exc:  # noqa: BLE001 - whatever lies there: a stranger's, damaged, not a file
             self._refuse(name, f"{type(exc).__name__}: {exc}")
             return None
 
     def _refuse(self, name: str, why: str) -> None:
+        """Remember (and log, for the first ``_MAX_REFUSED_LOGGED`` names) that ``name`` was refused."""
         if self.refused.get(name) != why:
+            first = name not in self.refused
             self.refused[name] = why
-            log.warning("lease directory %s: %s ignored (%s)", self.path, name, why)
+            if not first or len(self.refused) <= _MAX_REFUSED_LOGGED:
+                log.warning("lease directory %s: %s ignored (%s)", self.path, name, why)
+            elif len(self.refused) == _MAX_REFUSED_LOGGED + 1:
+                log.warning("lease directory %s: more files ignored; no further line per file", self.path)
 
     def _names(self) -> list:
         try:
