@@ -31,6 +31,7 @@ import os
 import random
 import re
 import secrets
+import select
 import signal
 import socket
 import struct
@@ -412,6 +413,15 @@ def test_a_rank_registers_while_idle_connections_hold_more_descriptors_than_the_
         s.setblocking(False)
         s.connect_ex(("127.0.0.1", port))  # completes in the kernel's backlog, or waits there
         held.append(s)
+    # the rank connects only once the port is saturated: more connections established than
+    # the controller had descriptors (accepted, or in the kernel's backlog of 100)
+    poller, connected = select.poll(), set()
+    for s in held:
+        poller.register(s, select.POLLOUT)
+    while len(connected) < soft + 50:
+        for fd, _ in poller.poll():
+            poller.unregister(fd)
+            connected.add(fd)
     p = Processor(CFG, 0, Layout(), None, port=port)
     closing.callback(p.close, None)
     p.start()  # raises ControlPlaneError without REGISTERED within connect_timeout_s (10 s)
