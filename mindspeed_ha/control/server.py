@@ -11,10 +11,12 @@ Connections that never authenticate are bounded: libzmq closes a connection whos
 handshake (ZMTP greeting, CURVE, ZAP) has not completed ``HANDSHAKE_DEADLINE_S`` after it
 was accepted (``ZMQ_HANDSHAKE_IVL``; libzmq's default is 30 s), and :meth:`open` raises
 the process's soft limit on open files to its hard limit (:func:`raise_fd_limit`), so
-idle or slow peers (measured on main: 1100 idle TCP connections against a soft limit of
-1024 left the port unable to accept a real rank and libzmq's I/O thread spinning on
-``EMFILE``) hold at most what they open within one deadline, out of the hard limit's
-descriptors, and a rank's (re)connection still gets in.
+idle or slow peers (issue 21: 1100 idle TCP connections against a soft limit of 1024 left
+the port unable to accept a real rank and libzmq's I/O thread spinning on ``EMFILE``) hold
+at most what they open within one deadline, out of the hard limit's descriptors, and a
+rank's (re)connection still gets in. Above the hard limit libzmq still retries ``accept``
+until the deadline frees descriptors (no per-source cap exists in libzmq; docs/ARCHITECTURE.md,
+"Transport").
 
 Frames are read fairly (the ROUTER reads its connections in turn); within a batch the
 frames of registered ranks are handled first; each frame is checked against its peer's
