@@ -144,8 +144,8 @@ def load(store=None, rank: Optional[int] = None) -> dict:
     try:
         blob = sealed.unseal(_job_key(), key, bytes(store.get(key)))
     except sealed.SealError as exc:
-        raise RejoinError(f"rejoin: the start-up record {key!r} in the store is refused: {exc}; someone "
-                          f"without the job's key wrote it, a rejoin of rank {rank} is impossible") from None
+        raise RejoinError(f"rejoin: the start-up record {key!r} in the store is refused: {exc}; a record "
+                          f"not sealed with the job's key is never replayed: a rejoin of rank {rank} is impossible") from None
     return decode(blob)
 
 
