@@ -337,3 +337,18 @@ def test_a_ranks_io_thread_reading_a_malformed_lease_lives_on(tmp_path, monkeypa
                        on_lost=print, end=print)
     assert (link.addr, link.port) == ("127.0.0.1", _term(0).port)
     assert link._follow_leader(1e9) is False  # nothing higher than the term it follows
+
+
+def test_a_host_name_that_resolves_to_loopback_keeps_torchs_wildcard(monkeypatch):
+    """``--master-addr node0`` where /etc/hosts maps node0 to 127.0.1.1 (Debian's default):
+    binding that address would shut the other nodes out, so such a name keeps torch's
+    wildcard (with a warning); IP literals and localhost are bound as given."""
+    import socket
+
+    from mindspeed_ha.launch import stores
+
+    real = socket.getaddrinfo
+    monkeypatch.setattr(stores.socket, "getaddrinfo", lambda name, *a, **k: (
+        [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.1.1", 0))] if name == "node0" else real(name, *a, **k)))
+    assert stores._loopback_alias("node0")
+    assert not any(map(stores._loopback_alias, ("127.0.0.1", "[::1]", "localhost", "10.0.0.1")))

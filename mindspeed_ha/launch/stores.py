@@ -13,7 +13,11 @@ what mindspeed-ha keeps in one is sealed with the job's key
 from __future__ import annotations
 
 import datetime
+import ipaddress
+import logging
 import socket
+
+log = logging.getLogger("mindspeed_ha.launcher")
 
 #: listen backlog of a hosted store (torch's own TCPStore uses the same order)
 BACKLOG = 2048
@@ -38,15 +42,41 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _loopback_alias(host: str) -> bool:
+    """True if ``host`` is a name (not an IP literal, not ``localhost``) that resolves to a
+    loopback address: binding it would shut other nodes out, where torch's wildcard does not."""
+    name = host.strip("[]")
+    try:
+        ipaddress.ip_address(name)
+        return False
+    except ValueError:
+        pass
+    if name == "localhost":
+        return False
+    try:
+        addr = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)[0][4][0]
+    except OSError:
+        return False
+    return ipaddress.ip_address(addr.split("%", 1)[0]).is_loopback
+
+
 def tcp_store(host: str, port: int, world_size, timeout: datetime.timedelta, *, wait_for_workers: bool,
               multi_tenant: bool = False):
-    """A ``torch.distributed.TCPStore`` server listening on ``host:port`` only.
+    """A ``torch.distributed.TCPStore`` server listening on ``host:port`` only (torch's
+    wildcard, with a warning, when ``host`` is a host name that resolves to a loopback
+    address here: other nodes know it by another address).
 
     Raises:
         OSError: see :func:`listening_socket`; RuntimeError: torch's store errors.
     """
     import torch.distributed as dist
 
+    if _loopback_alias(host):
+        log.warning("TCPStore on %s:%d listens on every interface: %s is a host name that resolves to a loopback "
+                    "address here (e.g. /etc/hosts' 127.0.1.1), which other nodes could not reach; pass an IP "
+                    "address to listen on that interface only", host, port, host)
+        return dist.TCPStore(host, port, world_size, True, timeout, wait_for_workers=wait_for_workers,
+                             multi_tenant=multi_tenant)
     sock = listening_socket(host, port)
     try:
         store = dist.TCPStore(host.strip("[]"), sock.getsockname()[1], world_size, True, timeout,
