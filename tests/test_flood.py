@@ -5,7 +5,9 @@ Three layers, each tested on its own and then together in a real training run:
 * transport (``control/auth.py``): CURVE with keys derived from the job's auth key, ZAP
   checking the client key. A peer without the key (no security, another key, the
   server's public key but its own client key, raw TCP garbage, huge length prefixes)
-  never gets a frame to the controller's application;
+  never gets a frame to the controller's application; a connection that never completes
+  its handshake is closed at the handshake deadline, and idle connections beyond the
+  controller's descriptor limit do not keep a rank from registering;
 * admission (``control/admission.py``): per-peer rate budgets, checked before a frame is
   authenticated, and rejection logs that write a bounded number of lines;
 * the controller's loop (``Controller._turn``): bounded batches, registered ranks'
