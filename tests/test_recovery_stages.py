@@ -234,3 +234,26 @@ def test_a_failed_rejoin_rejoins_again_with_the_controller_s_next_plan(monkeypat
     rt.rejoin_after_setup(model=None, optimizer=None, opt_param_scheduler=None)
     assert ran == [1, 2] and processor.results == [(7, False), (9, True)] and rt.recoveries == 1
     assert [w for _, _, w in processor.faults] == ["rejoin", "rejoin"]
+
+
+def test_a_skipped_update_is_reported_as_an_update_that_changed_nothing():
+    """fp16: an iteration whose inf/nan check skips the update never enters the update
+    bracket; the runtime reports UPDATING(k) then UPDATED(k) at its end (UPDATED(k-1) ->
+    UPDATED(k) directly is an illegal move that stopped every fp16 run at iteration 1)."""
+    from mindspeed_ha.control.state import OptimizerStatus, RankState
+
+    class Status:
+        def __init__(self):
+            self.state = RankState(0, OptimizerStatus.UPDATED, 0)
+
+        def begin_update(self, k):
+            self.state.transition(OptimizerStatus.UPDATING, k)
+
+        def end_update(self, k):
+            self.state.transition(OptimizerStatus.UPDATED, k)
+
+    rt = _runtime(Status())
+    rt.completed, rt.current = 0, 1
+    rt.take_snapshot(0)
+    rt.iteration_done()  # train_step returned without an update
+    assert rt.processor.state.snapshot() == (OptimizerStatus.UPDATED, 1) and rt.snapshot.iteration == 1

@@ -234,3 +234,24 @@ def test_a_host_state_of_another_optimizer_is_refused_before_anything_is_written
     t.join(60)
     assert failed and "grad scaler" in failed[0]
     assert transfer.state_digest(*late) == digest
+
+
+def test_a_rollback_puts_the_grad_scaler_back_to_the_step_s_entry(world_of_one):
+    """fp16: megatron-core updates the grad scaler in ``prepare_grads``, before the update
+    bracket; a step aborted after that (e.g. in the grad-norm all-reduce) and re-run after
+    ``rollback.clean`` must find the scaler of the step's entry, or it counts the step's
+    inf/nan check twice."""
+    from mindspeed_ha.recovery import rollback
+
+    model, optimizer = _build("fp16", True, 1234)
+    for j in range(4):
+        _step(model, optimizer, j)
+    scaler = optimizer.chained_optimizers[0].grad_scaler
+    entry = rollback.capture_grad_scalers(optimizer)
+    want = (float(scaler.scale), scaler.state_dict()["growth_tracker"], scaler.state_dict()["hysteresis_tracker"])
+    _step(model, optimizer, 4)  # the attempt: step 4 overflows, the scaler backs off
+    assert (float(scaler.scale), scaler._growth_tracker, scaler._hysteresis_tracker) != want
+    done = rollback.clean(model, optimizer, grad_scalers=entry)
+    assert "grad scalers back to the step's entry" in done
+    assert (float(scaler.scale), scaler._growth_tracker, scaler._hysteresis_tracker) == want
+    assert rollback.capture_grad_scalers(None) == [] and rollback.restore_grad_scalers(optimizer, None) == 0

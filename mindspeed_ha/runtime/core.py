@@ -213,17 +213,19 @@ class HARuntime:
 
     def begin_attempt(self) -> None:
         """An attempt at the step in progress starts: remember its RNG state (a re-run
-        after a rollback draws the same dropout masks) and the timers already running
-        (kept running by the clean-up). ~10 us."""
+        after a rollback draws the same dropout masks), the timers already running
+        (kept running by the clean-up) and the grad scalers' state (fp16: put back by the
+        clean-up). ~10 us."""
         state = self.state
         if state.rejoin_rng is not None:  # a restarted process: its holder's RNG at this step's entry
             megatron_lm.set_rng_state(state.rejoin_rng)
             state.rejoin_rng = None
         state.entry_rng = megatron_lm.collect_rng_state()
         self.step_stats = {}
-        from mindspeed_ha.recovery.rollback import started_timers
+        from mindspeed_ha.recovery.rollback import capture_grad_scalers, started_timers
 
         state.entry_timers = started_timers()
+        state.entry_scalers = capture_grad_scalers(self.ctx.optimizer if self.ctx is not None else None)
 
     def replay_iterator(self, data_iterator):
         """What ``train_step`` gets instead of ``data_iterator``: the same iterator made
@@ -302,9 +304,10 @@ class HARuntime:
         if state.catching_up is not None:
             state.catching_up = None
             state.catch_up_optimizer = None
-        if self.snapshot is None or self.snapshot.iteration != k:  # update skipped (inf/nan)
+        if self.snapshot is None or self.snapshot.iteration != k:  # update skipped (fp16: inf/nan found)
             self.take_snapshot(k)
-            if self.processor is not None:
+            if self.processor is not None:  # an update of k that changed nothing but the grad scaler
+                self.processor.begin_update(k)
                 self.processor.end_update(k)
         snap = self.snapshot
         args = self.train_args
