@@ -280,21 +280,23 @@ class WorkerRebootAgent(LocalElasticAgent):
         return pids
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
-        """torch's rendezvous; for a replacement launcher of node 0 (its workers rejoin a
-        running job, ``RestartHooks.first_incarnation`` > 0) under torchrun's static
-        rendezvous, the store it hosts is made without waiting for the other agents to
-        connect (torch 2.13 ``StaticTCPRendezvous.next_rendezvous`` creates it with
-        ``wait_for_workers`` True: the other nodes' agents connected to the lost one once
-        and never come again, so it would wait out the rendezvous timeout)."""
+        """torch's rendezvous; under torchrun's static rendezvous node 0's agent makes the
+        store torch would (torch 2.13 ``StaticTCPRendezvous.next_rendezvous``: ``TCPStore(
+        master_addr, master_port, world_size, True, timeout, multi_tenant=True)``) but
+        listening on ``--master-addr`` only, not on every interface
+        (:func:`mindspeed_ha.launch.stores.tcp_store`). For a replacement launcher of node 0
+        (its workers rejoin a running job, ``RestartHooks.first_incarnation`` > 0) it is made
+        without waiting for the other agents to connect: they connected to the lost one
+        once and never come again, so it would wait out the rendezvous timeout."""
         handler = worker_group.spec.rdzv_handler
         lws = worker_group.spec.local_world_size
         if (type(handler).__name__ == "StaticTCPRendezvous" and getattr(handler, "rank", None) == 0
-                and getattr(handler, "_store", "absent") is None
-                and any(self.hooks.first_incarnation(i) for i in range(lws))):  # node 0: ranks 0..lws-1
-            from torch.distributed import TCPStore
+                and getattr(handler, "_store", "absent") is None):  # node 0: ranks 0..lws-1
+            from mindspeed_ha.launch.stores import tcp_store
 
-            handler._store = TCPStore(handler.master_addr, handler.master_port, handler.world_size, True,
-                                      handler.timeout, multi_tenant=True, wait_for_workers=False)
+            rejoining = any(self.hooks.first_incarnation(i) for i in range(lws))
+            handler._store = tcp_store(handler.master_addr, handler.master_port, handler.world_size,
+                                       handler.timeout, multi_tenant=True, wait_for_workers=not rejoining)
         super()._rendezvous(worker_group)
 
     def _exit_barrier(self) -> None:

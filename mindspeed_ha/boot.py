@@ -15,8 +15,17 @@ import mindspeed_ha  # noqa: F401  (installs the post-import hooks)
 
 
 def main() -> None:
+    """Run the script; a :class:`~mindspeed_ha.errors.ConfigError` it lets out (a flag the
+    launcher does not read, refused by the rank's ``parse_args``) ends the rank with one
+    ``error:`` line and status 2, as argparse ends on a bad flag."""
+    from mindspeed_ha.errors import ConfigError
+
     try:
-        _run()
+        try:
+            _run()
+        except ConfigError as exc:
+            print(f"{os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
     except SystemExit as exc:  # the exit status, for the runtime's exit hook (after an in-place recovery)
         from mindspeed_ha.runtime import record_exit_status
 

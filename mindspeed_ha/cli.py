@@ -3,6 +3,8 @@
 Subcommands:
     demo        the main job: a fault-tolerant Megatron run on 4 CPU ranks with a killed
                 rank, the dying checkpoint, a resume, and the loss curves side by side
+    soak        one 4-rank job with a seeded schedule of many mixed faults (UCE, network,
+                kill, hang), compared bitwise with an uninterrupted run; resources flat
     patches     list every registered patch, its feature and whether it is active
     controller  run a standalone controller (what rank 0 starts without the launcher)
     preprocess  build a Megatron indexed dataset (.bin/.idx) from a text file
@@ -88,6 +90,16 @@ def main(argv=None) -> int:
     d.add_argument("--workdir", default=None, help="keep checkpoints and logs here (default: a temp dir, removed)")
     d.add_argument("--data-path", default=None, help="Megatron indexed dataset prefix (default: embedded corpus)")
 
+    s = sub.add_parser("soak", help="many faults of mixed kinds in one 4-rank job: every one recovered, losses "
+                                    "bitwise, fds/threads/RSS flat")
+    s.add_argument("--faults", type=int, default=100, help="faults, one per iteration from iteration 2 (default 100)")
+    s.add_argument("--seed", type=int, default=0, help="seed of the fault schedule (default 0)")
+    s.add_argument("--kinds", default="uce=4,network=4,kill=1,hang=1",
+                   help="kind=weight, kinds uce, network, kill, hang (default uce=4,network=4,kill=1,hang=1)")
+    s.add_argument("--layout", default="tp1pp2", choices=["tp1pp2", "tp2pp1", "dp4"])
+    s.add_argument("--report", default=None, help="write the report as JSON to this file")
+    s.add_argument("--workdir", default=None, help="keep the logs here (default: a temp dir, removed)")
+
     p = sub.add_parser("patches", help="list registered patches and whether they are active")
     p.add_argument("--json", action="store_true")
     p.add_argument("--import-megatron", action="store_true", help="import the target modules first")
@@ -105,6 +117,10 @@ def main(argv=None) -> int:
     ns = parser.parse_args(argv)
     if ns.cmd == "patches":
         return _cmd_patches(ns)
+    if ns.cmd == "soak":
+        from mindspeed_ha.testing import soak
+
+        return soak.main(ns)
     return _cmd_demo(ns)
 
 

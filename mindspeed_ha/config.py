@@ -516,4 +516,33 @@ def validate_ha_args(
             f"--ha-replica-count={n} must divide the data-parallel size d={d} "
             f"(world {world_size} / (tp {tp} * pp {pp} * cp {cp})); accepted values: {accepted}"
         )
+    _check_replica_layout_flags(args, n)
     return cfg
+
+
+def _check_replica_layout_flags(args: Any, n: int) -> None:
+    """Refuse the Megatron-LM flags under which ``n`` optimizer replicas cannot be what
+    HA runs and reports (docs/ARCHITECTURE.md "Replicas": every other initialization,
+    RNG and data-order flag is bitwise neutral).
+
+    Raises:
+        ConfigError: ``--num-distributed-optimizer-instances`` other than 1 or ``n`` (HA
+            sets it to ``n``: a different value would be overridden); ``--use-custom-fsdp``
+            with ``n`` > 1 (megatron-core 0.12.1 ``optimizer/__init__.py``
+            ``get_megatron_optimizer``, l.483-516: custom FSDP builds its distributed
+            optimizer over the full DP group and ignores the instances, so no shard would
+            have a replica).
+    """
+    instances = _arg(args, "num_distributed_optimizer_instances", 1) or 1
+    if instances not in (1, n):
+        raise ConfigError(
+            f"--num-distributed-optimizer-instances={instances} with --enable-high-availability: HA sets "
+            f"the optimizer instances to the replica count (--ha-replica-count={n}); "
+            f"give --ha-replica-count {instances} instead, or leave the flag at 1"
+        )
+    if n > 1 and _arg(args, "use_custom_fsdp", False):
+        raise ConfigError(
+            f"--use-custom-fsdp with --ha-replica-count={n}: megatron-core's custom FSDP shards the "
+            "optimizer over the whole data-parallel group, so there are no optimizer replicas; "
+            "use --distributed-optimizer-no-replica (--ha-replica-count 1) or Megatron's DDP"
+        )

@@ -2,7 +2,7 @@
 
 megatron-core 0.12.1 already cuts each DP group into ``num_distributed_optimizer_instances``
 contiguous instances and shards the distributed optimizer over one instance (the
-reference's replica layout). Three things differ from what the reference needs, and
+reference's replica layout). Four things differ from what the reference needs, and
 are patched here only while the feature is on (``--enable-high-availability`` with the
 distributed optimizer and ``--ha-replica-count`` > 1):
 
@@ -26,6 +26,9 @@ distributed optimizer and ``--ha-replica-count`` > 1):
   With ``--fp16`` the slices are unscaled by the factor stock unscales its main grads with
   (before, the replica run's norm was that of the loss-scaled grads: 2^18 too large here,
   and clipping differed from a run without replicas).
+* ``--data-parallel-random-init``: stock ``broadcast_params`` sends DP rank 0's weights
+  within one instance only, so each instance would start from other weights; a second
+  broadcast over the full DP group follows it (:func:`_broadcast_over_full_dp`).
 * the CPU backend has no CUDA stream for the instance's communication stream (DDP still
   creates one; grad sync no longer uses it): handled by the CPU backend patch set.
 """
@@ -139,6 +142,36 @@ def _as_full_dp_all_reduce(wrapped, instance, args, kwargs):
             instance.data_parallel_group = saved_group
         else:
             del instance.data_parallel_group
+
+
+def _broadcast_over_full_dp(wrapped, instance, args, kwargs):
+    """Upstream ``DistributedDataParallel.broadcast_params``, then the same broadcast over the
+    full DP group: every DP rank ends with DP rank 0's parameters, as without replicas.
+
+    ``--data-parallel-random-init`` seeds each DP rank differently (Megatron-LM core_v0.12.1
+    ``megatron/training/initialize.py`` ``_set_random_seed``: ``seed + 10 * dp_rank``) and then
+    relies on ``broadcast_params`` (``megatron/training/training.py`` ``get_model``, l.1041-1044)
+    to give every DP rank the weights of DP rank 0. megatron-core 0.12.1
+    ``distributed/distributed_data_parallel.py`` l.503-520 broadcasts a non-expert param over
+    ``get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)``: with
+    ``num_distributed_optimizer_instances`` N > 1 that is one optimizer instance of d/N ranks,
+    so instance ``i`` would train from the weights of DP rank ``i * d/N``. Expert params
+    (``allreduce`` False) use the expert DP group, which instances do not split: left as stock.
+    The extra broadcast runs once, at model set-up, only with replicas; it copies bytes, so
+    the weights are bitwise those of a run without replicas.
+    """
+    result = wrapped(*args, **kwargs)
+    if instance.ddp_config.num_distributed_optimizer_instances <= 1:
+        return result
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    group = mpu.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=False)
+    src = dist.get_global_rank(group, 0)
+    for param in instance.module.parameters():
+        if getattr(param, "allreduce", True):  # upstream's test for a non-expert param
+            dist.broadcast(param.data, src=src, group=group)
+    return result
 
 
 def _replicated(opt) -> bool:
@@ -262,6 +295,14 @@ PATCHES = [
         wrapper=_as_full_dp_all_reduce,
         feature="replica",
         doc="finish_grad_sync waits on the all-reduce's handle (--overlap-grad-reduce)",
+    ),
+    Patch(
+        name="replica.broadcast_params",
+        module="megatron.core.distributed.distributed_data_parallel",
+        attribute="DistributedDataParallel.broadcast_params",
+        wrapper=_broadcast_over_full_dp,
+        feature="replica",
+        doc="--data-parallel-random-init: params broadcast from DP rank 0 over the full DP group, not one instance",
     ),
     Patch(
         name="replica.param_groups",

@@ -91,3 +91,46 @@ def test_launcher_reads_flags_without_abbreviations():
 
     ns = _ha_args(["--num-layers", "4", "--enable-high-availability"])
     assert ns.num_layers_per_virtual_pipeline_stage is None
+
+
+def test_conflicting_optimizer_instances_name_both_flags(parse):
+    """HA sets Megatron's --num-distributed-optimizer-instances to the replica count; another
+    value would be overridden without a word."""
+    with pytest.raises(ConfigError, match=r"--num-distributed-optimizer-instances=4 .*--ha-replica-count"):
+        parse(["--enable-high-availability", "--num-distributed-optimizer-instances", "4"])
+    args = parse(["--enable-high-availability", "--num-distributed-optimizer-instances", "2"])
+    assert args.num_distributed_optimizer_instances == 2
+
+
+def test_custom_fsdp_with_replicas_names_flag():
+    """megatron-core's custom FSDP ignores the optimizer instances: no replicas to hold."""
+    import argparse
+
+    from mindspeed_ha.config import validate_ha_args
+
+    def ns(**kw):
+        return argparse.Namespace(enable_high_availability=True, use_distributed_optimizer=True,
+                                  use_custom_fsdp=True, **kw)
+
+    with pytest.raises(ConfigError, match=r"--use-custom-fsdp .*--ha-replica-count=2"):
+        validate_ha_args(ns(), 4, 1, 1, env={})
+    assert validate_ha_args(ns(distributed_optimizer_no_replica=True), 4, 1, 1, env={}).replica_count == 1
+
+
+def test_flag_refused_in_a_rank_exits_2(tmp_path):
+    """A flag only the rank's parse_args reads (the launcher does not) is refused there as
+    argparse refuses a bad flag: one ``error:`` line naming it, status 2."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text("from mindspeed_ha.testing.trainer import arguments\narguments.parse_args()\n")
+    argv = tiny_gpt_args() + ["--enable-high-availability", "--ha-replica-count", "1",
+                              "--num-distributed-optimizer-instances", "2"]
+    env = dict(os.environ, WORLD_SIZE="4", RANK="0")
+    r = subprocess.run([sys.executable, "-m", "mindspeed_ha.boot", str(script)] + argv, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.startswith("train.py: error: --num-distributed-optimizer-instances=2"), r.stderr[-2000:]
+    assert "Traceback" not in r.stderr

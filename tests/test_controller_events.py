@@ -116,3 +116,94 @@ def test_graceful_stop_times_the_drain_and_a_fault_takes_it_over():
     timer2.applied(8.0, ActionKind.STOP_ALL, st2)  # ... but a fault takes the round over
     timer2.applied(9.0, ActionKind.EXIT, st2)
     assert timer2.timings() == {"detect": 0.5, "decide": 1.0, "verify": 2.0, "total": 1.5}
+
+
+def test_a_fault_reported_after_the_retry_answer_survives_the_resume():
+    """Found by the soak run: rank 1 answered RETRY, re-ran the step and reported a new
+    network fault before the last rank answered; RESUME erased every rank's fault, so rank 1
+    stayed parked in its fault handler and its peers blocked in a collective (gloo's 600 s
+    timeout). The fault reported after the RETRY was sent must start the next round."""
+    from mindspeed_ha.control import effects
+    from mindspeed_ha.control.policy import Decision, decide
+    from mindspeed_ha.control.state import PendingAction
+
+    clock = _Clock()
+    ctl = Controller(CFG, 2, "127.0.0.1", 0, clock=clock)
+    ctl._router = _Router()
+    st = ctl.state
+    for r in range(2):
+        codec = wire.Codec(KEY, wire.new_sender("rank", r))
+        lay = Layout(dp_rank=r, dp_size=2, replica_count=2, instance_id=r)
+        ctl._router.inbox.append((b"r%d" % r, codec.encode(wire.Register(r, 2, 1000 + r, "h", lay, "/save", "run",
+                                                                          "updated", 1))))
+    ctl._turn()
+    st.phase = Phase.RECOVERING
+    for r, at in ((0, 99.0), (1, 101.0)):  # rank 0: the fault recovered; rank 1: a new one after the RETRY
+        info = st.ranks[r]
+        info.fault, info.fault_message, info.fault_at, info.failed_at = FaultKind.NETWORK, "link", at, 99.0
+        info.last_heartbeat = clock.t
+    st.record_fault(99.0, 0, FaultKind.NETWORK, "link")
+    st.pending = PendingAction(7, ActionKind.RETRY.value, (0, 1), 100.0, {}, {0: (True, ""), 1: (True, "")})
+    effects._recovered(ctl, clock.t, Decision(ActionKind.RESUME, "recovered", None, (), Phase.RUNNING))
+    assert st.ranks[0].fault is None
+    assert st.ranks[1].fault is FaultKind.NETWORK and st.ranks[1].failed_at == 101.0
+    st.phase = Phase.RUNNING
+    d = decide(clock.t, st, CFG)
+    assert d.action is ActionKind.STOP_ALL and "rank 1 reported network fault" in d.reason, d.reason
+
+
+def _two_ranks_registered(cfg, clock, rejoins=True):
+    ctl = Controller(cfg, 2, "127.0.0.1", 0, clock=clock)
+    ctl._router = _Router()
+    for r in range(2):
+        codec = wire.Codec(KEY, wire.new_sender("rank", r))
+        lay = Layout(dp_rank=r, dp_size=2, replica_count=2, instance_id=r)
+        ctl._router.inbox.append((b"r%d" % r, codec.encode(wire.Register(r, 2, 1000 + r, "h", lay, "/save", "run",
+                                                                          "updated", 1, rejoins=rejoins))))
+    ctl._turn()
+    assert sorted(ctl.state.ranks) == [0, 1]
+    return ctl
+
+
+def test_a_hung_rank_of_this_launcher_is_ended_and_awaited_to_rejoin_under_worker_reboot():
+    """ARF for a hang: with --enable-worker-reboot, a rank of this controller's own launcher
+    whose heartbeats stopped is declared dead at once, listed (with its pid) for the
+    launcher to SIGKILL, and awaited to rejoin: the recovery round (RECOVERING), not the
+    dying checkpoint (before: "not restarted: controller in phase committing", exit 75)."""
+    import dataclasses
+
+    clock = _Clock()
+    cfg = dataclasses.replace(CFG, worker_reboot=True)
+    ctl = _two_ranks_registered(cfg, clock)
+    ctl.hosted_ranks = frozenset({0, 1})
+    clock.t += cfg.heartbeat_timeout_s + 1.0
+    ctl.state.ranks[0].last_heartbeat = clock.t  # rank 0 beats, rank 1 is silent
+    ctl._turn()
+    st = ctl.state
+    assert st.phase is Phase.RECOVERING, [e.reason for e in ctl.events]
+    assert 1 in st.rejoin_wait and not st.ranks[1].alive
+    assert ctl.unresponsive_ranks().keys() == {1} and ctl.unresponsive_ranks()[1][0] == 1001
+    assert ctl.restart_refused(1) is None  # its agent may restart it once the launcher ended it
+    # the new process registers (incarnation 1, another pid): nothing left to end
+    codec = wire.Codec(KEY, wire.new_sender("rank", 1))
+    lay = Layout(dp_rank=1, dp_size=2, replica_count=2, instance_id=1)
+    ctl._router.inbox.append((b"r1b", codec.encode(wire.Register(1, 2, 2001, "h", lay, "/save", "run", "updated", 1,
+                                                                 incarnation=1, rejoins=True))))
+    ctl._turn()
+    assert ctl.state.ranks[1].pid == 2001 and 1 not in ctl.unresponsive_ranks()
+
+
+def test_a_hung_rank_elsewhere_or_without_worker_reboot_keeps_the_dying_checkpoint_path():
+    """Without --enable-worker-reboot, or for a rank of another node's launcher (which is
+    not told to end it), silence still means the dying checkpoint (STOPPING)."""
+    import dataclasses
+
+    for cfg, hosted in ((CFG, {0, 1}), (dataclasses.replace(CFG, worker_reboot=True), {0})):
+        clock = _Clock()
+        ctl = _two_ranks_registered(cfg, clock)
+        ctl.hosted_ranks = frozenset(hosted)
+        clock.t += cfg.heartbeat_timeout_s + 1.0
+        ctl.state.ranks[0].last_heartbeat = clock.t
+        ctl._turn()
+        assert ctl.state.phase is Phase.STOPPING, (cfg.worker_reboot, [e.reason for e in ctl.events])
+        assert not ctl.state.rejoin_wait

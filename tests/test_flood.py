@@ -5,7 +5,9 @@ Three layers, each tested on its own and then together in a real training run:
 * transport (``control/auth.py``): CURVE with keys derived from the job's auth key, ZAP
   checking the client key. A peer without the key (no security, another key, the
   server's public key but its own client key, raw TCP garbage, huge length prefixes)
-  never gets a frame to the controller's application;
+  never gets a frame to the controller's application; a connection that never completes
+  its handshake is closed at the handshake deadline, and idle connections beyond the
+  controller's descriptor limit do not keep a rank from registering;
 * admission (``control/admission.py``): per-peer rate budgets, checked before a frame is
   authenticated, and rejection logs that write a bounded number of lines;
 * the controller's loop (``Controller._turn``): bounded batches, registered ranks'
@@ -31,6 +33,7 @@ import os
 import random
 import re
 import secrets
+import select
 import signal
 import socket
 import struct
@@ -44,7 +47,7 @@ import zmq
 
 from mindspeed_ha import faults
 from mindspeed_ha.config import ConfigError, HAConfig
-from mindspeed_ha.control import admission, auth, wire
+from mindspeed_ha.control import admission, auth, server, wire
 from mindspeed_ha.control.controller import MAX_FRAMES_PER_TURN, Controller
 from mindspeed_ha.control.policy import ActionKind
 from mindspeed_ha.control.processor import Processor
@@ -368,6 +371,75 @@ def test_peers_without_the_key_never_reach_the_application(closing):
     out = ctl.wait_done(30)
     assert out is not None and out.phase is Phase.DONE and out.fault_rank is None
     assert ctl.codec.accepted >= 2 and not ctl.codec.rejected, ctl.traffic()  # the rank's frames only
+
+
+IDLE_SERVER = """
+import json, resource, sys, time
+resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), int(sys.argv[2])))
+from mindspeed_ha.config import HAConfig
+from mindspeed_ha.control import server
+from mindspeed_ha.control.controller import Controller
+server.HANDSHAKE_DEADLINE_S = float(sys.argv[3])
+cfg = HAConfig(enabled=True, auth_key=bytes.fromhex(sys.argv[4]), controller_addr="127.0.0.1", save_dir=None,
+               heartbeat_interval_s=0.5, heartbeat_timeout_s=3.0, connect_timeout_s=10.0)
+ctl = Controller(cfg, 1, "127.0.0.1", 0, tick_s=0.01).start()
+print(ctl.port, flush=True)
+cpu0 = time.process_time()
+out = ctl.wait_done(100)
+print(json.dumps({"phase": out and out.phase.value, "refused": dict(ctl.transport_rejected.totals),
+                  "fd_limit": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+                  "cpu_s": time.process_time() - cpu0}), flush=True)
+ctl.stop()
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("soft,hard", [(128, 1024), (128, 128)], ids=["headroom", "no_headroom"])
+def test_a_rank_registers_while_idle_connections_hold_more_descriptors_than_the_limit(closing, soft, hard):
+    """Issue 21: idle TCP connections to the controller port (never a byte sent) exhausted
+    the launcher's descriptors, so a real rank could not register. The controller runs in
+    a child process whose open-file limit is lowered to ``soft``/``hard``; this process
+    holds 300 idle connections to it while the job's rank registers and says goodbye.
+    With headroom the controller raised its soft limit to the hard one; without, each idle
+    connection is closed at the handshake deadline (1 s here) and the rank gets in."""
+    held_n = 300
+    proc = subprocess.Popen([sys.executable, "-c", IDLE_SERVER, str(soft), str(hard), "1.0", KEY.hex()],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    closing.callback(lambda: (proc.kill(), proc.communicate()))
+    port = int(proc.stdout.readline() or 0)
+    assert port, proc.stderr.read()[-3000:] if proc.poll() is not None else "no port"
+    held = []
+    closing.callback(lambda: [s.close() for s in held])
+    for _ in range(held_n):
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex(("127.0.0.1", port))  # completes in the kernel's backlog, or waits there
+        held.append(s)
+    # the rank connects only once the port is saturated: more connections established than
+    # the controller had descriptors (accepted, or in the kernel's backlog of 100)
+    poller, connected = select.poll(), set()
+    for s in held:
+        poller.register(s, select.POLLOUT)
+    while len(connected) < soft + 50:
+        for fd, _ in poller.poll():
+            poller.unregister(fd)
+            connected.add(fd)
+    p = Processor(CFG, 0, Layout(), None, port=port)
+    closing.callback(p.close, None)
+    p.start()  # raises ControlPlaneError without REGISTERED within connect_timeout_s (10 s)
+    p.close(0)
+    result = json.loads(proc.stdout.readline() or "{}")
+    print(f"\n{soft}/{hard} descriptors, {held_n} idle connections held: {result}")
+    assert result.get("phase") == "done", (result, proc.stderr.read()[-3000:])
+    assert result["fd_limit"] == hard
+    if soft == hard:  # the idle ones were closed at the deadline (counted, no log line each)
+        assert result["refused"].get("handshake_failed", 0) > 0, result
+
+
+def test_the_controller_port_has_a_handshake_deadline(closing):
+    ctl = Controller(CFG, 1, "127.0.0.1", 0, tick_s=0.01).start()
+    closing.callback(ctl.stop)
+    assert ctl.server.router.getsockopt(zmq.HANDSHAKE_IVL) == int(server.HANDSHAKE_DEADLINE_S * 1000) <= 10_000
 
 
 # =============================================================================== end to end

@@ -3,7 +3,9 @@
 A UCE (the injector really overwrites the chosen tensor, then raises CUDA's
 "uncorrectable ECC error" text) or a network error (gloo's "Connection reset by peer"
 raised on one rank inside a real collective while its peers are blocked in it) hits one
-rank in iteration K. Standard of proof, per case: the job exits 0 with every iteration
+rank in iteration K; one job per layout meets several such faults, one per iteration
+(a schedule: each case hits a job that already recovered from the ones before). Standard of
+proof, per fault: the job exits 0 with every iteration
 done, the faulty rank kept its PID (the injector's log and the recovery log name the same
 process; the launcher restarts nothing), every rank re-ran iteration K after the
 recovery, and the per-iteration losses equal the uninterrupted run's bit for bit (same
@@ -19,7 +21,7 @@ import pytest
 from mindspeed_ha import faults
 from mindspeed_ha.testing.harness import Baselines, four_rank_args, read_jsonl, run_four
 
-ITERS = 5
+ITERS = 8
 K = 3
 
 
@@ -48,49 +50,66 @@ def _faulty(tmp_path, layout, spec, extra_env=None):
     return r, read_jsonl(fired), read_jsonl(after), rep
 
 
-# (layout, rank, point, fault, what, iteration)
-CASES = [
-    ("tp1pp2", 0, "forward", "uce", "param", K),
-    ("tp1pp2", 3, "backward", "uce", "exp_avg", K),
-    ("tp2pp1", 1, "backward", "uce", "main_param", K),
-    ("dp4", 2, "forward", "uce", "param", K),
-    # inside the optimizer update: the other ranks finished it and wait in the commit
-    # barrier; the faulty rank receives the finished update and the step goes on (roll forward)
-    ("tp1pp2", 1, "optimizer", "uce", "exp_avg", K),
-    ("tp1pp2", 3, "optimizer", "uce", "main_param", K),
-    ("tp2pp1", 1, "optimizer", "uce", "exp_avg_sq", K),
-    # DP4 N=2: rank 1, rank 0's optimizer-instance peer, is stuck in the parameter all-gather
-    # (its update cannot finish): both receive the finished update from the other instance
-    ("dp4", 0, "optimizer", "uce", "exp_avg", K),
-    ("tp1pp2", 1, "grad_sync", "network", "", K),
-    ("tp1pp2", 2, "pp", "network", "", K),
-    ("tp2pp1", 0, "tp", "network", "", K),
-    # found by a new user: early in iteration 2, TP peers still finishing update 1 (the freeze
-    # kept them from it; then a rank stopped at the step's entry re-ran with the old RNG)
-    ("tp2pp1", 3, "tp", "network", "", 2),
-]
+# One job per layout meets a schedule of faults, one per iteration from 2 (each case is
+# recovered, then the next one hits the recovered job): (rank, point, fault, what) in order.
+SCHEDULES = {
+    "tp1pp2": [
+        (0, "forward", "uce", "param"),
+        (3, "backward", "uce", "exp_avg"),
+        # inside the optimizer update: the other ranks finished it and wait in the commit
+        # barrier; the faulty rank receives the finished update and the step goes on (roll forward)
+        (1, "optimizer", "uce", "exp_avg"),
+        (3, "optimizer", "uce", "main_param"),
+        (1, "grad_sync", "network", ""),
+        (2, "pp", "network", ""),
+    ],
+    "tp2pp1": [
+        # found by a new user: early in iteration 2, TP peers still finishing update 1 (the freeze
+        # kept them from it; then a rank stopped at the step's entry re-ran with the old RNG)
+        (3, "tp", "network", ""),
+        (1, "backward", "uce", "main_param"),
+        (1, "optimizer", "uce", "exp_avg_sq"),
+        (0, "tp", "network", ""),
+    ],
+    "dp4": [
+        (2, "forward", "uce", "param"),
+        # DP4 N=2: rank 1, rank 0's optimizer-instance peer, is stuck in the parameter all-gather
+        # (its update cannot finish): both receive the finished update from the other instance
+        (0, "optimizer", "uce", "exp_avg"),
+    ],
+}
 
 
-@pytest.mark.parametrize("layout,rank,point,fault,what,k", CASES,
-                         ids=[f"{c[0]}-{c[3]}-{c[2]}-rank{c[1]}-it{c[5]}" for c in CASES])
-def test_recovered_in_place(tmp_path, baselines, layout, rank, point, fault, what, k):
+def _spec(k, rank, point, fault, what):
+    return f"rank={rank},iteration={k},point={point},fault={fault}" + (f",what={what}" if what else "")
+
+
+@pytest.mark.parametrize("layout", sorted(SCHEDULES))
+def test_recovered_in_place(tmp_path, baselines, layout):
+    """Each fault of the layout's schedule (iteration k = 2, 3, ...) is recovered in place:
+    one recovery per fault, of the right mode, iteration and repairs; every rank re-ran
+    (or, forward, finished) iteration k in the same process, the faulty rank being the
+    process that faulted; the losses equal the uninterrupted run's bit for bit."""
     base = _baseline(baselines, layout)
-    spec = f"rank={rank},iteration={k},point={point},fault={fault}" + (f",what={what}" if what else "")
-    r, fired, after, rep = _faulty(tmp_path, layout, spec)
+    cases = {k: case for k, case in enumerate(SCHEDULES[layout], start=2)}
+    r, fired, after, rep = _faulty(tmp_path, layout, ";".join(_spec(k, *c) for k, c in cases.items()))
     assert r.returncode == 0, (r.stdout + r.stderr)[-8000:]
-    assert len(fired) == 1 and fired[0]["rank"] == rank, fired
+    assert [(e["iteration"], e["rank"]) for e in fired] == [(k, c[0]) for k, c in cases.items()], fired
     recs = rep.get("recoveries") or []
-    forward = point == "optimizer"
-    assert len(recs) == 1 and recs[0]["iteration"] == (k if forward else k - 1), rep
-    assert recs[0]["kind"] == fault and recs[0].get("mode") == ("forward" if forward else "rollback"), recs[0]
-    if fault == "uce" and layout == "dp4" and forward:
-        assert [int(d) for d, _ in recs[0]["repairs"]] == [0, 1], recs[0]
-    elif fault == "uce":
-        assert [int(d) for d, _ in recs[0]["repairs"]] == [rank], recs[0]
-    # every rank re-ran (or, forward, finished) iteration K in the same process; the faulty
-    # rank is the process that faulted
-    assert sorted(e["rank"] for e in after) == [0, 1, 2, 3] and {e["iteration"] for e in after} == {k}
-    assert {e["pid"] for e in after if e["rank"] == rank} == {fired[0]["pid"]}
+    assert len(recs) == len(cases), rep
+    for rec, (k, (rank, point, fault, what)) in zip(recs, cases.items()):
+        forward = point == "optimizer"
+        case = f"iteration {k}: {fault} at {point} of rank {rank}"
+        assert rec["iteration"] == (k if forward else k - 1), (case, rec)
+        assert rec["kind"] == fault and rec.get("mode") == ("forward" if forward else "rollback"), (case, rec)
+        if fault == "uce" and layout == "dp4" and forward:
+            assert [int(d) for d, _ in rec["repairs"]] == [0, 1], (case, rec)
+        elif fault == "uce":
+            assert [int(d) for d, _ in rec["repairs"]] == [rank], (case, rec)
+        at_k = [e for e in after if e["iteration"] == k]
+        assert sorted(e["rank"] for e in at_k) == [0, 1, 2, 3], (case, at_k)
+        pid = next(e["pid"] for e in fired if e["iteration"] == k)
+        assert {e["pid"] for e in at_k if e["rank"] == rank} == {pid}, case
     assert sorted(r.losses) == list(range(1, ITERS + 1))
     for it in sorted(base):
         assert r.losses[it] == base[it], \

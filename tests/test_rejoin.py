@@ -30,6 +30,8 @@ import pytest
 
 WORLD = 4
 DEAD = 2
+#: the job's key (MINDSPEED_HA_AUTH_KEY): start-up records are sealed with it
+JOB_KEY = bytes(range(32))
 
 WORKER = textwrap.dedent('''
     import datetime, json, os, sys, threading
@@ -160,7 +162,8 @@ def test_restarted_rank_replays_startup_and_rejoins_rebuilt_groups(tmp_path):
     def start(rank, incarnation):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), OMP_NUM_THREADS="1",
-                   TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
+                   TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0",
+                   MINDSPEED_HA_AUTH_KEY=JOB_KEY.hex())  # the records are sealed with it
         env.pop("MINDSPEED_HA_INJECT", None)
         env.pop("MINDSPEED_HA_INCARNATION", None)
         if incarnation:
@@ -316,7 +319,7 @@ def test_replay_serves_recorded_values_and_refuses_clearly(tmp_path):
     instead of hanging."""
     script = tmp_path / "refusals.py"
     script.write_text(REFUSALS)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MINDSPEED_HA_AUTH_KEY=JOB_KEY.hex())
     env.pop("MINDSPEED_HA_INCARNATION", None)
     p = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=100)
     assert p.returncode == 0, p.stderr[-4000:]
@@ -335,3 +338,36 @@ def test_replay_serves_recorded_values_and_refuses_clearly(tmp_path):
     assert out["too_big_bytes"] < 400 and "'too_big'" in out["too_big"], out
     assert out["unsupported_bytes"] < 400 and "'unsupported'" in out["unsupported"], out
     assert "_coalescing_manager" in out["unsupported"], out
+
+
+def test_a_start_up_record_not_sealed_with_the_job_key_is_refused(tmp_path, monkeypatch, caplog):
+    """torchrun's store and the lease directory are reachable by others: a record that a
+    stranger wrote (unsealed, sealed with another key, or rank 2's valid record copied to
+    rank 3's key) is refused with a clear error, never replayed; a forged lease copy is
+    ignored (logged)."""
+    import torch.distributed as dist
+
+    from mindspeed_ha.control import sealed
+    from mindspeed_ha.errors import RejoinError
+    from mindspeed_ha.recovery import startup_blob
+
+    monkeypatch.setenv("MINDSPEED_HA_AUTH_KEY", JOB_KEY.hex())
+    monkeypatch.setenv("MINDSPEED_HA_LEASE_DIR", str(tmp_path / "lease"))
+    head = {"format": startup_blob.FORMAT, "version": startup_blob.VERSION, "status": "ok", "reason": "",
+            "rank": 3, "torch": "x"}
+    blob = startup_blob.encode(head, [])
+    store, k2, k3 = dist.HashStore(), startup_blob.KEY.format(rank=2), startup_blob.KEY.format(rank=3)
+    store.set(k3, sealed.seal(JOB_KEY, k3, blob))
+    assert startup_blob.load(store, 3)["rank"] == 3
+    for forged, why in ((blob, "not a sealed file"), (sealed.seal(b"k" * 32, k3, blob), "does not match"),
+                        (sealed.seal(JOB_KEY, k2, blob), "does not match")):
+        store.set(k3, forged)
+        with pytest.raises(RejoinError, match=f"{k3}.* is refused: .*{why}.*not sealed with the job's key is never replayed"):
+            startup_blob.load(store, 3)
+    # the lease copy (read when the store has none): sealed and verified too
+    startup_blob.write_lease_copy(3, blob)
+    assert startup_blob.load(dist.HashStore(), 3)["rank"] == 3
+    (tmp_path / "lease" / "startup-rank3.msgpack").write_bytes(blob)  # a stranger's
+    with pytest.raises(RejoinError, match="no start-up record"):
+        startup_blob.load(dist.HashStore(), 3)
+    assert "startup-rank3.msgpack ignored (SealError" in caplog.text

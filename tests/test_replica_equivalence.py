@@ -1,29 +1,91 @@
-"""HA on with 2 optimizer replicas trains bit for bit like HA off (same seed).
+"""HA on with optimizer replicas trains bit for bit like HA off (same seed).
 
 Gradients are all-reduced over the full DP group (gloo's reduce-scatter equals an
 all-reduce's slice bitwise) and the grad norm is fed the replica-free shard, so
 losses and grad norms must be identical, not merely close.
+
+The flag cases run HA off, ``--ha-replica-count 1`` and 2 against one HA-off baseline,
+with the Megatron-LM flags that touch initialization, RNG and data order that the
+program has, several per job (docs/ARCHITECTURE.md "Replicas" lists every such flag and
+why it is neutral or refused):
+
+* built-in trainer, DP4 (two optimizer instances of 2 ranks): ``--data-parallel-random-init``
+  (each DP rank seeded differently, weights broadcast from DP rank 0: stock broadcasts within
+  one instance only), ``--seed``, ``--init-method-std``, dropout on;
+* Megatron-LM's own pretrain_gpt.py, TP2 x DP2 (instances of 1 rank): the same three, plus
+  ``--use-cpu-initialization``, ``--overlap-grad-reduce --overlap-param-gather``,
+  ``--dataloader-type cyclic``, ``--deterministic-mode`` and
+  ``--check-weight-hash-across-dp-replicas-interval`` (Megatron-LM's own check that every DP
+  rank holds the same weights, at start and every 4 iterations).
 """
 
 
 import pytest
 
-from mindspeed_ha.testing.harness import launch, launcher_command, tiny_gpt_args
+from mindspeed_ha.testing import megatron_lm as mlm
+from mindspeed_ha.testing.harness import flags_to_argv, launch, launcher_command, tiny_gpt_args
 from test_overlap import launch_overlapped
 
+#: the flags above on the built-in trainer (its parser has no others of the kind)
+TRAINER_INIT_FLAGS = ["--data-parallel-random-init", "--seed", "4321", "--init-method-std", "0.05"]
+#: the flags above on stock pretrain_gpt.py
+STOCK_INIT_DATA_FLAGS = dict(
+    data_parallel_random_init=True, seed=4321, init_method_std=0.05, use_cpu_initialization=True,
+    overlap_grad_reduce=True, overlap_param_gather=True, dataloader_type="cyclic", deterministic_mode=True,
+    check_weight_hash_across_dp_replicas_interval=4,
+)
+#: --deterministic-mode asserts NCCL_ALGO is set (megatron/training/arguments.py l.876-883)
+STOCK_ENV = {"NCCL_ALGO": "Ring"}
 
-@pytest.mark.parametrize("tp,pp,extra", [(1, 1, []), (1, 2, ["--bf16"])], ids=["dp4-fp32", "pp2-dp2-bf16"])
-def test_replicas_bitwise_equal_to_no_ha(tp, pp, extra):
-    launcher = launcher_command(4)
-    base = tiny_gpt_args(tp=tp, pp=pp, train_iters=6) + extra
-    off = launch(4, base, launcher=launcher, timeout_s=240)
-    on = launch(4, base + ["--enable-high-availability", "--ha-controller-port", "0"],
-                launcher=launcher, timeout_s=240)
-    assert off.returncode == 0 and on.returncode == 0, (off.stderr[-3000:], on.stderr[-3000:])
-    assert "replica_count=2" in on.stderr, "the run did not use 2 optimizer replicas"
-    assert sorted(off.losses) == list(range(1, 7))
-    assert on.losses == off.losses
-    assert [r["grad_norm"] for r in on.records()] == [r["grad_norm"] for r in off.records()]
+# (id, program, tp, pp, extra flags, iterations, replica counts run with HA on; None: the default, 2)
+CASES = [
+    ("dp4-fp32", "trainer", 1, 1, [], 6, (None,)),
+    ("pp2-dp2-bf16", "trainer", 1, 2, ["--bf16"], 6, (None,)),
+    ("dp4-init-flags", "trainer", 1, 1, TRAINER_INIT_FLAGS, 8, (1, 2)),
+    ("stock-tp2-dp2-init-data-flags", "stock", 2, 1, STOCK_INIT_DATA_FLAGS, 8, (1, 2)),
+]
+
+
+@pytest.fixture(scope="module")
+def megatron_lm_root(tmp_path_factory, megatron_lm_tarball):
+    return mlm.unpack(megatron_lm_tarball, str(tmp_path_factory.mktemp("megatron_lm")))
+
+
+def _runner(request, program, tp, pp, extra, iters):
+    """``run(ha) -> (RunResult, grad norms by iteration)`` for one case; ``ha``: HA flags as
+    ``{flag_name: value}``."""
+    if program == "stock":
+        root = request.getfixturevalue("megatron_lm_root")
+
+        def run(ha):
+            r = mlm.launch_stock(root, mlm.stock_gpt_args(tp=tp, pp=pp, train_iters=iters, **extra, **ha),
+                                 env=STOCK_ENV)
+            return r, r.grad_norms
+    else:
+        base = tiny_gpt_args(tp=tp, pp=pp, train_iters=iters) + list(extra)
+
+        def run(ha):
+            r = launch(4, base + flags_to_argv(ha), launcher=launcher_command(4), timeout_s=240)
+            return r, {rec["iteration"]: rec["grad_norm"] for rec in r.records()}
+    return run
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("program,tp,pp,extra,iters,counts", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_replicas_bitwise_equal_to_no_ha(request, program, tp, pp, extra, iters, counts):
+    run = _runner(request, program, tp, pp, extra, iters)
+    off, off_gn = run({})
+    assert off.returncode == 0, off.stderr[-3000:]
+    assert sorted(off.losses) == list(range(1, iters + 1))
+    assert sorted(off_gn) == list(range(1, iters + 1))
+    for n in counts:
+        on, on_gn = run(dict(enable_high_availability=True, ha_controller_port=0, ha_replica_count=n))
+        assert on.returncode == 0, (n, on.stderr[-3000:])
+        assert f"replica_count={n or 2}" in on.stderr, f"the run did not use {n or 2} optimizer replicas"
+        assert on.losses == off.losses, n
+        assert on_gn == off_gn, n
+        if "check_weight_hash_across_dp_replicas_interval" in extra:
+            assert on.stdout.count(">>> Weight hashes match") >= 1 + iters // 4, on.stdout[-3000:]
 
 
 @pytest.mark.parametrize("tp,extra", [(1, []), (2, ["--bf16"])], ids=["dp4-fp32", "tp2-dp2-bf16"])

@@ -175,8 +175,8 @@ def test_a_lease_left_by_an_earlier_run_is_not_taken_for_a_live_leader(tmp_path,
 
     env = _failover_env(tmp_path)
     with TwoNodeJob(_two_node_args(), env=env) as job:
-        stale = LeaseDir(lease_dir(os.path.abspath(env["MINDSPEED_HA_LEASE_ROOT"]),
-                                   bytes.fromhex(job.env["MINDSPEED_HA_AUTH_KEY"])))
+        key = bytes.fromhex(job.env["MINDSPEED_HA_AUTH_KEY"])
+        stale = LeaseDir(lease_dir(os.path.abspath(env["MINDSPEED_HA_LEASE_ROOT"]), key), key)
         assert stale.take(Term(5, "127.0.0.1", 1, 1, 1, 1))
         stale.renew(5, 42)
         stale.write_roster({"ranks": {"0": {"layout": {}, "pid": 1, "host": "gone"}}, "recoveries": []})

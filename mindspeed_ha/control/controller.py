@@ -122,6 +122,9 @@ class Controller:
         #: params ``store``): the first generation's store died with node 0's agent
         self.rebuild_store: Optional[str] = None
         self.stepped_down: Optional[str] = None  # why this controller stopped acting (a successor leads)
+        #: global ranks of the workers this controller's own launcher runs (set by the
+        #: launcher): a hung one is ended and restarted under --enable-worker-reboot
+        self.hosted_ranks: frozenset = frozenset()
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -226,24 +229,28 @@ class Controller:
             return None
         return self.outcome()
 
-    def unresponsive_ranks(self) -> Dict[int, str]:
-        """Ranks given up on for silence once a fault round started: rank -> reason.
+    def unresponsive_ranks(self) -> Dict[int, Tuple[int, str]]:
+        """Processes given up on for silence: rank -> (pid, reason); the launcher ends
+        each (SIGKILL) if that pid is still its worker of the rank.
 
-        A rank whose heartbeats stopped (a hung or SIGSTOPped process) is left out of
-        the dying checkpoint, but its process may still exist and cannot act on a
-        SIGTERM while stopped: whoever hosts the workers ends it (the launcher SIGKILLs
-        it). Empty while no fault was acted on: until then silence is fault evidence
-        for :func:`decide`, not a verdict. Ranks that said goodbye or whose exit was
-        reported are never listed. Thread-safe.
+        A rank whose heartbeats stopped (a hung or SIGSTOPped process) cannot act on a
+        SIGTERM while stopped: whoever hosts the workers ends it. Listed: a hung rank
+        declared dead for ARF (``RestartArbiter.note_hung``: its agent then restarts
+        it), and, once a fault round started, every silent rank (left out of the dying
+        checkpoint). Otherwise silence is fault evidence for :func:`decide`, not a
+        verdict. Ranks that said goodbye or whose exit was reported are never listed.
+        Thread-safe.
         """
         with self._lock:
             st = self.state
+            out = self.arbiter.hung_processes()
             if st.fault is None:
-                return {}
+                return out
             now, limit = self.clock(), self.config.heartbeat_timeout_s
-            return {r: f"no heartbeat for {now - i.last_heartbeat:.1f} s (> {limit} s)"
-                    for r, i in sorted(st.ranks.items())
-                    if i.alive and i.exit_code is None and now - i.last_heartbeat > limit}
+            out.update({r: (i.pid, f"no heartbeat for {now - i.last_heartbeat:.1f} s (> {limit} s)")
+                        for r, i in sorted(st.ranks.items())
+                        if i.alive and i.exit_code is None and now - i.last_heartbeat > limit})
+            return out
 
     @property
     def phase(self) -> Phase:
@@ -329,6 +336,7 @@ class Controller:
         self.transport_rejected.flush(now)
         if not self.failover.may_decide(now):
             return
+        self.arbiter.note_hung(now, self.hosted_ranks)
         for _ in range(MAX_DECISIONS_PER_STEP):
             d = decide(now, self.state, self.config)
             if d.action is ActionKind.NOOP and d.next_phase is None:

@@ -80,7 +80,9 @@ def _stop_all(ctl: "Controller", now: float, d: Decision) -> None:
 
 def _recovered(ctl: "Controller", now: float, d: Decision) -> None:
     """RESUME (no message): every rank recovered in place. Keep the record (per-rank
-    phase seconds from the RETRY results), forget the fault, so the next one starts afresh."""
+    phase seconds from the RETRY results), forget the fault, so the next one starts afresh;
+    a fault reported after the RETRY was sent (by a rank that answered it, then failed in
+    the re-run step) is kept for the next decision."""
     st = ctl.state
     pending = st.pending
     ctl.failover.roster_dirty = True
@@ -97,7 +99,14 @@ def _recovered(ctl: "Controller", now: float, d: Decision) -> None:
     st.pending = None
     st.abort_sent_at = None
     st.rejoin_wait.clear()
+    answered_at = pending.sent_at if pending is not None else now
     for info in st.ranks.values():
+        if info.fault_at is not None and info.fault_at > answered_at:
+            # a new fault, reported after the rank answered RETRY (it re-ran the step and
+            # failed again): kept, so the next decision starts its round (erasing it left
+            # that rank parked and its peers blocked in a collective)
+            info.failed_at = info.fault_at  # evidence of the new fault, not of the round just ended
+            continue
         info.fault, info.fault_message, info.fault_where = None, "", ""
         info.failed_at = info.fault_at = None
         info.fault_iteration = -1

@@ -25,6 +25,12 @@ A node that cannot reach it cannot save anything either.
   differ by less than 2x: the usual lease assumption, no synchronised clocks). Once it
   sees a higher term it steps down for good.
 
+* **Only the job writes it.** Every file is sealed with the job's key (an HMAC line,
+  :mod:`sealed`) in a ``0700`` directory of this user; temporary files are created with
+  ``O_EXCL | O_NOFOLLOW`` under random names. A file that does not verify (a stranger's
+  forged higher term, a malformed or truncated one, a symbolic link) is ignored with a
+  log line: it deposes no leader and stops no thread.
+
 A node that loses the filesystem but not the network keeps its workers but cannot lead.
 A network partition with the filesystem reachable from both sides leaves the incumbent in
 charge while it renews; the other side's standby never takes over, and its ranks wait for
@@ -40,22 +46,30 @@ link(2) to make a link to the lockfile" on NFS).
 
 from __future__ import annotations
 
-from mindspeed_ha import env as ha_env
 import dataclasses
-import errno
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
 import threading
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Dict, Optional
+
+from mindspeed_ha import env as ha_env
+from mindspeed_ha.control import sealed
+
+log = logging.getLogger("mindspeed_ha.control.lease")
 
 ENV_LEASE_DIR = ha_env.LEASE_DIR
 ENV_LEASE_S = ha_env.LEASE_S
 DEFAULT_LEASE_S = 10.0
-_TERM = re.compile(r"^term-(\d+)\.json$")
+_TERM = re.compile(r"^term-(0|[1-9][0-9]{0,17})\.json$", re.ASCII)
+#: largest term, counter file read back, bytes
+_MAX_SMALL = 64 << 10
+#: refused files logged one line each (a directory full of forgeries writes no more)
+_MAX_REFUSED_LOGGED = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,66 +107,98 @@ def lease_seconds() -> float:
 
 
 class LeaseDir:
-    """The files of one job's lease directory (see the module doc)."""
+    """The files of one job's lease directory (see the module doc).
 
-    def __init__(self, path: str):
+    Every file is sealed with the job's key (:mod:`sealed`): a file a stranger wrote
+    (a forged higher term, a counter, a roster), a malformed one, a symbolic link or
+    an oversized file counts as absent; it is logged once per name and never raises.
+    The directory is made ``0700`` (and must be this user's) before the first write.
+
+    Args:
+        path: the directory (:func:`lease_dir`).
+        auth_key: the job's key (``MINDSPEED_HA_AUTH_KEY``).
+    """
+
+    def __init__(self, path: str, auth_key: bytes):
+        if not auth_key:
+            raise ValueError(f"the lease directory {path} needs the job's auth key ({ha_env.AUTH_KEY})")
         self.path = path
+        self._key = auth_key
+        self._ready = False
+        #: names of the files refused so far (each is logged once), with the reason
+        self.refused: Dict[str, str] = {}
 
-    def current(self) -> Optional[Term]:
-        """The highest term taken so far, or None."""
+    # ------------------------------------------------------------------ sealed files
+    def _prepare(self) -> None:
+        if not self._ready:
+            sealed.private_dir(self.path)
+            self._ready = True
+
+    def _write(self, name: str, payload: bytes, exclusive: bool = False) -> bool:
+        self._prepare()
+        return sealed.write_sealed(self._key, self.path, name, payload, exclusive=exclusive)
+
+    def _read(self, name: str, parse: Callable[[bytes], Any], limit: int = _MAX_SMALL) -> Any:
+        """``parse(payload)`` of the sealed file ``name``; None when absent or refused."""
         try:
-            names = os.listdir(self.path)
+            payload = sealed.read_sealed(self._key, self.path, name, limit)
+            return None if payload is None else parse(payload)
         except FileNotFoundError:
             return None
-        terms = sorted((int(m.group(1)) for m in map(_TERM.match, names) if m), reverse=True)
+        except Exception as exc:  # noqa: BLE001 - whatever lies there: a stranger's, damaged, not a file
+            self._refuse(name, f"{type(exc).__name__}: {exc}")
+            return None
+
+    def _refuse(self, name: str, why: str) -> None:
+        """Remember (and log, for the first ``_MAX_REFUSED_LOGGED`` names) that ``name`` was refused."""
+        if self.refused.get(name) != why:
+            first = name not in self.refused
+            self.refused[name] = why
+            if not first or len(self.refused) <= _MAX_REFUSED_LOGGED:
+                log.warning("lease directory %s: %s ignored (%s)", self.path, name, why)
+            elif len(self.refused) == _MAX_REFUSED_LOGGED + 1:
+                log.warning("lease directory %s: more files ignored; no further line per file", self.path)
+
+    def _names(self) -> list:
+        try:
+            return os.listdir(self.path)
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            self._refuse(".", f"cannot list the directory: {exc}")
+            return []
+
+    # ------------------------------------------------------------------ terms and counters
+    def current(self) -> Optional[Term]:
+        """The highest valid term taken so far, or None (never raises)."""
+        terms = sorted((int(m.group(1)) for m in map(_TERM.match, self._names()) if m), reverse=True)
         for t in terms:
-            try:
-                with open(os.path.join(self.path, f"term-{t}.json")) as f:
-                    return Term(**json.load(f))
-            except (OSError, ValueError, TypeError):  # vanished with a clear(): look lower
-                continue
+            term = self._read(f"term-{t}.json", lambda b, t=t: _parse_term(b, t))
+            if term is not None:
+                return term
         return None
 
     def take(self, term: Term) -> bool:
         """Create ``term-<term.term>.json`` exclusively with ``term``'s fields. False if
-        that term is taken already (someone else holds it)."""
-        os.makedirs(self.path, exist_ok=True)
-        tmp = os.path.join(self.path, f".term-{term.term}.{os.getpid()}.{threading.get_ident()}.tmp")
-        with open(tmp, "w") as f:
-            json.dump(dataclasses.asdict(term), f)
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, os.path.join(self.path, f"term-{term.term}.json"))
-            return True
-        except OSError as exc:
-            if exc.errno == errno.EEXIST:
-                return False
-            raise
-        finally:
-            os.unlink(tmp)
+        that term is taken already (someone else holds it).
+
+        Raises:
+            OSError: the filesystem's errors; PermissionError: the directory is not this user's.
+        """
+        payload = json.dumps(dataclasses.asdict(term), sort_keys=True).encode()
+        return self._write(f"term-{term.term}.json", payload, exclusive=True)
 
     def renew(self, term: int, beat: int) -> None:
         """Write the lease counter of ``term`` (raises OSError when the filesystem fails)."""
-        tmp = os.path.join(self.path, f".beat-{term}.{os.getpid()}.tmp")
-        with open(tmp, "w") as f:
-            f.write(str(beat))
-        os.replace(tmp, os.path.join(self.path, f"beat-{term}"))
+        self._write(f"beat-{term}", str(int(beat)).encode())
 
     def beat(self, term: int) -> Optional[int]:
-        try:
-            with open(os.path.join(self.path, f"beat-{term}")) as f:
-                return int(f.read() or -1)
-        except (OSError, ValueError):
-            return None
+        """The lease counter of ``term``, or None (absent or refused; never raises)."""
+        return self._read(f"beat-{term}", lambda b: int(b.decode("ascii")))
 
     def write_roster(self, roster: dict) -> None:
         """Replace ``roster.json`` (the leader's registrations, for a successor) atomically."""
-        os.makedirs(self.path, exist_ok=True)
-        tmp = os.path.join(self.path, f".roster.{os.getpid()}.tmp")
-        with open(tmp, "w") as f:
-            json.dump(roster, f)
-        os.replace(tmp, os.path.join(self.path, "roster.json"))
+        self._write("roster.json", json.dumps(roster).encode())
 
     def drop_roster(self) -> None:
         """Remove ``roster.json`` (an earlier run's: a new leader writes its own)."""
@@ -162,16 +208,38 @@ class LeaseDir:
             pass
 
     def read_roster(self) -> dict:
-        """The last roster written ({} when none)."""
-        try:
-            with open(os.path.join(self.path, "roster.json")) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            return {}
+        """The last roster written ({} when none, or refused; never raises)."""
+        roster = self._read("roster.json", json.loads, limit=sealed.MAX_FILE_BYTES)
+        if roster is not None and not isinstance(roster, dict):
+            self._refuse("roster.json", "not a JSON object")
+            roster = None
+        return roster or {}
+
+    def write_blob(self, name: str, blob: bytes) -> None:
+        """Replace the sealed file ``name`` with ``blob`` (e.g. a rank's start-up record)."""
+        self._write(name, blob)
+
+    def read_blob(self, name: str, limit: int = sealed.MAX_FILE_BYTES) -> Optional[bytes]:
+        """The payload of the sealed file ``name``, or None (absent or refused; never raises)."""
+        return self._read(name, bytes, limit=limit)
 
     def clear(self) -> None:
         """Remove the directory (the job ended: nobody leads it any more)."""
         shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _parse_term(payload: bytes, number: int) -> Term:
+    """The :class:`Term` in a term file's payload; ValueError unless its fields are exactly
+    a term's, of the right types, and its number is the file's."""
+    raw = json.loads(payload)
+    if not isinstance(raw, dict) or set(raw) != {f.name for f in dataclasses.fields(Term)}:
+        raise ValueError("not a term record")
+    if not isinstance(raw["host"], str) or not all(
+            type(raw[k]) is int and raw[k] >= 0 for k in ("term", "port", "store_port", "node_rank", "pid")):
+        raise ValueError("a field of the wrong type")
+    if raw["term"] != number:
+        raise ValueError(f"holds term {raw['term']}, not {number}")
+    return Term(**raw)
 
 
 class Leadership:
@@ -221,21 +289,30 @@ class Leadership:
         while not self._stop.wait(self.lease_s / 4):
             if self.lost is not None:
                 return
-            if self.clock() - self._renewed_at > self.lease_s / 2:  # this process was frozen: too late
-                self._lose(f"no lease renewal for {self.clock() - self._renewed_at:.1f} s (lease {self.lease_s} s)")
-                return
-            cur = self.lease.current()
-            if cur is not None and cur.term > self.term.term:
-                self._lose(f"term {cur.term} was taken by node {cur.node_rank} ({cur.host}:{cur.port})")
-                return
             try:
-                self._beat += 1
-                self.lease.renew(self.term.term, self._beat)
-                self._renewed_at = self.clock()
-            except OSError:
-                if self.clock() - self._renewed_at > self.lease_s / 2:
-                    self._lose(f"the lease directory {self.lease.path} is not writable")
+                if self._turn():
                     return
+            except Exception:  # noqa: BLE001 - the lease thread outlives any surprise; may_act still fences
+                log.exception("lease of term %d: renewal turn failed", self.term.term)
+
+    def _turn(self) -> bool:
+        """One renewal; True once leadership is lost."""
+        if self.clock() - self._renewed_at > self.lease_s / 2:  # this process was frozen: too late
+            self._lose(f"no lease renewal for {self.clock() - self._renewed_at:.1f} s (lease {self.lease_s} s)")
+            return True
+        cur = self.lease.current()
+        if cur is not None and cur.term > self.term.term:
+            self._lose(f"term {cur.term} was taken by node {cur.node_rank} ({cur.host}:{cur.port})")
+            return True
+        try:
+            self._beat += 1
+            self.lease.renew(self.term.term, self._beat)
+            self._renewed_at = self.clock()
+        except OSError:
+            if self.clock() - self._renewed_at > self.lease_s / 2:
+                self._lose(f"the lease directory {self.lease.path} is not writable")
+                return True
+        return False
 
 
 class Watch:

@@ -143,7 +143,7 @@ class ControlLink:
         self.port = config.controller_port if port is None else port
         # controller failover: the leader of the highest term in the job's lease directory
         lease_path = os.environ.get(ha_env.LEASE_DIR)
-        self._lease = LeaseDir(lease_path) if lease_path else None
+        self._lease = LeaseDir(lease_path, config.auth_key) if lease_path else None
         self._lease_s = lease_seconds() if lease_path else 0.0
         self._term = -1
         self._next_lease_check = 0.0
@@ -323,7 +323,11 @@ class ControlLink:
         if self._lease is None or now < self._next_lease_check:
             return False
         self._next_lease_check = now + LEASE_POLL_S
-        cur = self._lease.current()
+        try:
+            cur = self._lease.current()  # never raises by contract; this thread must outlive any surprise
+        except Exception:  # noqa: BLE001
+            log.exception("rank %d: reading the lease directory %s failed", self.rank, self._lease.path)
+            return False
         if cur is None or cur.term <= self._term:
             return False
         try:

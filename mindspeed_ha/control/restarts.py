@@ -13,7 +13,7 @@ same decisions.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set
+from typing import TYPE_CHECKING, AbstractSet, Any, Callable, Dict, List, Optional, Set, Tuple
 
 import zmq
 
@@ -46,6 +46,8 @@ class RestartArbiter:
         #: report_rank_restart, in order: rank, incarnation, pid, exit_code, at
         self.restarts: List[Dict[str, Any]] = []
         self.abandoned: Set[int] = set()  # ranks the agent will not restart again
+        #: ranks declared hung for ARF (:meth:`note_hung`): rank -> (pid of the hung process, why)
+        self.hung: Dict[int, Tuple[int, str]] = {}
 
     def refused(self, rank: int) -> Optional[str]:
         """None while the agent may restart a dead ``rank``, else why not (see
@@ -87,6 +89,40 @@ class RestartArbiter:
             if rank not in st.rejoin_wait:
                 st.rejoin_wait[rank] = at
                 log.info("rank %d: its agent may restart it: the new process is awaited to rejoin", rank)
+
+    def note_hung(self, now: float, hosted: AbstractSet[int]) -> None:
+        """ARF for a hang: a rank of ``hosted`` (the workers of this controller's own
+        launcher, which can end them) whose heartbeats stopped for longer than
+        ``heartbeat_timeout_s`` (a SIGSTOPped process, a deadlock that holds every thread)
+        while it may be restarted is declared dead now: the launcher SIGKILLs that process
+        (:meth:`Controller.unresponsive_ranks`), its agent restarts it, and the policy waits
+        for the new process to rejoin (``rejoin_wait``) as after a crash, instead of taking
+        the dying checkpoint. Ranks of other nodes keep the silent-rank path (their agent
+        is not told to end a process).
+        """
+        ctl, st = self.ctl, self.ctl.state
+        if not ctl.config.worker_reboot or not hosted:
+            return
+        limit = ctl.config.heartbeat_timeout_s
+        for r in sorted(hosted):
+            info = st.ranks.get(r)
+            if (info is None or not info.alive or info.exit_code is not None or now - info.last_heartbeat <= limit
+                    or r in self.abandoned or self.refused(r) is not None):
+                continue
+            why = (f"no heartbeat for {now - info.last_heartbeat:.1f} s (> {limit} s): hung; its launcher ends "
+                   "the process and restarts it (--enable-worker-reboot)")
+            st.mark_dead(r, why, None, info.last_heartbeat)
+            self.hung[r] = (info.pid, why)
+            self.expect_rejoin(r, None, now)
+            log.warning("rank %d (pid %d): %s", r, info.pid, why)
+
+    def hung_processes(self) -> Dict[int, Tuple[int, str]]:
+        """rank -> (pid, why) of the hung processes still to be ended: a rank drops out once
+        a new process of it registered (another pid)."""
+        st = self.ctl.state
+        for r in [r for r, (pid, _) in self.hung.items() if r in st.ranks and st.ranks[r].pid != pid]:
+            del self.hung[r]
+        return dict(self.hung)
 
     # ------------------------------------------------------------------ agent reports
     def rank_exited(self, rank: int, code: int, at: float) -> None:

@@ -7,6 +7,17 @@ millisecond on the same host) and a wake pipe that other threads write to. It kn
 which connection carries which rank (identity and file descriptor) and reads input in
 bounded batches; what a message means is :mod:`handlers`' business.
 
+Connections that never authenticate are bounded: libzmq closes a connection whose
+handshake (ZMTP greeting, CURVE, ZAP) has not completed ``HANDSHAKE_DEADLINE_S`` after it
+was accepted (``ZMQ_HANDSHAKE_IVL``; libzmq's default is 30 s), and :meth:`open` raises
+the process's soft limit on open files to its hard limit (:func:`raise_fd_limit`), so
+idle or slow peers (issue 21: 1100 idle TCP connections against a soft limit of 1024 left
+the port unable to accept a real rank and libzmq's I/O thread spinning on ``EMFILE``) hold
+at most what they open within one deadline, out of the hard limit's descriptors, and a
+rank's (re)connection still gets in. Above the hard limit libzmq still retries ``accept``
+until the deadline frees descriptors (no per-source cap exists in libzmq; docs/ARCHITECTURE.md,
+"Transport").
+
 Frames are read fairly (the ROUTER reads its connections in turn); within a batch the
 frames of registered ranks are handled first; each frame is checked against its peer's
 rate budget (:class:`admission.PeerLimiter`) before it is authenticated, and stamped
@@ -18,6 +29,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import resource
 import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -40,12 +52,34 @@ MAX_ZAP_PER_TURN = 64
 #: monitor events libzmq may queue before its I/O thread waits for this one to read them
 #: (the default of 1000 lets a burst of failed connections stall every connection)
 MONITOR_HWM = 100_000
+#: seconds an accepted connection may take to complete its handshake before libzmq
+#: closes it (``ZMQ_HANDSHAKE_IVL``); a real rank's takes milliseconds, one that misses
+#: it just connects again (its DEALER reconnects on its own)
+HANDSHAKE_DEADLINE_S = 5.0
 #: what the socket monitor reports: closed connections and failed handshakes
 MONITOR_EVENTS = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                   | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 HANDSHAKE_FAILED = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake_failed",
                     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake_protocol_error",
                     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "handshake_auth_denied"}
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's soft limit on open files (``RLIMIT_NOFILE``) to its hard limit,
+    as systemd advises programs that need many descriptors and do not use ``select()``
+    (systemd.exec(5), ``LimitNOFILE=``: the soft limit stays 1024 for ``select()``'s sake,
+    the hard limit is far higher). libzmq polls with epoll. Returns the soft limit now;
+    a failure is logged, not raised."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft == resource.RLIM_INFINITY or soft >= hard:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError) as exc:
+        log.warning("controller: cannot raise the open-file limit from %d to %d: %s", soft, hard, exc)
+        return soft
+    log.info("controller: open-file limit raised from %d to %d (idle peers cannot exhaust it)", soft, hard)
+    return hard
 
 
 class ControlServer:
@@ -105,6 +139,8 @@ class ControlServer:
             auth.configure_server(router, self.keys)
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)
             router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            router.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_DEADLINE_S * 1000))
+            raise_fd_limit()
             self._bind(router)
             monitor = self._monitor_socket(ctx, router)
             wake = os.pipe()

@@ -30,9 +30,11 @@ def lease_dir(nnodes: int, save: Optional[str], config):
     ``<--save>/.mindspeed_ha``; exported to the workers as ``MINDSPEED_HA_LEASE_DIR``.
 
     Raises:
-        ConfigError: the lease length (``MINDSPEED_HA_LEASE_S``) is out of range.
+        ConfigError: the lease length (``MINDSPEED_HA_LEASE_S``) is out of range; the
+            directory cannot be made ``0700`` for this user (a symbolic link, another user's).
     """
     from mindspeed_ha.control.lease import ENV_LEASE_DIR, LeaseDir, lease_dir as job_lease_dir, lease_seconds
+    from mindspeed_ha.control.sealed import private_dir
 
     root = os.environ.get(ha_env.LEASE_ROOT) or (os.path.join(save, ".mindspeed_ha") if save else None)
     os.environ.pop(ENV_LEASE_DIR, None)  # never an inherited one
@@ -47,8 +49,13 @@ def lease_dir(nnodes: int, save: Optional[str], config):
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     path = job_lease_dir(os.path.abspath(root), config.auth_key)
+    try:
+        private_dir(path)  # 0700, this user's: refused before anything starts otherwise
+    except OSError as exc:
+        raise ConfigError(f"lease directory {path} (under {ha_env.LEASE_ROOT} or <--save>/.mindspeed_ha): "
+                          f"{exc}; it must be a directory of this user") from None
     os.environ[ENV_LEASE_DIR] = path
-    return LeaseDir(path)
+    return LeaseDir(path, config.auth_key)
 
 
 def leader_alive(lease) -> bool:
@@ -127,23 +134,22 @@ class Standby(threading.Thread):
         from mindspeed_ha.control.lease import lease_seconds
 
         while not self._halt.wait(lease_seconds() / 8):
-            expired = self.watch.expired()
-            if expired is None or self._halt.is_set():
-                continue
             try:
+                expired = self.watch.expired()
+                if expired is None or self._halt.is_set():
+                    continue
                 if self._take_over(expired.term + 1):
                     return
             except Exception:  # noqa: BLE001 - log it and keep watching: the next term may be ours
-                log.exception("controller failover: taking term %d failed", expired.term + 1)
+                log.exception("controller failover: watching the lease or taking the next term failed")
 
     def _take_over(self, term: int) -> bool:
-        import torch.distributed as dist
-
         from mindspeed_ha.control.controller import Controller
+        from mindspeed_ha.launch.stores import tcp_store
 
         local = self.config.controller_addr in ("127.0.0.1", "localhost")
         host = os.environ.get(ha_env.NODE_ADDR) or ("127.0.0.1" if local else socket.gethostname())
-        store = dist.TCPStore(host, 0, None, True, datetime.timedelta(seconds=300), wait_for_workers=False)
+        store = tcp_store(host, 0, None, datetime.timedelta(seconds=300), wait_for_workers=False)  # on host only
         controller = Controller(self.config, world_size=self.world_size, bind_addr=host, port=0)
         controller.take_over(self.lease.read_roster())
         controller.rebuild_store = f"{host}:{store.port}"

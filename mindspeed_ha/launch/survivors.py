@@ -55,7 +55,7 @@ class Survivors:
         self.grace_s = grace_s
         self.first_failure: Optional[float] = None
         self.reported: Dict[int, int] = {}
-        self.killed: Set[int] = set()
+        self.killed: Set[int] = set()  # pids of workers ended for silence
         self.preemption_deadline_s = preemption_deadline_s
         self.pcontext = None  # torchrun's SubprocessContext, once workers run
         self.stop_at: Optional[float] = None  # graceful stop: when the signal came
@@ -199,10 +199,12 @@ def end_unresponsive_workers(pcontext, state: Survivors) -> None:
         return
     for local_rank, handler in pcontext.subprocess_handlers.items():
         rank = _global_rank(pcontext, local_rank)
-        if rank not in hung or rank in state.killed or handler.proc.poll() is not None:
-            continue
-        log.warning("worker rank %d (pid %d) is unresponsive (%s): SIGKILL", rank, handler.proc.pid, hung[rank])
-        state.killed.add(rank)
+        pid, why = hung.get(rank, (0, ""))
+        if (rank not in hung or pid not in (0, handler.proc.pid) or handler.proc.pid in state.killed
+                or handler.proc.poll() is not None):
+            continue  # not listed, a newer process of the rank (ARF), ended already
+        log.warning("worker rank %d (pid %d) is unresponsive (%s): SIGKILL", rank, handler.proc.pid, why)
+        state.killed.add(handler.proc.pid)
         handler.close(death_sig=signal.SIGKILL)
         try:
             handler.proc.wait(5)
@@ -215,6 +217,8 @@ def supervise(pcontext, state: Survivors) -> None:
     the leader if this launcher's controller stepped down, the preemption backstop, and
     the end of the workers the controller gave up on."""
     state.pcontext = pcontext
+    if state.controller is not None:
+        state.controller.hosted_ranks = frozenset(_global_rank(pcontext, lr) for lr in pcontext.subprocess_handlers)
     if state.controller is not None and state.controller.stepped_down is not None and state.relink is not None:
         # controller failover: this launcher's controller stepped down; its agent asks the leader
         log.warning("this launcher's controller stepped down (%s): its agent follows the leader",

@@ -12,7 +12,13 @@ record lives between the two:
 * where: the default store (torchrun's TCPStore, ``distributed_c10d._get_default_store()``)
   under :data:`KEY`; with controller failover (a lease directory on the shared filesystem,
   ``ha_env.LEASE_DIR``) also a file ``startup-rank<r>.msgpack`` there, read when the store
-  has no record (torchrun's store lives in node 0's agent and dies with node 0).
+  has no record (torchrun's store lives in node 0's agent and dies with node 0);
+* sealed: both copies carry an HMAC-SHA256 line keyed with the job's key
+  (``MINDSPEED_HA_AUTH_KEY``) over the store key and the blob
+  (:mod:`mindspeed_ha.control.sealed`). torchrun's store listens on every interface
+  without authentication: a stranger can read a record (it holds start-up collective
+  results, no key) and overwrite it, but a record that does not verify is refused with a
+  :class:`RejoinError` saying so, never replayed.
 """
 
 from __future__ import annotations
@@ -81,15 +87,36 @@ def default_store_and_rank() -> Tuple[object, int]:
     return c10d._get_default_store(), c10d._world.default_pg.rank()
 
 
-def save(blob: bytes) -> int:
-    """Write this rank's ``blob`` into the default store under :data:`KEY` (and its lease
-    copy, see :func:`write_lease_copy`). Returns this rank.
+def _job_key() -> bytes:
+    """The job's key (``MINDSPEED_HA_AUTH_KEY``, set on every rank by the runtime's start-up).
 
     Raises:
-        RuntimeError: the store write failed.
+        RejoinError: unset or not hex.
     """
+    from mindspeed_ha.config import auth_key_from
+    from mindspeed_ha.errors import ConfigError
+
+    try:
+        key = auth_key_from(os.environ)
+    except ConfigError as exc:
+        raise RejoinError(f"rejoin: cannot seal or verify a start-up record: {exc}") from None
+    if not key:
+        raise RejoinError(f"rejoin: cannot seal or verify a start-up record without the job's key ({ha_env.AUTH_KEY})")
+    return key
+
+
+def save(blob: bytes) -> int:
+    """Write this rank's ``blob``, sealed with the job's key, into the default store under
+    :data:`KEY` (and its lease copy, see :func:`write_lease_copy`). Returns this rank.
+
+    Raises:
+        RuntimeError: the store write failed. RejoinError: no job key.
+    """
+    from mindspeed_ha.control import sealed
+
     default_store, rank = default_store_and_rank()
-    default_store.set(KEY.format(rank=rank), blob)
+    key = KEY.format(rank=rank)
+    default_store.set(key, sealed.seal(_job_key(), key, blob))
     write_lease_copy(rank, blob)
     return rank
 
@@ -105,6 +132,8 @@ def load(store=None, rank: Optional[int] = None) -> dict:
         s, r = default_store_and_rank()
         store = s if store is None else store
         rank = r if rank is None else rank
+    from mindspeed_ha.control import sealed
+
     key = KEY.format(rank=rank)
     if not store.check([key]):
         blob = read_lease_copy(rank)
@@ -112,35 +141,40 @@ def load(store=None, rank: Optional[int] = None) -> dict:
             return decode(blob)
         raise RejoinError(f"rejoin: no start-up record {key!r} in the store (the first incarnation of "
                           f"rank {rank} did not reach its first train_step); a rejoin is impossible")
-    return decode(bytes(store.get(key)))
+    try:
+        blob = sealed.unseal(_job_key(), key, bytes(store.get(key)))
+    except sealed.SealError as exc:
+        raise RejoinError(f"rejoin: the start-up record {key!r} in the store is refused: {exc}; a record "
+                          f"not sealed with the job's key is never replayed: a rejoin of rank {rank} is impossible") from None
+    return decode(blob)
 
 
-def _lease_copy_path(rank: int) -> Optional[str]:
+_LEASE_COPY = "startup-rank{rank}.msgpack"
+
+
+def _lease():
+    """The job's lease directory (a ``LeaseDir``), or None without controller failover."""
+    from mindspeed_ha.control.lease import LeaseDir
+
     base = os.environ.get(ha_env.LEASE_DIR)
-    return os.path.join(base, f"startup-rank{rank}.msgpack") if base else None
+    return LeaseDir(base, _job_key()) if base else None
 
 
 def write_lease_copy(rank: int, blob: bytes) -> None:
-    """With controller failover (a lease directory on the shared filesystem), a copy of the
-    record there: torchrun's store lives in node 0's agent and dies with node 0. Best
-    effort: an OSError is logged, not raised."""
-    path = _lease_copy_path(rank)
-    if path is None:
+    """With controller failover (a lease directory on the shared filesystem), a sealed copy
+    of the record there: torchrun's store lives in node 0's agent and dies with node 0.
+    Best effort: an OSError is logged, not raised."""
+    lease = _lease()
+    if lease is None:
         return
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(blob)
-        os.replace(tmp, path)
+        lease.write_blob(_LEASE_COPY.format(rank=rank), blob)
     except OSError as exc:  # best effort: only a rejoin after node 0's loss needs it
-        log.warning("rejoin: cannot keep rank %d's start-up record in %s: %s", rank, path, exc)
+        log.warning("rejoin: cannot keep rank %d's start-up record in %s: %s", rank, lease.path, exc)
 
 
 def read_lease_copy(rank: int) -> Optional[bytes]:
-    """The lease directory's copy of rank ``rank``'s record, or None (no lease directory, no copy)."""
-    path = _lease_copy_path(rank)
-    if path is None or not os.path.exists(path):
-        return None
-    with open(path, "rb") as f:
-        return f.read()
+    """The lease directory's copy of rank ``rank``'s record, or None (no lease directory,
+    no copy, or one that is not sealed with the job's key: logged)."""
+    lease = _lease()
+    return None if lease is None else lease.read_blob(_LEASE_COPY.format(rank=rank))
