@@ -282,7 +282,7 @@ def fp16_baseline(tree):
 
 @pytest.mark.parametrize("point,fp16", [("backward", False), ("optimizer", False), ("backward", True)],
                          ids=["backward", "optimizer", "backward-fp16"])
-def test_worker_restart_rejoins(tree, baselines, tmp_path, request, point, fp16):
+def test_worker_restart_rejoins(tree, tmp_path, request, point, fp16):
     """ARF on the stock script (--enable-worker-reboot): rank 3 (PP-last) SIGKILLed at backward;
     the launcher restarts it alone, its start-up is replayed (the stock start-up's
     collectives, the embedding all-reduce included), it rejoins and receives its state from a
@@ -308,7 +308,7 @@ def test_worker_restart_rejoins(tree, baselines, tmp_path, request, point, fp16)
         again = [json.loads(line) for line in f]
     assert sorted(e["rank"] for e in again) == [0, 1, 2, 3] and {e["iteration"] for e in again} == {kill_at}
     assert {e["pid"] for e in again if e["rank"] == 3} == {rep["restarts"][0]["pid"]}
-    base = request.getfixturevalue("fp16_baseline") if fp16 else baselines["pp2"]
+    base = request.getfixturevalue("fp16_baseline") if fp16 else request.getfixturevalue("baselines")["pp2"]
     assert r.losses == base["losses"]
     assert r.grad_norms == base["grad_norms"]
 
