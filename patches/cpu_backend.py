@@ -216,6 +216,15 @@ PATCHES = [
           _on_cpu_typed, FEATURE, doc=_DOC_TYPE),
     Patch("cpu.dist_opt_init", f"{_MC}.optimizer.distrib_optimizer", "DistributedOptimizer.__init__",
           _on_cpu_typed, FEATURE, doc=_DOC_TYPE),
+    # --fp16: the grad scalers build their scale and constants with device='cuda'
+    # (megatron-core 0.12.1 optimizer/grad_scaler.py), and load_state_dict moves the scale
+    # with .cuda(torch.cuda.current_device()).
+    Patch("cpu.grad_scaler_init", f"{_MC}.optimizer.grad_scaler", "MegatronGradScaler.__init__", _on_cpu,
+          FEATURE, doc=_DOC_DEV),
+    Patch("cpu.dynamic_grad_scaler_init", f"{_MC}.optimizer.grad_scaler", "DynamicGradScaler.__init__", _on_cpu,
+          FEATURE, doc=_DOC_DEV),
+    Patch("cpu.dynamic_grad_scaler_load", f"{_MC}.optimizer.grad_scaler", "DynamicGradScaler.load_state_dict",
+          _on_cpu, FEATURE, doc=_DOC_DEV),
 ]
 
 

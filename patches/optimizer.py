@@ -66,16 +66,14 @@ def _update_bracket(wrapped, instance, args, kwargs):
 def _finish_in_place(rt, exc: BaseException, where: str, result):
     """Report ``exc`` raised inside the update; on a roll-forward RETRY, recover and
     return ``result``; else raise ``exc`` (it carries the controller's action, e.g. a
-    reload, for the ``train_step`` wrapper)."""
+    reload, for the ``train_step`` wrapper). A failed recovery is reported and the
+    controller's next roll-forward RETRY followed (:meth:`HARuntime.recover`); any other
+    answer raises the failure (its action is the ``train_step`` wrapper's)."""
     action = rt.handle_fault(exc, where=where)
     if action is None or getattr(action, "kind", None) != "retry" or action.params.get("mode") != "forward":
         raise exc
     traceback.clear_frames(exc.__traceback__)  # the aborted frames' locals hold the old groups
-    try:
-        rt.recover(action)
-    except Exception as failure:
-        rt.handle_fault(failure, where=where)  # the controller falls back to the dying checkpoint
-        raise
+    rt.recover(action, where=where, modes=("forward",))
     if where == "update":
         rt.end_update_by_repair()
     return result

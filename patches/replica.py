@@ -23,6 +23,9 @@ distributed optimizer and ``--ha-replica-count`` > 1):
   Where a bucket is not divisible by ``d`` (padding is only to the instance size) the
   statistics are reduced over one instance instead (each shard once; equal to within
   rounding). The zero count (``--log-num-zeros-in-grad``) still counts each shard N times.
+  With ``--fp16`` the slices are unscaled by the factor stock unscales its main grads with
+  (before, the replica run's norm was that of the loss-scaled grads: 2^18 too large here,
+  and clipping differed from a run without replicas).
 * ``--data-parallel-random-init``: stock ``broadcast_params`` sends DP rank 0's weights
   within one instance only, so each instance would start from other weights; a second
   broadcast over the full DP group follows it (:func:`_broadcast_over_full_dp`).
@@ -227,13 +230,30 @@ def _virtual_shard_plan(opt):
 
 
 def _virtual_shard_grads(opt):
-    """The grads of :func:`_virtual_shard_plan` (views into the reduced grad buffer), or None."""
+    """The grads of :func:`_virtual_shard_plan` (views into the reduced grad buffer), or None.
+
+    With a grad scaler (``--fp16``) they are unscaled first by the factor megatron-core
+    0.12.1's ``prepare_grads`` unscaled the main grads with, which the stock norm reads
+    (``grad * inv_scale``, float32; taken before the scaler's update that follows, see
+    :func:`_note_unscale`): without it the norm, hence clipping, was that of the scaled grads."""
     if not hasattr(opt, "_ha_virtual_shard_plan"):
         opt._ha_virtual_shard_plan = _virtual_shard_plan(opt)
     plan = opt._ha_virtual_shard_plan
     if plan is None:
         return None
-    return [p.main_grad.view(-1)[lo:hi].float() for p, lo, hi in plan]
+    grads = [p.main_grad.view(-1)[lo:hi].float() for p, lo, hi in plan]
+    inv_scale = getattr(opt, "_ha_unscaled_by", None) if getattr(opt, "grad_scaler", None) is not None else None
+    if inv_scale is not None:
+        grads = [g * inv_scale for g in grads]
+    return grads
+
+
+def _note_unscale(wrapped, instance, args, kwargs):
+    """``_unscale_main_grads_and_check_for_nan``: remember the factor it unscales with (the
+    grad scaler's ``inv_scale`` now; ``prepare_grads`` updates the scaler right after)."""
+    if _replicated(instance) and instance.grad_scaler is not None:
+        instance._ha_unscaled_by = instance.grad_scaler.inv_scale
+    return wrapped(*args, **kwargs)
 
 
 def _main_grads_of_virtual_shard(wrapped, instance, args, kwargs):
@@ -299,6 +319,14 @@ PATCHES = [
         wrapper=_main_grads_of_virtual_shard,
         feature="replica",
         doc="grad norm over the replica-free shard r of d (bitwise equal to no replicas)",
+    ),
+    Patch(
+        name="replica.grad_norm_unscale",
+        module="megatron.core.optimizer.optimizer",
+        attribute="MixedPrecisionOptimizer._unscale_main_grads_and_check_for_nan",
+        wrapper=_note_unscale,
+        feature="replica",
+        doc="--fp16: the replica-free grad norm reads the grads unscaled by the factor stock unscales with",
     ),
     Patch(
         name="replica.grad_norm_group",

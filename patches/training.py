@@ -109,18 +109,22 @@ def _train_step(wrapped, instance, args, kwargs):
             # groups and their ops' Works in their locals: cleared, so the rebuild leaves no
             # holder behind and the old groups' sockets and threads go with them
             _clear_frames(exc)
-        # RETRY (in-place recovery): clean, rebuild groups, repair, roll back; then re-run
-        # the step. A failure here is reported as a new fault (the controller then falls
-        # back to the dying checkpoint and this rank waits for its EXIT).
-        try:
-            rt.recover(action)
-            if rt.state.reruns:  # a reload: the iterations after the checkpoint first (results discarded)
-                reload.rerun(rt, lambda: wrapped(*bound.args, **bound.kwargs))
-        except Exception as exc:
-            rt.handle_fault(exc)
-            raise
+        # RETRY (in-place recovery): clean, rebuild groups, repair, roll back (a reload: the
+        # iterations after the checkpoint re-run first, results discarded); then re-run the
+        # step. A failure is reported as a new fault and the controller's next action
+        # followed: another RETRY (e.g. a controller successor's plan) recovers again; the
+        # dying checkpoint's EXIT ends this rank; anything else raises the failure here.
+        rt.recover(action, then=lambda: _rerun_after_reload(rt, wrapped, bound))
     rt.iteration_done()
     return result
+
+
+def _rerun_after_reload(rt, wrapped, bound) -> None:
+    """After a reload (no replica): the iterations after the checkpoint, re-run silently."""
+    if rt.state.reruns:
+        from mindspeed_ha.recovery import reload
+
+        reload.rerun(rt, lambda: wrapped(*bound.args, **bound.kwargs))
 
 
 def _clear_frames(exc: BaseException) -> None:
@@ -286,8 +290,8 @@ def _rejoin_after_setup(wrapped, instance, args, kwargs):
 
         rt.attach(model, optimizer, opt_param_scheduler, loader=reload.script_loader(wrapped))
         try:
-            rt.rejoin_after_setup(model, optimizer, opt_param_scheduler)
-        except Exception as exc:  # the rejoin failed (already reported): the controller's verdict ends the rank
+            rt.rejoin_after_setup(model, optimizer, opt_param_scheduler)  # follows the controller's next RETRY
+        except Exception as exc:  # no rejoin (a failure is reported already): the controller's verdict ends the rank
             rt.handle_fault(exc, where="rejoin")
             raise
     return result

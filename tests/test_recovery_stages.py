@@ -27,8 +27,8 @@ def test_every_plan_mode_has_its_stages_in_the_order_the_result_reports():
         "rejoin": ["rebuild", "repair"], "forward": ["rebuild", "repair"], "reload": ["rebuild", "reload", "repair"]}
 
 
-def _plan(mode="rollback", **kw):
-    return RecoveryPlan(iteration=4, generation=1, kind=FaultKind.UCE, fault_rank=0, mode=mode, **kw)
+def _plan(mode="rollback", generation=1, **kw):
+    return RecoveryPlan(iteration=4, generation=generation, kind=FaultKind.UCE, fault_rank=0, mode=mode, **kw)
 
 
 def test_a_plan_that_does_not_rejoin_this_rank_is_refused():
@@ -125,3 +125,135 @@ def test_step_state_lists_every_replay_wrapper():
     state = StepState()
     state.replays = {1: ("it", "w", ["a", "b"]), 2: ("it2", "w2", ["c"])}
     assert state.replay_wrappers() == ["a", "b", "c"]
+
+
+# ---- a failed recovery follows the controller's next action -------------------------------------
+class _Processor:
+    """The processor's side of a recovery: results and faults recorded, the controller's
+    answers to the faults given in order."""
+
+    incarnation = 1
+
+    def __init__(self, *answers):
+        self.answers = list(answers)
+        self.results, self.faults = [], []
+
+    def action_result(self, action_id, ok, detail):
+        self.results.append((action_id, ok))
+
+    def report_fault(self, exc, iteration, where="train_step"):
+        self.faults.append((str(exc), iteration, where))
+        return self.answers.pop(0)
+
+    def wait_to_rejoin(self, timeout=None):
+        return self.report_fault("rejoin point", -1, where="rejoin")
+
+
+def _action(action_id, kind="retry", store=None, **plan):
+    params = _plan(**plan).to_params() if kind == "retry" else {"code": 75, "reason": "dying checkpoint"}
+    if store is not None:  # a controller successor names its rendezvous store
+        params["store"] = store
+    return types.SimpleNamespace(action_id=action_id, kind=kind, params=params)
+
+
+def _runtime(processor):
+    from mindspeed_ha.runtime.core import HARuntime
+
+    rt = HARuntime(config=types.SimpleNamespace(hbm_repair=False, action_timeout_s=5), args=types.SimpleNamespace())
+    rt.processor, rt.current = processor, 5
+    return rt
+
+
+def _store_lost_at_generation_1(ran):
+    def rebuild(c):
+        ran.append(c.plan.generation)
+        if c.plan.generation == 1:  # the controller's node (and its store) died during the rebuild
+            raise RuntimeError("rebuild_process_groups: rank 2 could not create 0.ha1")
+
+    return rebuild
+
+
+def test_a_failed_recovery_runs_again_with_the_controller_s_next_plan(monkeypatch):
+    """The rebuild fails (the store died with the controller's node): the failure is sent as
+    the RETRY result, reported as a fault, and the successor's RETRY (a new generation, its
+    store) is carried out; not re-raised."""
+    ran = []
+    monkeypatch.setitem(stages.IN_PLACE, "rollback", (("rebuild", _store_lost_at_generation_1(ran)),))
+    processor = _Processor(_action(9, generation=2, store="127.0.0.1:29999"))
+    rt = _runtime(processor)
+    times = rt.recover(_action(7))
+    assert ran == [1, 2] and list(times) == ["rebuild"] and rt.recoveries == 1
+    assert processor.results == [(7, False), (9, True)]
+    assert processor.faults == [("rebuild_process_groups: rank 2 could not create 0.ha1", 5,
+                                 "train_step")]
+
+
+def test_a_failed_recovery_follows_an_exit_and_is_reported_once(monkeypatch):
+    """Any answer but a RETRY (the dying checkpoint's EXIT, which normally ends the process
+    first): the failure is raised; an outer guard that sees it gets the same answer without
+    a second report."""
+    ran = []
+    monkeypatch.setitem(stages.IN_PLACE, "rollback", (("rebuild", _store_lost_at_generation_1(ran)),))
+    exit_action = _action(11, kind="exit")
+    processor = _Processor(exit_action)
+    rt = _runtime(processor)
+    with pytest.raises(RuntimeError, match="could not create 0.ha1") as failure:
+        rt.recover(_action(7))
+    assert ran == [1] and processor.results == [(7, False)] and len(processor.faults) == 1
+    assert rt.handle_fault(failure.value, where="train") is exit_action and len(processor.faults) == 1
+
+
+def test_a_failed_roll_forward_inside_the_update_follows_only_a_roll_forward(monkeypatch):
+    """Inside the optimizer update (the bracket recovers from there, while handling the
+    update's fault): the failure is news though raised during a reported fault; a RETRY of
+    another mode is not carried out there but raised with the failure (the train_step
+    wrapper gets that action)."""
+    ran = []
+    monkeypatch.setitem(stages.IN_PLACE, "forward", (("rebuild", _store_lost_at_generation_1(ran)),))
+    rollback = _action(9, generation=2)
+    processor = _Processor(_action(8, mode="forward"), rollback)
+    rt = _runtime(processor)
+    try:
+        raise RuntimeError("uncorrectable ECC error")
+    except RuntimeError as fault:
+        action = rt.handle_fault(fault, where="update")
+        with pytest.raises(RuntimeError, match="could not create") as failure:
+            rt.recover(action, where="update", modes=("forward",))
+    assert [w for _, _, w in processor.faults] == ["update", "update"] and ran == [1]
+    assert rt.handle_fault(failure.value) is rollback
+
+
+def test_a_failed_rejoin_rejoins_again_with_the_controller_s_next_plan(monkeypatch):
+    """A restarted process (ARF) whose rejoin failed reports it and rejoins with the next plan."""
+    ran = []
+    monkeypatch.setitem(stages.REJOINING, "rejoin", (("rebuild", _store_lost_at_generation_1(ran)),))
+    rejoin = {"mode": "rejoin", "rejoin": (2,), "repairs": {2: 0}}
+    processor = _Processor(_action(7, **rejoin), _action(9, generation=2, **rejoin))
+    rt = _runtime(processor)
+    rt.rank = 2
+    rt.rejoin_after_setup(model=None, optimizer=None, opt_param_scheduler=None)
+    assert ran == [1, 2] and processor.results == [(7, False), (9, True)] and rt.recoveries == 1
+    assert [w for _, _, w in processor.faults] == ["rejoin", "rejoin"]
+
+
+def test_a_skipped_update_is_reported_as_an_update_that_changed_nothing():
+    """fp16: an iteration whose inf/nan check skips the update never enters the update
+    bracket; the runtime reports UPDATING(k) then UPDATED(k) at its end (UPDATED(k-1) ->
+    UPDATED(k) directly is an illegal move that stopped every fp16 run at iteration 1)."""
+    from mindspeed_ha.control.state import OptimizerStatus, RankState
+
+    class Status:
+        def __init__(self):
+            self.state = RankState(0, OptimizerStatus.UPDATED, 0)
+
+        def begin_update(self, k):
+            self.state.transition(OptimizerStatus.UPDATING, k)
+
+        def end_update(self, k):
+            self.state.transition(OptimizerStatus.UPDATED, k)
+
+    rt = _runtime(Status())
+    rt.completed, rt.current = 0, 1
+    rt.take_snapshot(0)
+    rt.iteration_done()  # train_step returned without an update
+    assert rt.processor.state.snapshot() == (OptimizerStatus.UPDATED, 1) and rt.snapshot.iteration == 1

@@ -264,8 +264,25 @@ def test_recovered_in_place(tree, baselines, tmp_path, name, layout, spec):
     assert r.grad_norms == base["grad_norms"]
 
 
-@pytest.mark.parametrize("point", ["backward", "optimizer"])
-def test_worker_restart_rejoins(tree, baselines, tmp_path, point):
+#: --fp16 with a loss scale that moves every few steps (2^20 overflows, backs off after
+#: --hysteresis 2, grows every 2 clean steps): iterations 1-3, 6 and 7 overflow (skipped), the
+#: scale grows at 5; after 6 the grad scaler's hysteresis tracker is 1, not a fresh scaler's 2
+FP16 = dict(fp16=True, initial_loss_scale=2 ** 20, loss_scale_window=2)
+FP16_KILL_AT = 7
+
+
+@pytest.fixture(scope="module")
+def fp16_baseline(tree):
+    """The uninterrupted --fp16 run (HA flags off), made only for the test that needs it."""
+    r = _run(tree, _args("pp2", ha=False, **FP16))
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert sorted(r.losses) == list(range(1, ITERS + 1))
+    return {"losses": r.losses, "grad_norms": r.grad_norms}
+
+
+@pytest.mark.parametrize("point,fp16", [("backward", False), ("optimizer", False), ("backward", True)],
+                         ids=["backward", "optimizer", "backward-fp16"])
+def test_worker_restart_rejoins(tree, tmp_path, request, point, fp16):
     """ARF on the stock script (--enable-worker-reboot): rank 3 (PP-last) SIGKILLed at backward;
     the launcher restarts it alone, its start-up is replayed (the stock start-up's
     collectives, the embedding all-reduce included), it rejoins and receives its state from a
@@ -273,10 +290,14 @@ def test_worker_restart_rejoins(tree, baselines, tmp_path, point):
     ``optimizer``: killed inside the update (roll forward with rejoin): the new process
     catches up step KILL_AT in the stock train_step and train() (the model-parallel
     all-reduces after optimizer.step(), training_log: rank 3 prints the log line of
-    KILL_AT, its loss and grad norm those of the holder)."""
+    KILL_AT, its loss and grad norm those of the holder).
+    ``fp16``: --fp16 with a moving loss scale, killed in iteration 7: the new process also
+    receives the grad scaler's Python-int trackers (without them it backs off its scale a
+    step after its peers: the grad norm of 8 differs)."""
+    kill_at = FP16_KILL_AT if fp16 else KILL_AT
     after, report = str(tmp_path / "after.jsonl"), str(tmp_path / "report.json")
-    args = _args("pp2", enable_worker_reboot=True)
-    r = _run(tree, args, env={"MINDSPEED_HA_INJECT": f"rank=3,iteration={KILL_AT},point={point},fault=kill",
+    args = _args("pp2", enable_worker_reboot=True, **(FP16 if fp16 else {}))
+    r = _run(tree, args, env={"MINDSPEED_HA_INJECT": f"rank=3,iteration={kill_at},point={point},fault=kill",
                               "MINDSPEED_HA_RECOVERY_LOG": after, "MINDSPEED_HA_REPORT": report})
     assert r.returncode == 0, (r.stdout + r.stderr)[-8000:]
     with open(report) as f:
@@ -285,9 +306,9 @@ def test_worker_restart_rejoins(tree, baselines, tmp_path, point):
     assert [rec["mode"] for rec in rep["recoveries"]] == ["forward" if point == "optimizer" else "rejoin"]
     with open(after) as f:
         again = [json.loads(line) for line in f]
-    assert sorted(e["rank"] for e in again) == [0, 1, 2, 3] and {e["iteration"] for e in again} == {KILL_AT}
+    assert sorted(e["rank"] for e in again) == [0, 1, 2, 3] and {e["iteration"] for e in again} == {kill_at}
     assert {e["pid"] for e in again if e["rank"] == 3} == {rep["restarts"][0]["pid"]}
-    base = baselines["pp2"]
+    base = request.getfixturevalue("fp16_baseline") if fp16 else request.getfixturevalue("baselines")["pp2"]
     assert r.losses == base["losses"]
     assert r.grad_norms == base["grad_norms"]
 

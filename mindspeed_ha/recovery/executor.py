@@ -4,16 +4,18 @@ sends the RETRY result built from those events: the seconds of each stage by its
 (``clean``, ``rebuild``, ``reload``, ``repair``, ``rollback``), with the rank, iteration,
 generation, mode and whether it was repaired.
 
-A stage that raises ends the recovery: the failure is logged and sent as the RETRY
-result (the controller falls back to the dying checkpoint), and re-raised for the caller
-to report as a fault during recovery.
+A stage that raises ends the attempt: the failure is logged and sent as the RETRY result
+(the controller falls back to the dying checkpoint, or a controller successor plans again)
+and re-raised; the caller (``HARuntime.recover``, ``HARuntime.rejoin_after_setup``) reports
+it as a fault and follows the controller's next action (:func:`next_plan`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from typing import Dict, Sequence, Tuple
+import traceback
+from typing import Dict, Optional, Sequence, Tuple
 
 from mindspeed_ha.recovery import stages as stage_table
 from mindspeed_ha.recovery.stages import RecoveryContext, Stage
@@ -45,6 +47,27 @@ def _failed(rt, action, exc: BaseException, what: str) -> None:
 
     log.exception("rank %d: %s failed", rt.rank, what)
     rt.processor.action_result(action.action_id, False, describe(exc))
+
+
+def next_plan(rt, failure: BaseException, where: str, modes: Optional[Tuple[str, ...]] = None):
+    """A recovery (or rejoin) attempt failed with ``failure`` (already sent as its RETRY
+    result): report it as a fault of ``where`` (news, also when raised while handling the
+    fault it recovers from) and return the controller's next action when it is a RETRY whose
+    mode is in ``modes`` (any mode if None): a new plan, e.g. a controller successor's with
+    its rendezvous store after the controller's node was lost during this recovery.
+
+    Raises:
+        ``failure``: the answer is anything else (the dying checkpoint: its DUMP runs on the
+            action thread and its EXIT ends the process meanwhile; None: no controller).
+    """
+    action = rt.handle_fault(failure, where=where, news=True)
+    mode = (getattr(action, "params", None) or {}).get("mode")
+    if getattr(action, "kind", None) != "retry" or (modes is not None and mode not in modes):
+        raise failure
+    log.warning("rank %d: the recovery failed (%s); the controller's next plan (%s) is carried out", rt.rank,
+                failure, mode)
+    traceback.clear_frames(failure.__traceback__)  # the failed attempt's locals hold old process groups
+    return action
 
 
 #: the log line of a recovery done, by plan mode (None: the modes that re-run the next step)

@@ -13,7 +13,11 @@ make it differ, and this module puts each back:
   tensor-parallel tracker);
 * communication and gradient state: :func:`clean` resets DDP's per-step bucket state,
   zeroes the gradients, stops Megatron-LM's timers that the step left running and
-  returns the rerun state machine to "between iterations".
+  returns the rerun state machine to "between iterations";
+* the grad scaler (``--fp16``): megatron-core's ``MixedPrecisionOptimizer.prepare_grads``
+  updates it (scale, growth and hysteresis trackers) before the update bracket, so a step
+  aborted after it (e.g. in the grad-norm all-reduce) would count its inf/nan check twice:
+  :func:`capture_grad_scalers` at the attempt's entry, put back by :func:`clean`.
 
 Sources (megatron-core 0.12.1): ``distributed/param_and_grad_buffer.py``
 (``_ParamAndGradBucketGroup``: ``reset``, ``start/finish_grad_sync``,
@@ -219,6 +223,31 @@ def restore_rng(state: dict) -> None:
     megatron_lm.set_rng_state(state)
 
 
+# ---- grad scaler (fp16) ------------------------------------------------------------------
+def _scalers(optimizer) -> List[Any]:
+    opts = list(getattr(optimizer, "chained_optimizers", None) or [optimizer]) if optimizer is not None else []
+    return [getattr(opt, "grad_scaler", None) for opt in opts]
+
+
+def capture_grad_scalers(optimizer) -> List[Optional[dict]]:
+    """Each optimizer's grad scaler state now (megatron-core ``grad_scaler.state_dict()``;
+    None where there is none). No copy: the scaler replaces its scale tensor on update
+    instead of writing it (megatron-core 0.12.1 ``DynamicGradScaler.update``), so holding
+    the dict keeps the values of now. A few microseconds."""
+    return [scaler.state_dict() if scaler is not None else None for scaler in _scalers(optimizer)]
+
+
+def restore_grad_scalers(optimizer, captured: Optional[List[Optional[dict]]]) -> int:
+    """Put back a :func:`capture_grad_scalers` state (``grad_scaler.load_state_dict``);
+    returns how many scalers were set (0 without a capture)."""
+    done = 0
+    for scaler, state in zip(_scalers(optimizer), captured or []):
+        if scaler is not None and state is not None:
+            scaler.load_state_dict(state)
+            done += 1
+    return done
+
+
 # ---- rerun state machine -----------------------------------------------------------------
 _RERUN_FIELDS = ("state", "current_iteration", "rerun_requested", "checkpoint_requested",
                  "restart_again_requested", "continue_requested")
@@ -351,7 +380,8 @@ def clean_communication(model) -> List[str]:
     return [f"{len(chunks)} DDP chunk(s): {n_groups} bucket group(s) reset"]
 
 
-def clean(model, optimizer, rerun_state: Optional[dict] = None, timers=None, keep_timers=()) -> List[str]:
+def clean(model, optimizer, rerun_state: Optional[dict] = None, timers=None, keep_timers=(),
+          grad_scalers: Optional[List[Optional[dict]]] = None) -> List[str]:
     """Clean the communication and gradient state an aborted training step left behind.
 
     After it, the step can run again from its start with the model and optimizer state
@@ -364,13 +394,14 @@ def clean(model, optimizer, rerun_state: Optional[dict] = None, timers=None, kee
             (see :func:`reset_rerun_machine` for what happens without it).
         timers: Megatron-LM's ``Timers`` (default: the global ones, if any).
         keep_timers: timers running when the step began (:func:`started_timers`): kept running.
+        grad_scalers: :func:`capture_grad_scalers` at the step's entry: put back.
 
     Does:
         every DDP chunk's bucket groups (expert ones too): :func:`clean_bucket_group`;
         ``param.grad = None`` for every parameter (a backward cut short may leave one);
         ``zero_grad_buffer()`` on every chunk (grad buffers zeroed,
         ``grad_added_to_main_grad`` cleared); ``optimizer.zero_grad()``;
-        :func:`stop_timers`; :func:`reset_rerun_machine`.
+        :func:`stop_timers`; :func:`reset_rerun_machine`; :func:`restore_grad_scalers`.
 
     Returns:
         a line per thing done (for logs).
@@ -389,6 +420,8 @@ def clean(model, optimizer, rerun_state: Optional[dict] = None, timers=None, kee
     if optimizer is not None:
         optimizer.zero_grad()
         done.append("optimizer grads zeroed")
+        if restore_grad_scalers(optimizer, grad_scalers):
+            done.append("grad scalers back to the step's entry")
     stopped = stop_timers(timers, keep=keep_timers)
     if stopped:
         done.append(f"timers stopped: {', '.join(stopped)}")

@@ -122,12 +122,14 @@ def _repairs(c: RecoveryContext) -> Dict[int, int]:
 # ---- in place (a survivor, training thread) ---------------------------------------------------
 def clean(c: RecoveryContext) -> None:
     """Abandon the aborted attempt: communication, grad buckets, gradients, timers (the
-    attempt's entry timers kept), Megatron's rerun state machine."""
+    attempt's entry timers kept), Megatron's rerun state machine; the grad scalers back to
+    the attempt's entry (before the repair: a source sends that state)."""
     from mindspeed_ha.recovery import comm, rollback
 
     comm.reset()
     c.rt.state.update_depth = 0
-    rollback.clean(c.model, c.optimizer, rerun_state=c.rt.state.rerun_state, keep_timers=c.rt.state.entry_timers)
+    rollback.clean(c.model, c.optimizer, rerun_state=c.rt.state.rerun_state, keep_timers=c.rt.state.entry_timers,
+                   grad_scalers=c.rt.state.entry_scalers)
 
 
 def clean_communication(c: RecoveryContext) -> None:

@@ -7,7 +7,11 @@ distributed optimizer any other DP rank) still holds the state of the last compl
 iteration ``k``. :func:`send_state` / :func:`recv_state` copy it point to point, over a
 process group holding both ranks, never through a file.
 
-What is transferred (:func:`state_tensors`, in this order):
+What is transferred: every piece of optimizer and model state a regular checkpoint holds
+(megatron-core's ``optimizer.state_dict()``, the distributed optimizer's parameter state,
+the model's ``state_dict()``), in two parts.
+
+The tensors (:func:`state_tensors`, in this order):
 
 * every model chunk's parameters (``named_parameters()`` sorted by name, after stripping
   DDP / Float16Module wrappers) and persistent buffers (``state_dict`` buffers);
@@ -18,25 +22,38 @@ What is transferred (:func:`state_tensors`, in this order):
   parameter state sorted by key (Adam: ``exp_avg``, ``exp_avg_sq``, ``step``), then the
   tensors of its grad scaler (fp16 only).
 
+The host state (:func:`host_state`: the Python values beside those tensors, read with the
+libraries' own ``state_dict()``): per optimizer, every param group's settings (torch's
+``optimizer.state_dict()["param_groups"]`` without ``params``: learning rate, weight
+decay, betas, Megatron's ``wd_mult`` / ``lr_mult`` ...), the non-tensor per-parameter
+state, and the grad scaler's non-tensor state (megatron-core ``DynamicGradScaler.
+state_dict()``: ``growth_tracker`` and ``hysteresis_tracker``, Python ints; a restarted
+process that kept its initial values doubled or halved its loss scale at another step than
+its peers and unscaled its gradients with the wrong factor). The receiver sets them as a
+checkpoint load would: param group keys and per-parameter values in place, the grad
+scaler through its own ``load_state_dict``.
+
 What is not, and why:
 
 * gradients (``main_grad`` / the DDP grad buffers, ``.grad``): the re-run of the
   interrupted step zeroes them first (``zero_grad_buffer`` / ``optimizer.zero_grad``);
-* non-tensor state in host memory (the iteration number, the LR scheduler, Adam's
-  hyper-parameters and a Python-int ``step``, Megatron-LM's args and counters, RNG
-  states): a device-memory fault does not damage host memory, and a fault before the
-  update of ``k+1`` leaves them at ``k``;
+* what is not the model's or the optimizer's (the iteration number, the LR scheduler,
+  Megatron-LM's args and counters, RNG states): the same in every replica holder and in
+  host memory, which a device-memory fault does not damage; a restarted process receives
+  them from its holder as its progress (:mod:`mindspeed_ha.recovery.progress`);
 * the optimizer state of parameters with no state yet (before the first update both
   holders have none; the header check fails if only one has).
 
 Protocol (sender -> receiver unless said): a fixed header (int64: protocol version, number
-of tensors, length of the descriptor, total bytes), the descriptor (UTF-8 JSON: name,
-shape, dtype of every tensor), the receiver's verdict (receiver -> sender: 0, or 1 + the
-index of the first mismatching tensor; both sides then raise), then the tensors packed
-into one contiguous buffer per dtype (split at ``max_message_bytes``: a few messages, not
-one per tensor). The receiver copies each tensor in place (``copy_``): DDP's parameter
-buffers and the distributed optimizer hold views of these tensors, so replacing them
-would break the links. Messages go through ``torch.distributed.send`` / ``recv``.
+of tensors, length of the descriptor, total bytes, length of the host state), the
+descriptor (UTF-8 JSON: name, shape, dtype of every tensor), the host state (msgpack, no
+pickle; :func:`mindspeed_ha.recovery.progress.encode_value`), the receiver's verdict
+(receiver -> sender: 0, or 1 + the index of the first mismatching tensor, or 2 when the
+host state's structure differs; both sides then raise), then the tensors packed into one
+contiguous buffer per dtype (split at ``max_message_bytes``: a few messages, not one per
+tensor). The receiver copies each tensor in place (``copy_``): DDP's parameter buffers and
+the distributed optimizer hold views of these tensors, so replacing them would break the
+links; then it sets the host state. Messages go through ``torch.distributed.send`` / ``recv``.
 """
 
 from __future__ import annotations
@@ -51,7 +68,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+#: largest host-state message (bytes): a few hundred per param group and optimizer
+MAX_HOST_BYTES = 1 << 20
 
 #: largest packed message (bytes); bounds the extra memory a transfer needs on each side.
 #: Measured (gloo, 2 ranks on one 2-core host, 256 MiB of fp32, median of 3): 4 MiB
@@ -145,6 +164,101 @@ def state_tensors(model, optimizer) -> List[Tuple[str, torch.Tensor]]:
     return out
 
 
+def host_state(optimizer) -> List[Dict[str, Any]]:
+    """The optimizer state held as Python values beside :func:`state_tensors`, one entry per
+    optimizer (each of a ``ChainedOptimizer``'s ``chained_optimizers``), read with the
+    libraries' own ``state_dict()``.
+
+    Returns:
+        ``[{"groups": [settings], "sizes": [params per group], "state": [[index, {key:
+        value}]], "grad_scaler": {key: value} or None}]``: ``groups`` are torch's
+        ``optimizer.state_dict()["param_groups"]`` without ``params``; ``state`` the
+        non-tensor per-parameter values by torch's parameter index (empty for torch's Adam,
+        whose ``step`` is a tensor); ``grad_scaler`` megatron-core's
+        ``grad_scaler.state_dict()`` without its tensors (``DynamicGradScaler``:
+        ``growth_tracker``, ``hysteresis_tracker``; ``ConstantGradScaler``: nothing).
+    """
+    out: List[Dict[str, Any]] = []
+    for opt in _optimizers(optimizer):
+        entry: Dict[str, Any] = {"groups": [], "sizes": [], "state": [], "grad_scaler": None}
+        inner = getattr(opt, "optimizer", None)
+        if inner is not None:
+            packed = inner.state_dict()
+            entry["groups"] = [{k: v for k, v in g.items() if k != "params"} for g in packed["param_groups"]]
+            entry["sizes"] = [len(g["params"]) for g in packed["param_groups"]]
+            for index in sorted(packed["state"]):
+                values = {k: v for k, v in packed["state"][index].items() if not torch.is_tensor(v)}
+                if values:
+                    entry["state"].append([int(index), values])
+        scaler = getattr(opt, "grad_scaler", None)
+        if scaler is not None:
+            entry["grad_scaler"] = {k: v for k, v in scaler.state_dict().items() if not torch.is_tensor(v)}
+        out.append(entry)
+    return out
+
+
+def _host_mismatch(optimizer, theirs: List[Dict[str, Any]]) -> Optional[str]:
+    """Why ``theirs`` (the sender's :func:`host_state`) cannot be set on ``optimizer``, or None."""
+    mine = host_state(optimizer)
+    if len(mine) != len(theirs):
+        return f"{len(theirs)} optimizers sent, this rank has {len(mine)}"
+    for j, (a, b) in enumerate(zip(mine, theirs)):
+        if a["sizes"] != b["sizes"]:
+            return f"optimizer {j}: parameters per group {b['sizes']} sent, this rank has {a['sizes']}"
+        if (a["grad_scaler"] is None) != (b["grad_scaler"] is None):
+            return f"optimizer {j}: grad scaler {'sent' if b['grad_scaler'] is not None else 'not sent'}, this " \
+                   f"rank has {'one' if a['grad_scaler'] is not None else 'none'}"
+    return None
+
+
+def set_host_state(optimizer, host: List[Dict[str, Any]]) -> None:
+    """Set :func:`host_state` ``host`` on ``optimizer`` as a checkpoint load would: each param
+    group's settings and each parameter's non-tensor state in place (the groups keep their
+    ``params``), the grad scaler through megatron-core's ``grad_scaler.load_state_dict`` (its
+    scale tensor as this rank holds it: :func:`recv_state` copied it first).
+
+    Raises:
+        StateMismatch: another number of optimizers, param groups or parameters, or a grad
+            scaler on one side only.
+    """
+    why = _host_mismatch(optimizer, host)
+    if why is not None:
+        raise StateMismatch(f"host state: {why}")
+    for opt, entry in zip(_optimizers(optimizer), host):
+        inner = getattr(opt, "optimizer", None)
+        if inner is not None:
+            for group, settings in zip(inner.param_groups, entry["groups"]):
+                group.update({k: v for k, v in settings.items() if k != "params"})
+            # torch numbers the parameters across the groups in order (Optimizer.state_dict)
+            params = [p for group in inner.param_groups for p in group["params"]]
+            for index, values in entry["state"]:
+                inner.state[params[index]].update(values)
+        scaler = getattr(opt, "grad_scaler", None)
+        if scaler is not None and entry["grad_scaler"]:
+            merged = scaler.state_dict()
+            merged.update(entry["grad_scaler"])
+            scaler.load_state_dict(merged)
+
+
+def _encode_host(optimizer) -> bytes:
+    import msgpack
+
+    from mindspeed_ha.recovery.progress import encode_value
+
+    blob = msgpack.packb(encode_value(host_state(optimizer)), use_bin_type=True)
+    if len(blob) > MAX_HOST_BYTES:
+        raise StateMismatch(f"host state of {len(blob)} bytes > {MAX_HOST_BYTES}")
+    return blob
+
+
+def _decode_host(blob: bytes) -> List[Dict[str, Any]]:
+    import msgpack
+
+    from mindspeed_ha.recovery.progress import decode_value
+
+    return decode_value(msgpack.unpackb(blob, raw=False, strict_map_key=False))
+
+
 def _describe(tensors: List[Tuple[str, torch.Tensor]]) -> List[List[Any]]:
     return [[name, list(t.shape), str(t.dtype).replace("torch.", "")] for name, t in tensors]
 
@@ -208,7 +322,8 @@ def _entry(desc: List[List[Any]], i: int) -> str:
 
 def send_state(model, optimizer, dst: int, group=None,
                max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> TransferStats:
-    """Send this rank's :func:`state_tensors` to global rank ``dst`` (which calls :func:`recv_state`).
+    """Send this rank's :func:`state_tensors` and :func:`host_state` to global rank ``dst``
+    (which calls :func:`recv_state`).
 
     Args:
         dst: the receiver's global rank.
@@ -227,12 +342,17 @@ def send_state(model, optimizer, dst: int, group=None,
     desc = _describe(tensors)
     device = _device(group)
     blob = json.dumps(desc).encode()
+    host = _encode_host(optimizer)
     total = sum(_nbytes(t) for _, t in tensors)
-    _send(torch.tensor([PROTOCOL_VERSION, len(tensors), len(blob), total], dtype=torch.int64, device=device),
-          dst, group)
+    _send(torch.tensor([PROTOCOL_VERSION, len(tensors), len(blob), total, len(host)], dtype=torch.int64,
+                       device=device), dst, group)
     _send(torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device), dst, group)
+    _send(torch.frombuffer(bytearray(host), dtype=torch.uint8).to(device), dst, group)
     verdict = torch.zeros(2, dtype=torch.int64, device=device)
     _recv(verdict, dst, group)
+    if int(verdict[0]) == 2:
+        raise StateMismatch(f"state transfer to rank {dst}: the receiver's optimizer differs from this rank's "
+                            "(param groups, parameters per group or grad scaler; the receiver names it)")
     if int(verdict[0]) != 0:
         i = int(verdict[1])
         raise StateMismatch(f"state transfer to rank {dst}: the receiver's state differs from this rank's "
@@ -273,7 +393,8 @@ def _materialize(optimizer, theirs: List[List[Any]]) -> int:
 
 def recv_state(model, optimizer, src: int, group=None,
                max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, materialize: bool = False) -> TransferStats:
-    """Overwrite this rank's :func:`state_tensors` in place with those of global rank ``src``.
+    """Overwrite this rank's :func:`state_tensors` in place with those of global rank ``src``,
+    then set its :func:`host_state` (:func:`set_host_state`).
 
     Args:
         src: the sender's global rank (it calls :func:`send_state` with the same
@@ -286,7 +407,8 @@ def recv_state(model, optimizer, src: int, group=None,
         :class:`TransferStats` (bytes of tensor data received, seconds).
 
     Raises:
-        StateMismatch: number, names, shapes or dtypes differ; names the first
+        StateMismatch: number, names, shapes or dtypes differ, or the optimizers' structure
+            (param groups, parameters per group, grad scaler); names the first
             difference. Nothing was overwritten; the sender raises too.
         RuntimeError: (the backend) the sender is gone or the link failed: the state may
             be partly overwritten (it was damaged anyway).
@@ -295,21 +417,28 @@ def recv_state(model, optimizer, src: int, group=None,
     tensors = state_tensors(model, optimizer)
     desc = _describe(tensors)
     device = _device(group)
-    header = torch.zeros(4, dtype=torch.int64, device=device)
+    header = torch.zeros(5, dtype=torch.int64, device=device)
     _recv(header, src, group)
-    version, count, blob_len, total = (int(x) for x in header.tolist())
-    if version != PROTOCOL_VERSION:
-        raise StateMismatch(f"state transfer from rank {src}: protocol version {version}, expected "
-                            f"{PROTOCOL_VERSION}")
+    version, count, blob_len, total, host_len = (int(x) for x in header.tolist())
+    if version != PROTOCOL_VERSION or not 0 < host_len <= MAX_HOST_BYTES:
+        raise StateMismatch(f"state transfer from rank {src}: protocol version {version}, host state of "
+                            f"{host_len} bytes (expected version {PROTOCOL_VERSION}, at most {MAX_HOST_BYTES} bytes)")
     blob = torch.zeros(blob_len, dtype=torch.uint8, device=device)
     _recv(blob, src, group)
     theirs = json.loads(bytes(blob.cpu().numpy().tobytes()).decode())
+    host_blob = torch.zeros(host_len, dtype=torch.uint8, device=device)
+    _recv(host_blob, src, group)
+    host = _decode_host(bytes(host_blob.cpu().numpy().tobytes()))
     if materialize and theirs != desc and _materialize(optimizer, theirs):
         tensors = state_tensors(model, optimizer)
         desc = _describe(tensors)
     verdict = torch.zeros(2, dtype=torch.int64, device=device)
     mismatch = None
-    if theirs != desc:
+    host_why = _host_mismatch(optimizer, host)
+    if host_why is not None:
+        mismatch = f"state transfer from rank {src}: host state: {host_why}"
+        verdict[0] = 2
+    elif theirs != desc:
         i = _first_mismatch(desc, theirs)
         mismatch = (f"state transfer from rank {src}: tensor {i} differs: sender has {_entry(theirs, i)}, "
                     f"this rank has {_entry(desc, i)} (sender {count} tensors, {total} bytes; this rank "
@@ -330,13 +459,16 @@ def recv_state(model, optimizer, src: int, group=None,
                 n = t.numel()
                 t.copy_(buf[offset:offset + n].view(t.shape))
                 offset += n
+    set_host_state(optimizer, host)
     return TransferStats(total, time.perf_counter() - start, len(tensors), len(plan))
 
 
 def state_digest(model, optimizer) -> str:
-    """SHA-256 (hex) over every :func:`state_tensors` entry's name, shape, dtype and bytes:
-    equal on two ranks exactly when their transferable state is bitwise equal."""
+    """SHA-256 (hex) over every :func:`state_tensors` entry's name, shape, dtype and bytes and
+    the :func:`host_state`: equal on two ranks exactly when their transferable state is
+    bitwise equal."""
     h = hashlib.sha256()
+    h.update(_encode_host(optimizer))
     for name, t in state_tensors(model, optimizer):
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}\0".encode())
         flat = t.detach().reshape(-1).cpu().contiguous()

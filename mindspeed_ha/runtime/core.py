@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 from mindspeed_ha.checkpoint.state import DyingContext, IterationSnapshot
 from mindspeed_ha import env as ha_env
@@ -213,17 +213,19 @@ class HARuntime:
 
     def begin_attempt(self) -> None:
         """An attempt at the step in progress starts: remember its RNG state (a re-run
-        after a rollback draws the same dropout masks) and the timers already running
-        (kept running by the clean-up). ~10 us."""
+        after a rollback draws the same dropout masks), the timers already running
+        (kept running by the clean-up) and the grad scalers' state (fp16: put back by the
+        clean-up). ~10 us."""
         state = self.state
         if state.rejoin_rng is not None:  # a restarted process: its holder's RNG at this step's entry
             megatron_lm.set_rng_state(state.rejoin_rng)
             state.rejoin_rng = None
         state.entry_rng = megatron_lm.collect_rng_state()
         self.step_stats = {}
-        from mindspeed_ha.recovery.rollback import started_timers
+        from mindspeed_ha.recovery.rollback import capture_grad_scalers, started_timers
 
         state.entry_timers = started_timers()
+        state.entry_scalers = capture_grad_scalers(self.ctx.optimizer if self.ctx is not None else None)
 
     def replay_iterator(self, data_iterator):
         """What ``train_step`` gets instead of ``data_iterator``: the same iterator made
@@ -302,9 +304,10 @@ class HARuntime:
         if state.catching_up is not None:
             state.catching_up = None
             state.catch_up_optimizer = None
-        if self.snapshot is None or self.snapshot.iteration != k:  # update skipped (inf/nan)
+        if self.snapshot is None or self.snapshot.iteration != k:  # update skipped (fp16: inf/nan found)
             self.take_snapshot(k)
-            if self.processor is not None:
+            if self.processor is not None:  # an update of k that changed nothing but the grad scaler
+                self.processor.begin_update(k)
                 self.processor.end_update(k)
         snap = self.snapshot
         args = self.train_args
@@ -334,7 +337,7 @@ class HARuntime:
         self.snapshot = IterationSnapshot(iteration, megatron_lm.collect_rng_state(),
                                                 flops_before=prev.flops if prev is not None else None)
 
-    def handle_fault(self, exc: BaseException, where: str = "train_step"):
+    def handle_fault(self, exc: BaseException, where: str = "train_step", news: bool = False):
         """Report ``exc`` to the controller and carry out its action.
 
         Args:
@@ -348,7 +351,8 @@ class HARuntime:
 
         A fault is reported once (:class:`~mindspeed_ha.runtime.fault_report.FaultLedger`):
         an exception an inner guard already reported, or one raised from or during it,
-        is not reported again by an outer one.
+        is not reported again by an outer one. ``news``: report an exception raised during
+        a reported one all the same (a failed recovery from it); itself still once.
 
         Returns the controller's action when it is RETRY (an in-place recovery; an outer
         guard that sees the same exception again gets the same action), or None if the
@@ -357,7 +361,8 @@ class HARuntime:
         """
         if self.processor is None:
             return None
-        if self.faults.seen(exc):  # the action a guard further in got for it (a RETRY it passed on)
+        if self.faults.seen(exc) and not (news and self.faults.report_of(exc) is None):
+            # the action a guard further in got for it (a RETRY it passed on)
             report = self.faults.report_of(exc)
             return report.action if report is not None else None
         self.faults.remember(exc, FaultReport("", "", None, where))  # once is the rule, whatever happens below
@@ -381,25 +386,46 @@ class HARuntime:
         return action
 
     # ---- recovery (training thread) ------------------------------------------------------
-    def recover(self, action) -> dict:
+    def recover(self, action, where: str = "train_step", modes: Optional[Tuple[str, ...]] = None,
+                then: Optional[Callable[[], None]] = None) -> dict:
         """Carry out RETRY(plan) in place: :func:`mindspeed_ha.recovery.executor.recover`
-        (the stages of ``plan.mode``). Returns the seconds per stage; raises what a stage
-        raised (after the failure was sent as the RETRY result).
+        (the stages of ``plan.mode``), then ``then()`` (a reload's silent re-runs).
 
-        Then a young-generation garbage collection (``gc.collect(1)``, < 10 ms here; a
-        full one takes 0.5-0.8 s on the tiny job's 0.4 M objects): the aborted attempt's
-        reference cycles (exception, traceback, frames) hold gloo Works, and a Work keeps
-        its destroyed group's sockets and event-loop thread until the cycle is collected
+        A failure (a stage's, which the executor sent as the RETRY result, or ``then``'s) is
+        reported as a new fault of ``where`` and the controller's next action is followed
+        (:func:`mindspeed_ha.recovery.executor.next_plan`): another RETRY
+        (whose mode is in ``modes``, any mode if None) runs the recovery again with its plan,
+        e.g. a controller successor's with its rendezvous store after the controller's node
+        was lost during this recovery; anything else raises the failure (the dying
+        checkpoint's DUMP runs on the action thread and its EXIT ends the process meanwhile;
+        None: the controller is lost).
+
+        Returns:
+            The seconds per stage of the recovery that succeeded.
+
+        Raises:
+            The last failure, when the controller's answer to it is not such a RETRY.
+
+        After each attempt a young-generation garbage collection (``gc.collect(1)``, < 10 ms
+        here; a full one takes 0.5-0.8 s on the tiny job's 0.4 M objects): the aborted
+        attempt's reference cycles (exception, traceback, frames) hold gloo Works, and a Work
+        keeps its destroyed group's sockets and event-loop thread until the cycle is collected
         (+4 descriptors, +1 thread now and then; flat over 10 recoveries with it, measured).
         """
         import gc
 
         from mindspeed_ha.recovery import executor
 
-        try:
-            return executor.recover(self, action)
-        finally:
-            gc.collect(1)
+        while True:
+            try:
+                times = executor.recover(self, action)
+                if then is not None:
+                    then()
+                return times
+            except Exception as failure:  # SystemExit / KeyboardInterrupt pass through
+                action = executor.next_plan(self, failure, where, modes)
+            finally:
+                gc.collect(1)
 
     def rejoin_after_setup(self, model, optimizer, opt_param_scheduler) -> None:
         """ARF, in a restarted process (``MINDSPEED_HA_INCARNATION`` >= 1), right after
@@ -407,10 +433,11 @@ class HARuntime:
         point for the controller's RETRY(rejoin), then run the rejoin stages
         (:data:`mindspeed_ha.recovery.stages.REJOINING`): with the survivors, rebuild every
         process group (the start-up's deferred groups become real ones), receive the
-        parameters and optimizer shard (:mod:`recovery.transfer`) and the progress
-        (counters, scheduler, RNG: :mod:`recovery.progress`) from the plan's source. The
-        data iterators, built next, start at the received consumed samples; the training
-        loop at the received iteration.
+        parameters, optimizer shard and optimizer host state (:mod:`recovery.transfer`) and
+        the progress (counters, scheduler, RNG: :mod:`recovery.progress`) from the plan's
+        source. The data iterators, built next, start at the received consumed samples; the
+        training loop at the received iteration. A failed rejoin is reported and the
+        controller's next action followed, as in :meth:`recover` (another RETRY: rejoin again).
 
         Plan mode ``forward`` (the death hit the optimizer update of j): the state received
         is j's finished update, the progress that at the entry of j's update; the first
@@ -422,7 +449,8 @@ class HARuntime:
 
         Raises:
             RuntimeError: the controller did not answer RETRY (the job takes another path;
-                its EXIT ends this process), or a stage failed (reported as the RETRY result).
+                its EXIT ends this process), or a stage failed (reported as the RETRY result)
+                and the controller's answer was not another RETRY.
         """
         from mindspeed_ha.recovery import executor
 
@@ -431,7 +459,12 @@ class HARuntime:
         if getattr(action, "kind", None) != "retry":
             raise RuntimeError(f"rank {self.rank} (incarnation {self.processor.incarnation}): the controller "
                                f"answered {getattr(action, 'kind', None)} instead of a rejoin")
-        executor.rejoin(self, action, model, optimizer, opt_param_scheduler)
+        while True:
+            try:
+                executor.rejoin(self, action, model, optimizer, opt_param_scheduler)
+                return
+            except Exception as failure:  # SystemExit / KeyboardInterrupt pass through
+                action = executor.next_plan(self, failure, "rejoin")
 
     def mark_recovered(self) -> None:
         """A recovery succeeded: counted; the next completed iteration is logged as the first after it."""

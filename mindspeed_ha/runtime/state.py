@@ -17,6 +17,7 @@ class StepState:
         entry_rng: the RNG state at the entry of the attempt in progress (a re-run after a
             rollback draws the same dropout masks).
         entry_timers: Megatron's timers running at the attempt's entry (the clean-up keeps them).
+        entry_scalers: the grad scalers' state at the attempt's entry (fp16; the clean-up puts it back).
         rerun_state: Megatron's rerun state machine between iterations (None: not captured).
         replays: id of a wrapped data iterator -> (iterator, wrapper, its replay wrappers).
         reruns: reload: iterations the ``train_step`` wrapper re-runs silently before the step.
@@ -34,6 +35,7 @@ class StepState:
     update_depth: int = 0
     entry_rng: Optional[dict] = None
     entry_timers: Tuple[str, ...] = ()
+    entry_scalers: Optional[list] = None
     rerun_state: Optional[dict] = None
     replays: Dict[int, Tuple[Any, Any, list]] = dataclasses.field(default_factory=dict)
     reruns: List[int] = dataclasses.field(default_factory=list)
