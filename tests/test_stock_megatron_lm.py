@@ -273,9 +273,15 @@ def test_worker_restart_rejoins(tree, baselines, tmp_path, point):
     ``optimizer``: killed inside the update (roll forward with rejoin): the new process
     catches up step KILL_AT in the stock train_step and train() (the model-parallel
     all-reduces after optimizer.step(), training_log: rank 3 prints the log line of
-    KILL_AT, its loss and grad norm those of the holder)."""
+    KILL_AT, its loss and grad norm those of the holder).
+    ``backward`` runs as the example scripts and most users do: ``--load`` = ``--save``
+    (``torch_dist``) with a periodic checkpoint of 4 written before the kill: the restarted
+    process's start-up does not load it (the survivors' start-up found none), or its
+    collectives would differ from the record (``RejoinMismatch``, 3 restarts, exit 76)."""
     after, report = str(tmp_path / "after.jsonl"), str(tmp_path / "report.json")
-    args = _args("pp2", enable_worker_reboot=True)
+    ckpt = str(tmp_path / "ckpt")
+    periodic = dict(fmt="torch_dist", save=ckpt, load=ckpt, save_interval=4) if point == "backward" else {}
+    args = _args("pp2", enable_worker_reboot=True, **periodic)
     r = _run(tree, args, env={"MINDSPEED_HA_INJECT": f"rank=3,iteration={KILL_AT},point={point},fault=kill",
                               "MINDSPEED_HA_RECOVERY_LOG": after, "MINDSPEED_HA_REPORT": report})
     assert r.returncode == 0, (r.stdout + r.stderr)[-8000:]
@@ -290,6 +296,10 @@ def test_worker_restart_rejoins(tree, baselines, tmp_path, point):
     base = baselines["pp2"]
     assert r.losses == base["losses"]
     assert r.grad_norms == base["grad_norms"]
+    if periodic:
+        assert "load_checkpoint is not run in a restarted process" in r.stdout + r.stderr
+        with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
+            assert int(f.read()) == ITERS
 
 
 def test_zz_megatron_lm_tree_unchanged(tree):
