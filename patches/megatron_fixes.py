@@ -21,6 +21,21 @@ crash or silently compute the wrong thing, and passes every other call through:
   ``'step'`` (torch AdamW keeps ``step`` in its state, the parameter file does not) and
   copies into leaf params outside ``no_grad``: the current ``step`` is kept, copy runs
   under ``no_grad``.
+* A ``torch_dist`` resume at another tensor-parallel size reads uninitialised memory
+  (dist_checkpointing/strategies/resharding.py ``reformulate_single_nd_flattened_tensor``,
+  its ``sh_ten_merge_fn``): a distributed-optimizer state (``fp32_param``, ``exp_avg``,
+  ``exp_avg_sq``) is reassembled in a ``torch.empty`` tensor of the new local shape and
+  only the part the checkpoint holds is copied in. For a tensor whose global shape may
+  differ (``allow_shape_mismatch``: the word embeddings and output layer, whose vocabulary
+  is padded to a multiple of ``--make-vocab-size-divisible-by`` x TP, e.g. 4224 rows at
+  TP1, 4352 at TP2) the new padding rows keep whatever the allocator left there; the
+  ``fp32_param`` is then copied into the parameter (fp32: the same memory), so the
+  padded logits, the loss and every later step depend on it: resumed TP1 PP2 -> TP2 PP1,
+  the same command gave bitwise-equal runs, a loss of 35.2 or NaN. Megatron-core's
+  stated rule for these tensors (strategies/torch.py ``_mcore_to_torch_sharded_tensor``:
+  "initialized with zeros prior to loading (not all parts of the tensor will be read
+  from the checkpoint)", which it applies to the parameter itself) is applied to the
+  reassembled state: what lies outside the checkpoint's global shape is zero.
 """
 
 from __future__ import annotations
@@ -107,6 +122,40 @@ def _set_main_param_and_optimizer_states(wrapped, instance, args, kwargs):
         return wrapped(model_param, tensors)
 
 
+def _reshard_outside_checkpoint_zeroed(wrapped, instance, args, kwargs):
+    """``reformulate_single_nd_flattened_tensor(sh_ten, reformulation_metadata)``: its
+    factory's merge zeroes the elements of ``sh_ten``'s local chunk that lie outside the
+    checkpoint's global shape (``allow_shape_mismatch`` tensors only; others are covered
+    whole by the checkpoint)."""
+    factory = wrapped(*args, **kwargs)
+    sh_ten = args[0] if args else kwargs["sh_ten"]
+    rmd = args[1] if len(args) > 1 else kwargs["reformulation_metadata"]
+    if not getattr(sh_ten, "allow_shape_mismatch", False) or not hasattr(factory, "merge_fn"):
+        return factory
+    skip = sh_ten.prepend_axis_num
+    offsets = sh_ten.global_offset[skip:]
+    saved = rmd.ckpt_orig_global_shape[skip:]
+    # per dimension, how many leading local rows exist in the checkpoint (padding is at the end)
+    inside = [max(0, min(n, s - o)) for n, s, o in zip(sh_ten.local_shape, saved, offsets)]
+    if list(inside) == list(sh_ten.local_shape):
+        return factory
+    merge, flat_range = factory.merge_fn, sh_ten.flattened_range
+
+    def merge_fn(sub_state_dict):
+        import torch
+
+        flat = merge(sub_state_dict)
+        outside = torch.ones(sh_ten.local_shape, dtype=torch.bool)
+        outside[tuple(slice(0, n) for n in inside)] = False
+        outside = outside.flatten()[flat_range].to(flat.device)
+        with torch.no_grad():
+            flat.masked_fill_(outside, 0)
+        return flat
+
+    factory.merge_fn = merge_fn
+    return factory
+
+
 PATCHES = [
     Patch("fix.quantize_param_shard", _DO, "quantize_param_shard", _quantize_param_shard, "core",
           doc="skip fp8 quantize when there are no fp8 params (stock raises without TE)"),
@@ -118,6 +167,10 @@ PATCHES = [
     Patch("fix.dist_opt_param_groups_by_key", _DO, "DistributedOptimizer.load_state_dict",
           _param_groups_by_key, "core",
           doc="load: saved param groups matched by (wd_mult, lr_mult, ...) key, not by position"),
+    Patch("fix.dist_ckpt_reshard_padding", "megatron.core.dist_checkpointing.strategies.resharding",
+          "reformulate_single_nd_flattened_tensor", _reshard_outside_checkpoint_zeroed, "core",
+          doc="torch_dist resume at another TP: optimizer state outside the saved shape (vocab padding) is zero, "
+              "not uninitialised memory"),
     Patch("fix.dist_opt_set_states", _DO, "DistributedOptimizer._set_main_param_and_optimizer_states",
           _set_main_param_and_optimizer_states, "core",
           doc="torch AdamW: keep 'step' and copy under no_grad when loading parameter state"),

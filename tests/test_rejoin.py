@@ -371,3 +371,98 @@ def test_a_start_up_record_not_sealed_with_the_job_key_is_refused(tmp_path, monk
     with pytest.raises(RejoinError, match="no start-up record"):
         startup_blob.load(dist.HashStore(), 3)
     assert "startup-rank3.msgpack ignored (SealError" in caplog.text
+
+
+LOAD_SECTION = textwrap.dedent('''
+    import json, os
+
+    import mindspeed_ha  # noqa: F401
+    from mindspeed_ha.patches import enable
+
+    enable("ha")
+    import torch
+    import torch.distributed as dist
+    import wrapt
+
+    from mindspeed_ha.recovery import rejoin
+
+    STORE = dist.HashStore()
+    found = {"iteration": 4}  # the latest checkpoint in --load (= --save) now
+    ran = []  # iterations the loader really loaded
+
+
+    def load_checkpoint():  # like Megatron-LM's: collectives of its own (tracker all_reduce, barrier)
+        t = torch.tensor([found["iteration"]])
+        dist.all_reduce(t)
+        dist.barrier()
+        ran.append(int(t.item()))
+        return int(t.item()), 1.5 * t.item()
+
+
+    loader = wrapt.FunctionWrapper(load_checkpoint, rejoin.load_section)  # what ha.rejoin.load.* does
+
+
+    def start(with_load=True):
+        dist.init_process_group("gloo", store=STORE, rank=0, world_size=1)
+        dist.barrier()
+        got = loader() if with_load else None
+        dist.all_reduce(torch.ones(1))
+        return got
+
+
+    def again(incarnation):
+        dist.destroy_process_group()
+        rejoin.reset()
+        os.environ["MINDSPEED_HA_INCARNATION"] = str(incarnation)
+
+
+    def refused(fn):
+        try:
+            fn()
+        except rejoin.RejoinError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+
+    out = {"first": start()}  # the first start-up resumes checkpoint 4
+    rejoin.startup_done()
+    out["record"] = [e["op"] for e in rejoin.load()["entries"]]  # the default store, rank 0
+    found["iteration"] = 8  # periodic saves since
+    out["after"] = loader()  # after the start-up (e.g. a reload) the loader runs as usual
+    again(1)
+    out["replayed"] = start()  # the restarted process: not loaded, the first start-up's outcome
+    out["unserved"] = refused(rejoin.startup_done)
+    out["rejoined"] = rejoin.rejoined()
+    again(1)
+    out["without_load"] = refused(lambda: start(with_load=False))
+    again(0)
+    start(with_load=False)
+    rejoin.startup_done()
+    again(1)
+    out["unexpected_load"] = refused(start)
+    out["ran"] = ran
+    print("RESULT " + json.dumps(out))
+''')
+
+
+@pytest.mark.timeout(120)
+def test_startup_load_is_one_entry_and_not_run_when_replayed(tmp_path):
+    """``--load`` = ``--save``: the first start-up resumed checkpoint 4, periodic saves wrote
+    8 since. The start-up's load_checkpoint is recorded as one entry with what it returned,
+    not as its own collectives (its all_reduce and barrier); a restarted process does not
+    load (8 would take other collectives and state the survivors never had) and gets (4, 6.0),
+    the first start-up's outcome; after the start-up the loader runs as usual; a start-up
+    that loads where the record did not, or the reverse, is refused naming both sides."""
+    script = tmp_path / "load_section.py"
+    script.write_text(LOAD_SECTION)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("MINDSPEED_HA_INCARNATION", None)
+    p = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=100)
+    assert p.returncode == 0, p.stderr[-4000:]
+    out = json.loads(p.stdout.split("RESULT ", 1)[1])
+    assert out["first"] == [4, 6.0] and out["record"] == ["barrier", "load_checkpoint", "all_reduce"], out
+    assert out["replayed"] == [4, 6.0] and out["unserved"] is None and out["rejoined"], out
+    assert out["after"] == [8, 12.0] and out["ran"] == [4, 8], out
+    assert "call 1 differs" in out["without_load"] and "now #1 all_reduce" in out["without_load"], out
+    assert "recorded #1 load_checkpoint" in out["without_load"], out
+    assert "now #1 load_checkpoint" in out["unexpected_load"] and "recorded #1 all_reduce" in out["unexpected_load"], out

@@ -293,10 +293,16 @@ def test_worker_restart_rejoins(tree, tmp_path, request, point, fp16):
     KILL_AT, its loss and grad norm those of the holder).
     ``fp16``: --fp16 with a moving loss scale, killed in iteration 7: the new process also
     receives the grad scaler's Python-int trackers (without them it backs off its scale a
-    step after its peers: the grad norm of 8 differs)."""
+    step after its peers: the grad norm of 8 differs).
+    ``backward`` (fp32) runs as the example scripts and most users do: ``--load`` = ``--save``
+    (``torch_dist``) with a periodic checkpoint of 4 written before the kill: the restarted
+    process's start-up does not load it (the survivors' start-up found none), or its
+    collectives would differ from the record (``RejoinMismatch``, 3 restarts, exit 76)."""
     kill_at = FP16_KILL_AT if fp16 else KILL_AT
     after, report = str(tmp_path / "after.jsonl"), str(tmp_path / "report.json")
-    args = _args("pp2", enable_worker_reboot=True, **(FP16 if fp16 else {}))
+    ckpt = str(tmp_path / "ckpt")
+    periodic = dict(fmt="torch_dist", save=ckpt, load=ckpt, save_interval=4) if point == "backward" and not fp16 else {}
+    args = _args("pp2", enable_worker_reboot=True, **(FP16 if fp16 else {}), **periodic)
     r = _run(tree, args, env={"MINDSPEED_HA_INJECT": f"rank=3,iteration={kill_at},point={point},fault=kill",
                               "MINDSPEED_HA_RECOVERY_LOG": after, "MINDSPEED_HA_REPORT": report})
     assert r.returncode == 0, (r.stdout + r.stderr)[-8000:]
@@ -311,6 +317,10 @@ def test_worker_restart_rejoins(tree, tmp_path, request, point, fp16):
     base = request.getfixturevalue("fp16_baseline") if fp16 else request.getfixturevalue("baselines")["pp2"]
     assert r.losses == base["losses"]
     assert r.grad_norms == base["grad_norms"]
+    if periodic:
+        assert "load_checkpoint is not run in a restarted process" in r.stdout + r.stderr
+        with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
+            assert int(f.read()) == ITERS
 
 
 def test_zz_megatron_lm_tree_unchanged(tree):

@@ -131,3 +131,42 @@ def test_unsupported_checkpoint_combinations_fail_at_start_up(kw, match):
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
 def test_supported_checkpoint_formats_pass(fmt):
     validate_ha_args(_Args(ckpt_format=fmt, ckpt_fully_parallel_save=True), 4, 1, 2, env={})
+
+
+def test_resharded_load_of_a_padded_tensor_reads_no_uninitialised_memory(tmp_path, single_process_group, monkeypatch):
+    """A ``torch_dist`` resume at another TP size: a distributed-optimizer state of a tensor
+    whose global shape may change (``allow_shape_mismatch``: the vocab-padded embedding,
+    4224 rows at TP1, 4352 at TP2) is reassembled by megatron-core in a ``torch.empty``
+    tensor (resharding.py ``sh_ten_merge_fn``); the new padding rows, which the checkpoint
+    does not hold, kept whatever memory was there (resumed runs that differ, a loss of 35
+    or NaN). Here: 10 x 4 saved in one piece (TP1), loaded as a 12 x 4 tensor split over
+    two TP ranks, each flattened into DP shards, as one rank would (the shard with the
+    padding, and two without it, twice each); ``torch.empty`` hands out NaN-filled memory during the load so a missed element cannot
+    go unseen. Patch ``fix.dist_ckpt_reshard_padding``: the rows outside the checkpoint are
+    zero (what megatron-core gives the parameter itself), the rest is the checkpoint's,
+    every time."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    saved = torch.arange(40, dtype=torch.float32).reshape(10, 4) + 1
+    part, ckpt = str(tmp_path / "part"), str(tmp_path / "iter_0000004")
+    td.write_part({"emb": ShardedTensor.from_rank_offsets_flat(
+        "emb", saved.flatten().clone(), saved.shape, flattened_range=slice(0, 40))}, part)
+    td.write_common({"iteration": 4}, part)
+    td.merge_parts([part], ckpt)
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):  # what an allocator may hand back: anything
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    padded = torch.cat([saved, torch.zeros(2, 4)])  # rows 10, 11: the new padding
+    for tp, shard in ((1, slice(8, 24)), (1, slice(0, 8)), (0, slice(8, 24))):
+        for _ in range(2):
+            want = ShardedTensor.from_rank_offsets_flat(
+                "emb", real_empty(shard.stop - shard.start), (6, 4), (0, tp, 2), flattened_range=shard,
+                allow_shape_mismatch=True)
+            # what one rank asks for (TP rank tp, one DP shard): the others' parts are not asked here
+            got = dist_checkpointing.load({"emb": want}, ckpt, validate_access_integrity=False)["emb"]
+            assert torch.equal(got, padded[6 * tp:6 * (tp + 1)].flatten()[shard]), (tp, shard, got)

@@ -136,10 +136,13 @@ start-time MIN (3) only feeds a print. The exception is the embedding all_reduce
 it is model state (the last stage's output layer made equal to the first stage's
 embedding), not replayed (:func:`omitted`), so the new process keeps its own freshly
 initialised copy and the repair from a replica must overwrite it, as it does every
-parameter. Not measured here: ``--load`` (the checkpoint loader's tracker all_reduce and
-barriers, training.py:1131-1198: a rejoin must not pass ``--load``), ``--tp-comm-overlap``,
-the NCCL/HCCL path, and MindSpeed-LLM's start-up. The list changes with the flags (e.g. the
-number of dataset splits), never between two incarnations of one job.
+parameter. With ``--load`` the list gains the load's timer barriers and gather
+(training.py:1163-1169) and one ``load_checkpoint`` entry in place of the load's own
+collectives (:func:`load_section`: a restarted process does not load, so ``--load`` =
+``--save`` with periodic checkpoints written since its first start is replayable). Not
+measured here: ``--tp-comm-overlap``, the NCCL/HCCL path, and MindSpeed-LLM's start-up. The
+list changes with the flags (e.g. the number of dataset splits), never between two
+incarnations of one job.
 """
 
 from __future__ import annotations
@@ -157,9 +160,9 @@ from mindspeed_ha.recovery.deferred import BACKEND, register_backend
 from mindspeed_ha.recovery.startup_blob import FORMAT, KEY, VERSION, decode, encode, load
 
 __all__ = [
-    "BACKEND", "DONE", "FORMAT", "KEY", "MAX_BLOB_BYTES", "MAX_OUTPUT_BYTES", "RECORD", "REPLAY", "VERSION",
+    "BACKEND", "DONE", "FORMAT", "KEY", "LOAD_OP", "MAX_BLOB_BYTES", "MAX_OUTPUT_BYTES", "RECORD", "REPLAY", "VERSION",
     "RejoinError", "RejoinMismatch", "begin", "decode", "encode", "group_helper", "incarnation", "live", "load",
-    "mode", "omitted", "register_backend", "rejoined", "reset", "startup_done",
+    "load_section", "mode", "omitted", "register_backend", "rejoined", "reset", "startup_done",
 ]
 
 log = logging.getLogger("mindspeed_ha.recovery.rejoin")
@@ -173,6 +176,8 @@ MAX_BLOB_BYTES = 4 * 1024 * 1024
 MAX_OUTPUT_BYTES = 256 * 1024
 
 RECORD, REPLAY, DONE = "record", "replay", "done"
+#: the record entry that stands for the start-up's ``load_checkpoint`` (:func:`load_section`)
+LOAD_OP = "load_checkpoint"
 _ENTRY_OVERHEAD = 96  # bytes counted per recorded op (its header fields), for the size bound
 
 
@@ -358,6 +363,69 @@ def group_helper(wrapped, instance, args, kwargs):
     if pg is not None and pg is not c10d.GroupMember.NON_GROUP_MEMBER:
         deferred.INTENDED_BACKENDS[str(a["group_name"])] = (intended, a.get("timeout"))
     return pg, store
+
+
+# --------------------------------------------------------------------------- the start-up load
+def load_section(wrapped, instance, args, kwargs):
+    """Wrapper of the script's ``load_checkpoint`` (patches ``ha.rejoin.load.*``): the
+    start-up's ``--load`` is one record entry, not its collectives.
+
+    Recording (the recording thread, before :func:`startup_done`): the load runs, its own
+    collectives (tracker all_reduce, a ``torch_dist`` load's exchanges, barriers) are not
+    recorded, one entry ``{"op": "load_checkpoint", "returned": [iteration, flops]}`` stands
+    for them. Replay: the load is not run; that entry must be next (else
+    :class:`RejoinMismatch`) and its value is returned: the restarted process sees the
+    survivors' ``--load`` outcome (no checkpoint then, or the one they resumed), whatever
+    ``--load`` holds now (``--load`` = ``--save``: the periodic checkpoints since). What a
+    load sets comes at the rejoin from a replica (``transfer``, ``progress``), or, without
+    one, from the checkpoint the rejoin loads (``reload.reload_for_rejoin``, in :func:`live`).
+    Other calls (other threads, :func:`live`, after the start-up) pass through.
+    """
+    if (threading.get_ident() != _thread or getattr(_local, "inside", False)
+            or _mode not in (RECORD, REPLAY)):
+        return wrapped(*args, **kwargs)
+    if _mode == REPLAY:
+        return _skip_load()
+    if _problem is not None:  # recording stopped (too big, unsupported)
+        return wrapped(*args, **kwargs)
+    return _record_load(wrapped, args, kwargs)
+
+
+def _record_load(wrapped, args, kwargs):
+    global _problem, _size
+    _settle(final=False)
+    entry = {"index": len(_entries), "op": LOAD_OP, "group": None, "ranks": [], "site": startup_ops.site(),
+             "out": []}
+    _local.inside = True
+    try:
+        result = wrapped(*args, **kwargs)
+    finally:
+        _local.inside = False
+    values = list(result) if isinstance(result, (tuple, list)) else []
+    if not values or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        _problem = ("unsupported", f"the start-up's load_checkpoint returned {result!r:.80}, not (iteration, flops)")
+        _stop_recording()
+        return result
+    entry["returned"] = values
+    _entries.append(entry)
+    _size += _ENTRY_OVERHEAD
+    return result
+
+
+def _skip_load():
+    global _blob, _next
+    _blob = load() if _blob is None else _blob
+    entries, index = _blob["entries"], _next
+    rec = entries[index] if index < len(entries) else None
+    if rec is None or rec["op"] != LOAD_OP:
+        mine = {"index": index, "op": LOAD_OP, "group": None, "ranks": [], "site": startup_ops.site()}
+        where = f"recorded {startup_ops.describe(rec)}" if rec else f"past the end of the record ({len(entries)} ops)"
+        raise RejoinMismatch(f"rejoin: start-up call {index} differs from the record: now "
+                             f"{startup_ops.describe(mine)}, {where}")
+    _next = index + 1
+    log.warning("rejoin: the start-up's load_checkpoint is not run in a restarted process (its state comes "
+                "from the survivors): it returns %s, as at the first incarnation's start-up", rec["returned"])
+    return tuple(rec["returned"])
 
 
 # --------------------------------------------------------------------------- per op

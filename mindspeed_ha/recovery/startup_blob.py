@@ -7,8 +7,10 @@ record lives between the two:
 * format: ONE msgpack blob (:func:`encode`, no pickle): a header (``format``
   :data:`FORMAT`, ``version`` :data:`VERSION`, ``status`` ``ok`` / ``too_big`` /
   ``unsupported``, ``reason``, ``rank``, ``torch``) plus ``entries``, one per recorded op:
-  ``{"index", "op", "group", "ranks", "site", "out": [[dtype, shape, bytes or None], ...]}``;
-  :func:`decode` refuses anything else, and a status other than ``ok``;
+  ``{"index", "op", "group", "ranks", "site", "out": [[dtype, shape, bytes or None], ...]}``,
+  and one ``{"op": "load_checkpoint", "returned": [iteration, flops], ...}`` (version 2) where
+  the start-up's ``load_checkpoint`` ran (its collectives are not recorded:
+  ``rejoin.load_section``); :func:`decode` refuses anything else, and a status other than ``ok``;
 * where: the default store (torchrun's TCPStore, ``distributed_c10d._get_default_store()``)
   under :data:`KEY`; with controller failover (a lease directory on the shared filesystem,
   ``ha_env.LEASE_DIR``) also a file ``startup-rank<r>.msgpack`` there, read when the store
@@ -36,7 +38,7 @@ log = logging.getLogger("mindspeed_ha.recovery.rejoin")
 KEY = "mindspeed_ha/startup/{rank}"
 #: blob format name and version (the header's ``format`` / ``version``)
 FORMAT = "mindspeed_ha.startup"
-VERSION = 1
+VERSION = 2
 
 
 def encode(header: dict, entries: List[dict]) -> bytes:
