@@ -455,7 +455,7 @@ def test_startup_load_is_one_entry_and_not_run_when_replayed(tmp_path):
     that loads where the record did not, or the reverse, is refused naming both sides."""
     script = tmp_path / "load_section.py"
     script.write_text(LOAD_SECTION)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MINDSPEED_HA_AUTH_KEY=JOB_KEY.hex())  # records are sealed
     env.pop("MINDSPEED_HA_INCARNATION", None)
     p = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=100)
     assert p.returncode == 0, p.stderr[-4000:]
