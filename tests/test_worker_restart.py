@@ -1,7 +1,8 @@
 """Worker restart in place (ARF, ``--enable-worker-reboot``) end to end: real megatron-core on 4 gloo
 ranks through ``mindspeed-ha-run``.
 
-One rank is SIGKILLed in iteration K (injector ``fault=kill``). Standard of proof, per case: the
+One rank is SIGKILLed in iteration K (injector ``fault=kill``; one job per layout meets several
+kills in turn, each restarted process rejoining before the next). Standard of proof, per kill: the
 launcher restarts that process alone (the controller's report lists exactly one restart, of that
 rank); the survivors keep their PIDs (the PIDs that registered at start-up are the ones that
 finish iteration K after the recovery); the new process replays its start-up, rejoins the
@@ -58,43 +59,57 @@ def _first_pids(log: str):
     return out
 
 
-# (layout, killed rank, point): rank 0, the PP-last rank, a TP peer, a DP rank of DP4 N=2; then
-# SIGKILLs inside the optimizer update (roll forward with rejoin): rank 0 of TP1 PP2, a TP peer
-# of TP2 PP1, a DP4 rank whose optimizer-instance peer is blocked inside its update
-CASES = [("tp1pp2", 0, "forward"), ("tp1pp2", 3, "backward"), ("tp2pp1", 1, "forward"), ("dp4", 2, "backward"),
-         ("tp1pp2", 0, "optimizer"), ("tp2pp1", 1, "optimizer"), ("dp4", 2, "optimizer")]
+# One job per layout meets its kills in turn, one per iteration from 2 (each restarted
+# process rejoins before the next kill): (killed rank, point). Rank 0, the PP-last rank, a TP
+# peer, a DP rank of DP4 N=2; and SIGKILLs inside the optimizer update (roll forward with
+# rejoin): rank 0 of TP1 PP2, a TP peer of TP2 PP1, a DP4 rank whose optimizer-instance peer
+# is blocked inside its update
+SCHEDULES = {"tp1pp2": [(0, "forward"), (3, "backward"), (0, "optimizer")],
+             "tp2pp1": [(1, "forward"), (1, "optimizer")],
+             "dp4": [(2, "backward"), (2, "optimizer")]}
 
 
-@pytest.mark.parametrize("layout,rank,point", CASES, ids=[f"{c[0]}-rank{c[1]}-{c[2]}" for c in CASES])
-def test_killed_rank_restarts_alone_and_rejoins(tmp_path, baselines, layout, rank, point):
-    """A kill before the update: mode ``rejoin``, the state of K-1 and every rank re-runs K.
-    A kill inside the update of K (the survivors wait in its commit barrier, some finished
-    it): mode ``forward``, the new process receives the finished state of K from a replica
-    that finished it, runs a catch-up step K with the survivors (their rest of step K), and
-    the job goes on with 0 steps lost."""
+@pytest.mark.parametrize("layout", sorted(SCHEDULES))
+def test_killed_rank_restarts_alone_and_rejoins(tmp_path, baselines, layout):
+    """Per kill in iteration k: a kill before the update: mode ``rejoin``, the state of k-1
+    and every rank re-runs k. A kill inside the update of k (the survivors wait in its
+    commit barrier, some finished it): mode ``forward``, the new process receives the
+    finished state of k from a replica that finished it, runs a catch-up step k with the
+    survivors (their rest of step k), and the job goes on with 0 steps lost. Each time only
+    the killed rank changes process."""
     base = _baseline(baselines, layout)
+    kills = {k: case for k, case in enumerate(SCHEDULES[layout], start=2)}
+    born = {}  # rank -> times restarted so far: the spec of its next kill is for that process
+    specs = []
+    for k, (rank, point) in kills.items():
+        specs.append(f"rank={rank},iteration={k},point={point},fault=kill,incarnation={born.get(rank, 0)}")
+        born[rank] = born.get(rank, 0) + 1
     after, report = str(tmp_path / "after.jsonl"), str(tmp_path / "report.json")
-    r = _run(_args(layout), env={"MINDSPEED_HA_INJECT": f"rank={rank},iteration={K},point={point},fault=kill",
-                                 "MINDSPEED_HA_RECOVERY_LOG": after, "MINDSPEED_HA_REPORT": report,
-                                 "MINDSPEED_HA_TESTING_CHECK_HOLDERS": "1"})
+    r = _run(_args(layout), env={"MINDSPEED_HA_INJECT": ";".join(specs), "MINDSPEED_HA_RECOVERY_LOG": after,
+                                 "MINDSPEED_HA_REPORT": report, "MINDSPEED_HA_TESTING_CHECK_HOLDERS": "1"})
     log = r.stdout + r.stderr
     assert r.returncode == 0, log[-8000:]
-    # every rank, the new process included, checked after its rebuild that no object still
+    # every rank, each new process included, checked after each rebuild that no object still
     # holds a replaced group (TP-DP / TP-CP groups, DDP buckets, optimizer, timers' barrier group)
-    assert len(re.findall(r"no holder of a replaced process group is left", log)) == 4, log[-8000:]
+    assert len(re.findall(r"no holder of a replaced process group is left", log)) == 4 * len(kills), log[-8000:]
     rep = json.load(open(report))
-    assert [(e["rank"], e["incarnation"]) for e in rep["restarts"]] == [(rank, 1)], rep["restarts"]
-    recs = rep.get("recoveries") or []
-    want = ("forward", K) if point == "optimizer" else ("rejoin", K - 1)
-    assert len(recs) == 1 and (recs[0]["mode"], recs[0]["iteration"]) == want, recs
-    first = _first_pids(log)
-    done = {e["rank"]: e["pid"] for e in read_jsonl(after)}
-    assert sorted(done) == [0, 1, 2, 3] and {e["iteration"] for e in read_jsonl(after)} == {K}
-    for survivor in set(range(4)) - {rank}:
-        assert done[survivor] == first[survivor], f"rank {survivor} changed process"
-    assert done[rank] == rep["restarts"][0]["pid"] != first[rank]
-    if point == "optimizer":
-        assert f"rank {rank}: catch-up step {K}" in log, log[-8000:]
+    restarts, recs = rep["restarts"], rep.get("recoveries") or []
+    assert len(restarts) == len(recs) == len(kills), (restarts, recs)
+    pids = _first_pids(log)  # rank -> its current process
+    records = read_jsonl(after)
+    for (k, (rank, point)), restart, rec in zip(kills.items(), restarts, recs):
+        case = f"iteration {k}: rank {rank} killed at {point}"
+        assert restart["rank"] == rank, (case, restart)
+        want = ("forward", k) if point == "optimizer" else ("rejoin", k - 1)
+        assert (rec["mode"], rec["iteration"]) == want, (case, rec)
+        done = {e["rank"]: e["pid"] for e in records if e["iteration"] == k}
+        assert sorted(done) == [0, 1, 2, 3], (case, done)
+        for survivor in set(range(4)) - {rank}:
+            assert done[survivor] == pids[survivor], f"{case}: rank {survivor} changed process"
+        assert done[rank] == restart["pid"] != pids[rank], case
+        pids[rank] = restart["pid"]
+        if point == "optimizer":
+            assert f"rank {rank}: catch-up step {k}" in log, (case, log[-8000:])
     assert sorted(r.losses) == list(range(1, ITERS + 1))
     for it in sorted(base):
         assert r.losses[it] == base[it], \
