@@ -3,11 +3,12 @@
     python -m mindspeed_ha.checkpoint.publish SAVE_DIR ITERATION
 
 The failed commit kept ``SAVE_DIR/.mindspeed_ha_dying_iter_XXXXXXX/iter_XXXXXXX`` (marked
-validated: :mod:`mindspeed_ha.checkpoint.staging`) and logged this command. It validates
-the copy again (its format recognised from its files), fsyncs it, renames it to
-``SAVE_DIR/iter_XXXXXXX`` and sets the tracker (temp + fsync + rename), as the commit
-would have; then removes the emptied staging dir. An ``iter_XXXXXXX`` already there is
-never replaced: move it away first.
+validated: :mod:`mindspeed_ha.checkpoint.staging`) and logged this command. It runs that
+commit again (:func:`mindspeed_ha.checkpoint.commit.commit`, the format recognised from
+the staged files): validation, fsync, rename to ``SAVE_DIR/iter_XXXXXXX``, the tracker
+(temp + fsync + rename); what stands in the way is handled as the commit handles it
+(a complete regular save of the iteration is published instead, anything else moved
+aside, never deleted).
 
 Exit status: 0 published; 1 it failed (what and why on stderr; nothing published);
 2 bad arguments, or no validated copy of that iteration.
@@ -22,24 +23,27 @@ from typing import List, Optional
 
 
 def publish(save_dir: str, iteration: int) -> str:
-    """Publish the validated staging copy of ``iteration`` in ``save_dir``; returns the
-    published directory.
+    """Publish the validated staging copy of ``iteration`` in ``save_dir`` as the dying
+    checkpoint's commit would (:func:`mindspeed_ha.checkpoint.commit.commit`, its format
+    recognised from the staged files: what is in the way is moved aside, never deleted).
+    Returns what the commit says.
 
     Raises:
         FileNotFoundError: no validated staging copy of ``iteration``.
-        FileExistsError: ``iter_XXXXXXX`` exists.
         CheckpointError, OSError: validation or a write failed (nothing published).
     """
-    from mindspeed_ha.checkpoint import formats, staging
+    from mindspeed_ha.checkpoint import commit, formats, staging
+    from mindspeed_ha.errors import CheckpointError
     from mindspeed_ha.integrations import megatron_lm as mlm
 
     root = staging.staging_root(save_dir, iteration)
     staged = mlm.get_checkpoint_name(root, iteration, return_base_dir=True)
     if not staging.is_validated(root) or not os.path.isdir(staged):
         raise FileNotFoundError(f"{root}: no validated dying checkpoint of iteration {iteration}")
-    final = mlm.commit_checkpoint(staged, save_dir, iteration, validate=formats.validate_checkpoint_dir)
-    staging.remove(root)
-    return final
+    names = [n for n in formats.registered_formats() if formats.get_format(n).recognizes(staged)]
+    if len(names) != 1:
+        raise CheckpointError(f"{staged}: recognised by {names or 'no format'}")
+    return commit.commit(save_dir, iteration, names[0])
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -60,7 +64,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except Exception as exc:  # noqa: BLE001 - one line, the status says it failed
         print(f"publish: failed, nothing published: {exc}", file=sys.stderr)
         return 1
-    print(f"published {final}; tracker set to {ns.iteration}")
+    print(f"published {final}")
     return 0
 
 

@@ -43,7 +43,8 @@ class Inert:
     Attributes:
         args: the arguments it was called (``REDUCE``) or created (``NEWOBJ``) with.
         state: what ``BUILD`` set (usually the instance ``__dict__``).
-        items / list: what ``SETITEMS`` / ``APPENDS`` added (dict or list subclasses).
+        items / list: what ``SETITEMS`` / ``APPENDS`` / ``ADDITEMS`` added (dict, list or
+            set subclasses).
     """
 
     global_name: Tuple[str, str] = ("", "")
@@ -67,6 +68,9 @@ class Inert:
 
     def extend(self, values):
         self.list.extend(values)
+
+    def add(self, value):
+        self.list.append(value)
 
     def __repr__(self) -> str:
         return f"<inert {'.'.join(self.global_name)}>"
