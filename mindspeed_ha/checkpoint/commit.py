@@ -79,7 +79,7 @@ def commit(save_dir: str, iteration: int, ckpt_format: Optional[str] = None) -> 
     steps = Steps()
     validated = []
     try:
-        moved += leftovers.set_aside(save_dir, iteration)
+        leftovers.set_aside(save_dir, iteration, moved)
         if os.path.isdir(final) and not os.path.islink(final):
             try:
                 with steps("validate_regular"):

@@ -141,11 +141,12 @@ def _drop_container(container: str) -> None:
         log.warning("%s: not removed (%s)", container, exc)
 
 
-def set_aside(save_dir: str, iteration: int) -> List[Aside]:
+def set_aside(save_dir: str, iteration: int, moved: Optional[List[Aside]] = None) -> List[Aside]:
     """Before publishing the dying checkpoint of ``iteration``: every unpublished
     ``iter_XXXXXXX`` of a later iteration moved aside (see the module). Returns them
-    (for :func:`put_back` if the commit fails)."""
-    moved = []
+    (for :func:`put_back` if the commit fails), appended to ``moved`` when given (so a
+    caller holds what was moved even when a later move raises)."""
+    moved = [] if moved is None else moved
     for it, path in unpublished(save_dir, iteration + 1):
         aside = move_aside(save_dir, path, iteration,
                            f"iteration {it} above the dying checkpoint's {iteration}, not in the tracker")
