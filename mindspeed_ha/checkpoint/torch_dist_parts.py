@@ -79,7 +79,8 @@ def write_part(sharded_part: Dict[str, Any], part_dir: str) -> List[str]:
 
     Args:
         sharded_part: nested dict of megatron ``ShardedTensor`` / ``ShardedObject``.
-        part_dir: new directory (created) on the checkpoint's filesystem.
+        part_dir: new directory (created; FileExistsError if it exists) on the
+            checkpoint's filesystem.
 
     Returns:
         The DCP keys written.
@@ -91,7 +92,8 @@ def write_part(sharded_part: Dict[str, Any], part_dir: str) -> List[str]:
 
     dict_list_map_inplace(_as_dp_main, sharded_part)
     flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_part, keep_only_main_replica=True)
-    os.makedirs(part_dir, exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(part_dir)), exist_ok=True)
+    os.mkdir(part_dir)  # new and ours: DCP's writer opens its files in it with plain open()
     if not flat:
         return []
     pyt = mcore_to_pyt_state_dict(flat, False)
