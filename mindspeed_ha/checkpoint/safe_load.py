@@ -95,20 +95,25 @@ def _allowed() -> Dict[Tuple[str, str], Any]:
 
     import torch
     import torch.serialization
-    from torch.distributed.checkpoint import filesystem, metadata
 
     out: Dict[Tuple[str, str], Any] = {
         ("collections", "OrderedDict"): collections.OrderedDict,
         ("builtins", "set"): set, ("builtins", "frozenset"): frozenset, ("builtins", "slice"): slice,
         ("builtins", "complex"): complex, ("builtins", "bytearray"): bytearray,
         ("torch", "Size"): torch.Size,
-        ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): filesystem._StorageInfo,
     }
-    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                 "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"):
-        if hasattr(metadata, name):
-            out[("torch.distributed.checkpoint.metadata", name)] = getattr(metadata, name)
+    if hasattr(torch.serialization, "_get_layout"):  # a dict look-up of torch's layouts by name
+        out[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    try:
+        from torch.distributed.checkpoint import filesystem, metadata
+    except ImportError:  # a torch built without torch.distributed: no DCP metadata to read
+        filesystem = metadata = None
+    if metadata is not None:
+        out[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = filesystem._StorageInfo
+        for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                     "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"):
+            if hasattr(metadata, name):
+                out[("torch.distributed.checkpoint.metadata", name)] = getattr(metadata, name)
     for name, value in vars(torch).items():  # vars(): never torch's lazy module __getattr__
         if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
             out[("torch", name)] = value
