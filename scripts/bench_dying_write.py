@@ -122,6 +122,7 @@ def _run_once(mlm, root, tmp, fmt, hidden, log_dir, n):
     dds = [_dd_rate(save, nbytes) for _ in range(DD_RUNS)]
     dd = max(dds)
     rates = _primitive_rates(save)
+    print(f"{fmt} #{n}: load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(f"{fmt} #{n}: one core, MB/s: " + " ".join(f"{k} {v / 1e6:.0f}" for k, v in rates.items())
           + f"; dd " + ", ".join(f"{d / 1e6:.0f}" for d in dds))
     shutil.rmtree(save, ignore_errors=True)
