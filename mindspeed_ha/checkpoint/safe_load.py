@@ -99,7 +99,7 @@ def _allowed() -> Dict[Tuple[str, str], Any]:
     out: Dict[Tuple[str, str], Any] = {
         ("collections", "OrderedDict"): collections.OrderedDict,
         ("builtins", "set"): set, ("builtins", "frozenset"): frozenset, ("builtins", "slice"): slice,
-        ("builtins", "complex"): complex, ("builtins", "bytearray"): bytearray,
+        ("builtins", "complex"): complex,  # not bytearray: bytearray(n) allocates n bytes
         ("torch", "Size"): torch.Size,
     }
     if hasattr(torch.serialization, "_get_layout"):  # a dict look-up of torch's layouts by name
