@@ -275,6 +275,9 @@ def test_start_up_sweeps_what_killed_saves_left(tmp_path, caplog):
     os.makedirs(os.path.join(killed, "ranges"))
     kept = _staged(save, 8)  # ours, validated: kept, its command logged
     staging.mark_validated(kept, 8)
+    trash = _staged(save, 2)  # a published save's staging whose removal was killed
+    staging.mark_validated(trash, 2)
+    os.rename(trash, trash + ".discard.123.abc")
     foreign = os.path.join(save, staging.PREFIX + "0000010")  # our name, no marker: moved aside
     os.makedirs(foreign)
     with open(os.path.join(foreign, "f"), "w") as f:
@@ -285,8 +288,8 @@ def test_start_up_sweeps_what_killed_saves_left(tmp_path, caplog):
     published = leftovers.move_aside(save, os.path.join(save, "iter_0000003"), 4, "test")  # commit of 4 published
     with caplog.at_level(logging.WARNING):
         lines = leftovers.at_start_up(save)
-    assert len(lines) == 5, lines
-    assert not os.path.exists(killed)
+    assert len(lines) == 6, lines
+    assert not os.path.exists(killed) and not os.path.exists(trash + ".discard.123.abc")
     assert staging.is_validated(kept) and staging.publish_command(save, 8) in caplog.text
     unknown = [n for n in os.listdir(save) if n.startswith(staging.UNKNOWN_PREFIX)]
     assert len(unknown) == 1 and _tree(os.path.join(save, unknown[0])) == {"f": b"x"}

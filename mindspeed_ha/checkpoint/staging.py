@@ -150,11 +150,12 @@ def sweep_stale(save_dir: str, keep_failed: bool = False) -> List[str]:
         it = iteration_of(root)
         if it is None:
             continue
-        if is_validated(root):
+        trash = ".discard." in name  # renamed for removal (a published or failed save's), never kept
+        if not trash and is_validated(root):
             line = (f"{root}: validated dying checkpoint of iteration {it}, never published; kept. "
                     f"Publish it with: {publish_command(save_dir, it)}")
         elif is_ours(root):
-            if keep_failed:
+            if keep_failed and not trash:
                 line = f"{root}: staging of a failed dying checkpoint kept (keep-failed-staging)"
             else:
                 remove(root)
