@@ -181,8 +181,9 @@ def _staged_checkpoint(save, iteration):
 
     import torch
 
-    from mindspeed_ha.checkpoint import dying
+    from mindspeed_ha.checkpoint import dying, staging
 
+    staging.create(save, iteration)
     d = os.path.join(dying.staging_root(save, iteration), f"iter_{iteration:07d}", "mp_rank_00")
     os.makedirs(d)
     args = argparse.Namespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
@@ -193,11 +194,12 @@ def _staged_checkpoint(save, iteration):
 
 def test_commit_failure_publishes_nothing_and_discard_cleans_up(tmp_path, monkeypatch):
     """Disk full while writing the tracker, after the rename: the checkpoint goes back to
-    the staging dir (a loader never sees it), the tracker is untouched, and the exit
-    handler of a rank that took part removes the staging dir."""
+    the staging dir (a loader never sees it), the tracker is untouched; it validated, so
+    the exit handler of a rank that took part keeps it (the publish command is logged:
+    tests/test_checkpoint_leftovers.py). A staging dir that never validated is removed."""
     import errno
 
-    from mindspeed_ha.checkpoint import dying
+    from mindspeed_ha.checkpoint import dying, staging
     from mindspeed_ha.integrations import megatron_lm
     from mindspeed_ha.runtime import HARuntime
 
@@ -220,13 +222,16 @@ def test_commit_failure_publishes_nothing_and_discard_cleans_up(tmp_path, monkey
     rt._on_exit(faults.EXIT_FAULT_UNRECOVERABLE, "commit failed")  # never took part: nothing to do
     assert os.path.isdir(dying.staging_root(save, 4))
     rt.staged = 4
+    rt._on_exit(faults.EXIT_FAULT_UNRECOVERABLE, "commit failed")
+    assert staging.is_validated(dying.staging_root(save, 4)), "a validated checkpoint is kept"
+    os.remove(os.path.join(dying.staging_root(save, 4), staging.VALIDATED_FILE))  # as if it never validated
     monkeypatch.setenv(dying.ENV_KEEP_FAILED_STAGING, "1")
     rt._on_exit(faults.EXIT_FAULT_UNRECOVERABLE, "commit failed")
     assert os.path.isdir(dying.staging_root(save, 4)), "kept on request"
     monkeypatch.delenv(dying.ENV_KEEP_FAILED_STAGING)
     rt._on_exit(faults.EXIT_FAULT_UNRECOVERABLE, "commit failed")
     assert os.listdir(save) == ["latest_checkpointed_iteration.txt"] and _tracker(save) == 2
-    assert exits == [faults.EXIT_FAULT_UNRECOVERABLE] * 3
+    assert exits == [faults.EXIT_FAULT_UNRECOVERABLE] * 4
 
 
 def test_failed_save_leaves_no_staging_dir(tmp_path):

@@ -34,7 +34,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Tuple
 
-from mindspeed_ha.checkpoint import torch_file
+from mindspeed_ha.checkpoint import files, torch_file
 from mindspeed_ha.errors import DPZeroError
 
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
@@ -153,7 +153,8 @@ def write_shard(path: str, plan: FilePlan, shard_id: int, num_shards: int,
         OSError: the write or fsync failed.
     """
     timer = timer or _no_timer
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)  # no O_TRUNC: other savers write the same file
+    # no O_EXCL, no O_TRUNC: other savers write the same file; never through a link
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | files.NOFOLLOW, files.FILE_MODE)
     ranges: List[Tuple[str, int, int, int]] = []  # (record key, offset in record, length, crc)
     written = 0
     try:
@@ -262,7 +263,7 @@ def finalize(path: str, plan: FilePlan, num_shards: int, staging_root: str, tp: 
                               f"layout {rec['layout']!r}; expected {iteration}, {num_shards}, {plan.fingerprint!r}")
         for key, at, length, crc in rec["ranges"]:
             per_key[key].append((at, length, crc))
-    fd = os.open(path, os.O_WRONLY)
+    fd = os.open(path, os.O_WRONLY | files.NOFOLLOW)
     try:
         if os.fstat(fd).st_size != plan.file.size:
             raise DPZeroError(f"{path}: {os.fstat(fd).st_size} bytes, expected {plan.file.size}")
@@ -279,10 +280,7 @@ def finalize(path: str, plan: FilePlan, num_shards: int, staging_root: str, tp: 
 
 def _write_json(path: str, obj) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-    os.replace(tmp, path)
+    files.write_atomically(path, json.dumps(obj).encode(), fsync=False)
 
 
 def _fp32():

@@ -20,7 +20,8 @@ not start the update of ``k+1``); the RNG state is the snapshot taken when itera
 
 Failure (any exception in a phase, e.g. a full disk, or a saver's death): the controller
 ends the job with EXIT(77) and every rank that took part removes the staging dir
-(:func:`discard`, from the runtime's exit handler); the tracker is never touched and a
+(:func:`discard`, from the runtime's exit handler) unless its checkpoint validated (then
+it is kept and the command that publishes it logged); the tracker is never touched and a
 half-committed ``iter_XXXXXXX`` is moved back first (:func:`commit`).
 """
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from mindspeed_ha.checkpoint import staging
 from mindspeed_ha.checkpoint.commit import ENV_KEEP_FAILED_STAGING, commit, discard
 from mindspeed_ha.checkpoint.formats import SaverRole, format_of
 from mindspeed_ha.checkpoint.state import DyingContext, IterationSnapshot, staging_root
@@ -56,6 +58,7 @@ def dump(ctx: DyingContext, iteration: int, snapshot: Optional[IterationSnapshot
         have = None if snapshot is None else snapshot.iteration
         raise RuntimeError(f"no consistent state for iteration {iteration} (snapshot at {have})")
     role = SaverRole(write_shard, write_model, shard_digest, model_digest)
+    staging.create(ctx.args.save, iteration)  # with its owner marker, before the first write
     with gc_paused():
         return format_of(ctx.args).dump(ctx, iteration, snapshot, role)
 

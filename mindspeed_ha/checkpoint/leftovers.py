@@ -1,4 +1,4 @@
-"""Leftovers of an interrupted regular save: ``iter_XXXXXXX`` directories never published.
+"""``iter_XXXXXXX`` directories the tracker does not name: moved aside, never deleted.
 
 Megatron-LM core_v0.12.1 writes a regular checkpoint straight into its final directory
 and publishes it afterwards (megatron/training/checkpointing.py ``save_checkpoint``):
@@ -7,39 +7,65 @@ and publishes it afterwards (megatron/training/checkpointing.py ``save_checkpoin
 ``iter_XXXXXXX/`` (``common.pt``, ``__*.distcp``, ``.metadata``, then ``metadata.json``);
 then every rank meets at a barrier and only after it rank 0 writes
 ``latest_checkpointed_iteration.txt``. So a directory ``iter_X`` with ``X`` above the
-tracker's iteration (or with no tracker at all) was never published: its save was
-interrupted and it may be half-written. The stock loader reads the tracker and never
-opens it, but
+tracker's iteration (or with no tracker at all) was not published: its save was
+interrupted (it may be half-written) or its tracker write was lost (it may be complete).
+Such a directory is not ours (Megatron-LM wrote it) and we cannot always tell a partial
+one from one we cannot read (a layout we do not know, EACCES, EIO), so none is ever
+deleted here. When the dying checkpoint of ``k`` is committed
+(:func:`mindspeed_ha.checkpoint.commit.commit`):
 
-* a dying checkpoint of the same iteration needs the name: the half-written directory is
-  moved aside (:func:`set_aside`, a hidden name no loader looks at), the dying checkpoint
-  is published in its place, and then the moved directory is deleted (:func:`remove`);
-* one of a later iteration is removed unless it validates (a complete save whose
-  tracker update was lost is kept: it is ignored by the loader, never published by us);
-* a set-aside directory left by a committer that died is removed by the next commit or
-  discard (:func:`sweep`).
+* one of iteration ``k`` that validates is published as it is (tracker updated); one
+  that does not is moved aside (:func:`move_aside`) and the dying checkpoint takes its name;
+* every one of a later iteration is moved aside (a resumed run saves those iterations
+  again, and ``dist_checkpointing.save`` refuses a non-empty directory);
+* if the commit fails, each is put back (:func:`put_back`).
 
-A save is complete once the tracker names it: then nothing here touches it.
+A moved directory goes into a new hidden container ``<save>/.mindspeed_ha_interrupted_
+iter_XXXXXXX.<unique>/`` (created exclusively, never reused) beside a record of the
+commit that moved it. Every move and put-back is logged with both paths. At start-up
+(:func:`at_start_up`): a container whose commit never published (the tracker is below
+its iteration) is put back, the others are kept and logged (remove them by hand once
+they are not needed).
 
-No collectives; safe to run on several ranks at once (every removal renames first).
+No collectives; safe to run on several ranks at once (every move is one rename).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
-import shutil
-from typing import Callable, List, Optional, Tuple
+import secrets
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
 
-from mindspeed_ha.errors import CheckpointError
+from mindspeed_ha.checkpoint import files, staging
 from mindspeed_ha.integrations import megatron_lm as mlm
 
 log = logging.getLogger("mindspeed_ha.recovery.leftovers")  # the name log lines have carried
 
-#: prefix of a directory moved aside (hidden: Megatron-LM's loader never lists ``save_dir``)
+#: prefix of the container a directory is moved into (hidden: the loader never lists ``save_dir``)
 ASIDE_PREFIX = ".mindspeed_ha_interrupted_"
+RECORD_FILE = "moved.json"
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
+
+
+@dataclass(frozen=True)
+class Aside:
+    """A directory moved aside: ``<container>/<name>`` was ``<save_dir>/<name>``."""
+
+    save_dir: str
+    name: str
+    container: str
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.container, self.name)
+
+    @property
+    def original(self) -> str:
+        return os.path.join(self.save_dir, self.name)
 
 
 def _tracked(save_dir: str) -> Tuple[bool, Optional[int]]:
@@ -60,66 +86,129 @@ def unpublished(save_dir: str, at_least: int = 0) -> List[Tuple[int, str]]:
     for name in os.listdir(save_dir):
         m = _ITER_DIR.match(name)
         path = os.path.join(save_dir, name)
-        if m and os.path.isdir(path):
+        if m and os.path.isdir(path) and not os.path.islink(path):
             it = int(m.group(1))
             if it >= at_least and (tracked is None or it > tracked):
                 out.append((it, path))
     return sorted(out)
 
 
-def _move_aside(save_dir: str, path: str) -> Optional[str]:
-    aside = os.path.join(save_dir, f"{ASIDE_PREFIX}{os.path.basename(path)}.{os.getpid()}")
+def _new_container(save_dir: str, name: str) -> str:
+    """A new, empty directory ``ASIDE_PREFIX + name + .<pid>.<random>`` (``mkdir`` is exclusive)."""
+    while True:
+        container = os.path.join(save_dir, f"{ASIDE_PREFIX}{name}.{os.getpid()}.{secrets.token_hex(6)}")
+        try:
+            os.mkdir(container)
+            return container
+        except FileExistsError:
+            continue
+
+
+def move_aside(save_dir: str, path: str, commit_of: int, why: str) -> Optional[Aside]:
+    """Move ``path`` (an ``iter_XXXXXXX`` of ``save_dir``) into a new container, with a
+    record of the commit (of ``commit_of``) that moved it; logged with ``why``. Returns
+    None when it was gone already (another rank moved it).
+
+    Raises:
+        OSError: the container or its record could not be created (nothing was moved).
+    """
+    name = os.path.basename(path)
+    container = _new_container(save_dir, name)
     try:
-        os.rename(path, aside)
-    except FileNotFoundError:  # another rank moved it first
+        files.write_atomically(os.path.join(container, RECORD_FILE),
+                               json.dumps({"name": name, "commit_of": commit_of}).encode())
+        os.rename(path, os.path.join(container, name))
+    except FileNotFoundError:
+        _drop_container(container)
         return None
+    except BaseException:
+        _drop_container(container)
+        raise
+    aside = Aside(save_dir, name, container)
+    log.warning("%s: %s: moved to %s (never deleted by mindspeed-ha)", path, why, aside.path)
     return aside
 
 
-def set_aside(save_dir: str, iteration: int, validate: Callable[[str, int], object]) -> List[str]:
-    """Before publishing the dying checkpoint of ``iteration``: move an unpublished
-    ``iter_XXXXXXX`` of that iteration aside, and one of a later iteration too unless it
-    validates (``validate(path, iteration)``, the run's checkpoint format's check: raises
-    :class:`~mindspeed_ha.errors.CheckpointError` when incomplete). Returns the moved
-    directories (for :func:`remove` once the dying checkpoint is published)."""
-    moved = []
-    for it, path in unpublished(save_dir, iteration):
-        if it > iteration:
-            try:
-                validate(path, it)
-                log.warning("%s: complete but never published (no tracker update); left as it is", path)
-                continue
-            except CheckpointError:
-                pass
-        aside = _move_aside(save_dir, path)
+def _drop_container(container: str) -> None:
+    """Remove an emptied container (ours: the record and nothing else)."""
+    try:
+        os.unlink(os.path.join(container, RECORD_FILE))
+    except FileNotFoundError:
+        pass
+    try:
+        os.rmdir(container)
+    except OSError as exc:
+        log.warning("%s: not removed (%s)", container, exc)
+
+
+def set_aside(save_dir: str, iteration: int, moved: Optional[List[Aside]] = None) -> List[Aside]:
+    """Before publishing the dying checkpoint of ``iteration``: every unpublished
+    ``iter_XXXXXXX`` of a later iteration moved aside (see the module). Returns them
+    (for :func:`put_back` if the commit fails), appended to ``moved`` when given (so a
+    caller holds what was moved even when a later move raises)."""
+    moved = [] if moved is None else moved
+    for it, path in unpublished(save_dir, iteration + 1):
+        aside = move_aside(save_dir, path, iteration,
+                           f"iteration {it} above the dying checkpoint's {iteration}, not in the tracker")
         if aside is not None:
-            log.warning("%s: half-written regular save (its tracker update never happened): moved to %s",
-                        path, aside)
             moved.append(aside)
     return moved
 
 
-def remove(paths: List[str]) -> None:
-    """Delete directories moved aside by :func:`set_aside`."""
-    for path in paths:
-        shutil.rmtree(path, ignore_errors=True)
+def put_back(asides: List[Aside]) -> List[Aside]:
+    """Move each directory back to its name (a failed commit); one whose name is taken
+    again stays where it is (logged). Returns those left aside."""
+    left = []
+    for a in asides:
+        if os.path.lexists(a.original):
+            log.error("%s: name taken again; %s stays at %s", a.original, a.name, a.path)
+            left.append(a)
+            continue
+        try:
+            os.rename(a.path, a.original)
+        except OSError as exc:
+            log.error("%s: could not be put back to %s (%s)", a.path, a.original, exc)
+            left.append(a)
+            continue
+        _drop_container(a.container)
+        log.warning("%s: put back to %s (the commit failed)", a.path, a.original)
+    return left
 
 
-def sweep(save_dir: str) -> List[str]:
-    """Delete every set-aside directory in ``save_dir`` (renamed first, so concurrent sweeps
-    never delete the same files twice); returns what was removed."""
+def containers(save_dir: str) -> List[Tuple[Aside, Optional[int]]]:
+    """``(moved directory, iteration of the commit that moved it)`` for each container in
+    ``save_dir`` with a readable record."""
     if not os.path.isdir(save_dir):
         return []
-    removed = []
-    for name in sorted(os.listdir(save_dir)):
-        if not name.startswith(ASIDE_PREFIX):
+    out = []
+    for entry in sorted(os.listdir(save_dir)):
+        container = os.path.join(save_dir, entry)
+        if not entry.startswith(ASIDE_PREFIX) or os.path.islink(container) or not os.path.isdir(container):
             continue
-        path = os.path.join(save_dir, name)
-        trash = f"{path}.sweep.{os.getpid()}"
         try:
-            os.rename(path, trash)
-        except FileNotFoundError:
+            with os.fdopen(os.open(os.path.join(container, RECORD_FILE), os.O_RDONLY | files.NOFOLLOW)) as f:
+                rec = json.load(f)
+            name = rec["name"]
+        except (OSError, ValueError, KeyError, TypeError):
             continue
-        shutil.rmtree(trash, ignore_errors=True)
-        removed.append(path)
-    return removed
+        if isinstance(name, str) and _ITER_DIR.match(name):
+            out.append((Aside(save_dir, name, container), rec.get("commit_of")))
+    return out
+
+
+def at_start_up(save_dir: str, keep_failed_staging: bool = False) -> List[str]:
+    """Start-up clean-up of ``save_dir`` (rank 0, before any save of this run): stale
+    staging dirs (:func:`mindspeed_ha.checkpoint.staging.sweep_stale`), then each moved
+    directory whose commit never published (the tracker names no iteration at or above
+    the commit's) put back, the others kept. Returns the log lines."""
+    lines = staging.sweep_stale(save_dir, keep_failed_staging)
+    tracked = mlm.read_tracker_iteration(save_dir)
+    for aside, commit_of in containers(save_dir):
+        published = isinstance(commit_of, int) and tracked is not None and tracked >= commit_of
+        if published or put_back([aside]):
+            line = f"{aside.path}: moved aside by the dying checkpoint of {commit_of}; kept (remove it by hand)"
+            log.warning("%s", line)
+        else:
+            line = f"{aside.path}: its dying checkpoint ({commit_of}) was never published: put back"
+        lines.append(line)
+    return lines

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
+from mindspeed_ha.checkpoint.staging import staging_root  # noqa: F401 - where callers find it
 from mindspeed_ha.integrations import megatron_lm as mlm
 
 
@@ -99,11 +99,6 @@ class DyingContext:
     pp_rank: int
     pp_size: int
     shard_id: int
-
-
-def staging_root(save_dir: str, iteration: int) -> str:
-    """Hidden staging directory for the dying checkpoint of ``iteration`` (same filesystem as ``save_dir``)."""
-    return os.path.join(save_dir, f".mindspeed_ha_dying_iter_{iteration:07d}")
 
 
 def model_path(ctx: DyingContext, iteration: int) -> str:

@@ -34,6 +34,7 @@ import pickle
 import shutil
 from typing import Any, Dict, Iterable, List
 
+from mindspeed_ha.checkpoint import files, safe_load
 from mindspeed_ha.errors import TorchDistCheckpointError
 
 COMMON_FILE = "common.pt"
@@ -78,7 +79,8 @@ def write_part(sharded_part: Dict[str, Any], part_dir: str) -> List[str]:
 
     Args:
         sharded_part: nested dict of megatron ``ShardedTensor`` / ``ShardedObject``.
-        part_dir: new directory (created) on the checkpoint's filesystem.
+        part_dir: new directory (created; FileExistsError if it exists) on the
+            checkpoint's filesystem.
 
     Returns:
         The DCP keys written.
@@ -90,7 +92,8 @@ def write_part(sharded_part: Dict[str, Any], part_dir: str) -> List[str]:
 
     dict_list_map_inplace(_as_dp_main, sharded_part)
     flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_part, keep_only_main_replica=True)
-    os.makedirs(part_dir, exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(part_dir)), exist_ok=True)
+    os.mkdir(part_dir)  # new and ours: DCP's writer opens its files in it with plain open()
     if not flat:
         return []
     pyt = mcore_to_pyt_state_dict(flat, False)
@@ -101,20 +104,27 @@ def write_part(sharded_part: Dict[str, Any], part_dir: str) -> List[str]:
 
 
 def write_common(common_state_dict: Dict[str, Any], part_dir: str) -> None:
-    """``common.pt`` as megatron-core's ``TorchCommonSaveStrategy.save_common`` writes it."""
+    """``common.pt`` as megatron-core's ``TorchCommonSaveStrategy.save_common`` writes it
+    (through a new temporary file: :func:`mindspeed_ha.checkpoint.files.write_atomically`)."""
+    import io
+
     import torch
 
     os.makedirs(part_dir, exist_ok=True)
-    path = os.path.join(part_dir, COMMON_FILE)
-    with open(path, "wb") as f:
-        torch.save(common_state_dict, f)
-        f.flush()
-        os.fsync(f.fileno())
+    buf = io.BytesIO()
+    torch.save(common_state_dict, buf)
+    files.write_atomically(os.path.join(part_dir, COMMON_FILE), buf.getbuffer())
 
 
 def _read_metadata(part_dir: str):
-    with open(os.path.join(part_dir, METADATA_FILE), "rb") as f:
-        return pickle.load(f)  # DCP's own on-disk format (FileSystemReader.read_metadata)
+    """DCP's ``.metadata`` (a pickle: ``FileSystemReader.read_metadata``), read without
+    running code from it (:func:`mindspeed_ha.checkpoint.safe_load.read_pickle_file`)."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    md = safe_load.read_pickle_file(os.path.join(part_dir, METADATA_FILE))
+    if not isinstance(md, Metadata):
+        raise TorchDistCheckpointError(f"{part_dir}: {METADATA_FILE} holds {type(md).__name__}, not DCP Metadata")
+    return md
 
 
 def merge_parts(part_dirs: Iterable[str], out_dir: str):
@@ -232,31 +242,34 @@ def validate_metadata(md) -> None:
 
 
 def _write_durably(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    files.write_atomically(path, data)
 
 
 def validate_checkpoint_dir(ckpt_dir: str, iteration=None) -> List[str]:
     """Check a ``torch_dist`` ``iter_XXXXXXX`` directory; returns its files.
 
+    Reads ``metadata.json``, ``.metadata`` and ``common.pt``'s pickle without running code
+    from them (:mod:`mindspeed_ha.checkpoint.safe_load`); data files are only stat'ed.
+
     Raises:
+        OSError: a file could not be opened or read (EACCES, EIO...).
         TorchDistCheckpointError: wrong backend in ``metadata.json``, unreadable or
             incomplete ``.metadata`` (:func:`validate_metadata`), a data file missing, an
             unloadable ``common.pt`` or a wrong ``iteration`` in it.
     """
-    import torch
-
     try:
         with open(os.path.join(ckpt_dir, CONFIG_FILE)) as f:
             backend = json.load(f).get("sharded_backend")
         md = _read_metadata(ckpt_dir)
-        common = torch.load(os.path.join(ckpt_dir, COMMON_FILE), map_location="cpu", weights_only=False)
-    except Exception as exc:  # noqa: BLE001 - any unreadable file makes the checkpoint invalid
+        common = safe_load.read_torch_file(os.path.join(ckpt_dir, COMMON_FILE))
+    except FileNotFoundError as exc:
+        raise TorchDistCheckpointError(f"{ckpt_dir}: not a readable torch_dist checkpoint (a file is missing): {exc}") from exc
+    except OSError:
+        raise  # EACCES, EIO...: unreadable, which says nothing about completeness
+    except Exception as exc:  # noqa: BLE001 - any malformed file makes the checkpoint invalid
         raise TorchDistCheckpointError(f"{ckpt_dir}: not a readable torch_dist checkpoint: {exc}") from exc
+    if not isinstance(common, dict):
+        raise TorchDistCheckpointError(f"{ckpt_dir}: {COMMON_FILE} holds no dict")
     if backend != BACKEND[0]:
         raise TorchDistCheckpointError(f"{ckpt_dir}: sharded backend {backend!r}, expected {BACKEND[0]!r}")
     validate_metadata(md)

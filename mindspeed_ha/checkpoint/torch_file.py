@@ -196,10 +196,10 @@ def plan(obj: Any) -> TorchFileLayout:
     return TorchFileLayout(rec, records, tensor_keys, storages)
 
 
-def _write_with_torch_save(obj: Any, path: str) -> int:
+def _write_with_torch_save(obj: Any, fd: int) -> int:
     import torch
 
-    with open(path, "wb") as f:
+    with os.fdopen(os.dup(fd), "wb") as f:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
@@ -211,19 +211,26 @@ def save(obj: Any, path: str) -> int:
     each storage written straight from its memory (GPU storages copied to the CPU first)
     with ``pwrite``, its CRC-32 computed on the way (``zlib``). Returns bytes written.
 
+    ``path`` must be new: it is created ``O_EXCL | O_NOFOLLOW``, mode ``0o666`` less the
+    umask (what ``torch.save(path)`` gives; :mod:`mindspeed_ha.checkpoint.files`).
     Tensors are found in dicts, lists, tuples and objects' ``__dict__``; if one is
     elsewhere, the file is written by ``torch.save`` itself (same content).
 
     Raises:
-        TorchFileError, OSError.
+        TorchFileError, OSError (FileExistsError: ``path`` exists).
     """
     import torch
 
+    from mindspeed_ha.checkpoint import files
+
     layout = plan(obj)
+    fd = files.create_new(path)
     if set(layout.storages) != set(layout.records):
         # a tensor inside an object this module does not walk: let torch.save find it
-        return _write_with_torch_save(obj, path)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            return _write_with_torch_save(obj, fd)
+        finally:
+            os.close(fd)
     try:
         os.ftruncate(fd, layout.size)
         written = layout.write_skeleton(fd)

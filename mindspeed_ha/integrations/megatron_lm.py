@@ -49,7 +49,6 @@ import os
 import random
 import shutil
 import sys
-import tempfile
 from typing import Any, Callable, List, Optional
 
 import numpy as np
@@ -415,40 +414,56 @@ def generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state, 
 
 # ---- validation and atomic publication ------------------------------------------------
 def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    from mindspeed_ha.checkpoint import files
+
+    files.fsync_dir(path)
 
 
 def write_tracker(save_root: str, iteration: int) -> None:
-    """Atomically set the tracker to ``iteration`` (temp file + fsync + os.replace + fsync dir)."""
-    tracker = get_checkpoint_tracker_filename(save_root)
-    fd, tmp = tempfile.mkstemp(prefix=f".{TRACKER_FILE}.", dir=save_root)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(str(iteration))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, tracker)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    """Atomically set the tracker to ``iteration`` (temp file + fsync + os.replace + fsync dir).
+
+    The file gets the mode Megatron-LM's ``open(tracker, "w")`` gives it (``0o666`` less
+    the umask); the temporary file is created ``O_EXCL | O_NOFOLLOW`` at an unpredictable
+    name (:mod:`mindspeed_ha.checkpoint.files`).
+    """
+    from mindspeed_ha.checkpoint import files
+
+    files.write_atomically(get_checkpoint_tracker_filename(save_root), str(iteration).encode())
     _fsync_dir(save_root)
 
 
 def expected_files(ckpt_args) -> List[str]:
-    """Relative paths every complete checkpoint of a run with ``ckpt_args`` holds (no expert parallelism)."""
-    tp, pp = ckpt_args.tensor_model_parallel_size, ckpt_args.pipeline_model_parallel_size
-    dist_opt = ckpt_args.use_distributed_optimizer and not ckpt_args.no_save_optim
+    """Relative paths every complete ``--ckpt-format torch`` checkpoint of a run with
+    ``ckpt_args`` holds: one ``mp_rank_TT[_PPP][_EEE]`` per tensor, pipeline and expert
+    rank (``get_checkpoint_name``), each with ``distrib_optim.pt`` under
+    ``--use-distributed-optimizer`` unless ``--no-save-optim``.
+
+    ``ckpt_args`` may be a real namespace or the :class:`~mindspeed_ha.checkpoint.safe_load.Inert`
+    one a checkpoint's ``args`` is read as.
+
+    Raises:
+        CheckpointError: a parallel size is missing or not a positive integer.
+    """
+    from mindspeed_ha.checkpoint.safe_load import field
+
+    sizes = []
+    for name, default in (("tensor_model_parallel_size", None), ("pipeline_model_parallel_size", None),
+                          ("expert_model_parallel_size", 1)):
+        v = field(ckpt_args, name, default)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise CheckpointError(f"args.{name} = {v!r}: not a parallel size")
+        sizes.append(v)
+    tp, pp, ep = sizes
+    dist_opt = bool(field(ckpt_args, "use_distributed_optimizer", False)) and \
+        not field(ckpt_args, "no_save_optim", False)
     out = []
     for t in range(tp):
         for p in range(pp):
-            rank_dir = _rank_dir(t, pp > 1, p)
-            out.append(os.path.join(rank_dir, MODEL_FILE))
-            if dist_opt:
-                out.append(os.path.join(rank_dir, OPTIM_FILE))
+            for e in range(ep):
+                rank_dir = _rank_dir(t, pp > 1, p, ep > 1, e)
+                out.append(os.path.join(rank_dir, MODEL_FILE))
+                if dist_opt:
+                    out.append(os.path.join(rank_dir, OPTIM_FILE))
     return out
 
 
@@ -457,34 +472,35 @@ def validate_checkpoint_dir(ckpt_dir: str, iteration: Optional[int] = None) -> L
     its files (relative paths). (Every format's check, ``torch_dist`` included:
     :mod:`mindspeed_ha.checkpoint.formats`.)
 
-    Each file is opened as ``torch.load`` opens it (archive, pickle, every storage record
-    present with its size), memory-mapped (``mmap=True``): the tensors' bytes are not read,
-    so validating costs no second pass over the checkpoint.
+    Reads only what it needs, and runs no code from the files
+    (:func:`mindspeed_ha.checkpoint.safe_load.read_torch_file`): each file's zip
+    directory, its pickle through an unpickler that imports and calls nothing outside
+    an allow-list (``args`` is read as an inert object), and each storage record's local
+    header (present, of its size, inside the file). No tensor byte is read.
 
     Raises:
-        CheckpointError: no model file, a missing expected file, an unloadable file, or
-            a wrong ``iteration`` inside.
+        CheckpointError: no model file, a missing expected file, an unreadable file, no
+            ``args``, or a wrong ``iteration`` inside.
+        OSError: a file could not be opened or read (EACCES, EIO...).
     """
+    from mindspeed_ha.checkpoint.safe_load import read_torch_file
+
     found = sorted(glob.glob(os.path.join(ckpt_dir, "mp_rank_*", MODEL_FILE)))
     if not found:
         raise CheckpointError(f"{ckpt_dir}: no mp_rank_*/{MODEL_FILE}")
-    try:
-        first = torch.load(found[0], map_location="cpu", weights_only=False, mmap=True)
-    except Exception as exc:
-        raise CheckpointError(f"{found[0]}: not loadable: {exc}") from exc
-    if "args" not in first:
+    first = read_torch_file(found[0])
+    if not isinstance(first, dict) or "args" not in first:
         raise CheckpointError(f"{found[0]}: no 'args' key")
     files = expected_files(first["args"])
     for rel in files:
         path = os.path.join(ckpt_dir, rel)
         if not os.path.isfile(path):
             raise CheckpointError(f"{ckpt_dir}: missing {rel}")
-        try:
-            sd = first if path == found[0] else torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-        except Exception as exc:
-            raise CheckpointError(f"{path}: not loadable: {exc}") from exc
-        if rel.endswith(MODEL_FILE) and iteration is not None and sd.get("iteration") != iteration:
-            raise CheckpointError(f"{path}: iteration {sd.get('iteration')} != {iteration}")
+        sd = first if path == found[0] else read_torch_file(path)
+        if rel.endswith(MODEL_FILE) and iteration is not None and \
+                (not isinstance(sd, dict) or sd.get("iteration") != iteration):
+            got = sd.get("iteration") if isinstance(sd, dict) else None
+            raise CheckpointError(f"{path}: iteration {got} != {iteration}")
     return files
 
 

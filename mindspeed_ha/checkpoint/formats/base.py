@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 
 @dataclass(frozen=True)
@@ -47,11 +47,20 @@ class CheckpointFormat(abc.ABC):
 
     def check(self, args: Any) -> None:
         """At start-up: the dying checkpoint can be written in this format for ``args``
-        (Megatron's parsed args). Must not import torch.
+        (Megatron's parsed args). Must not import torch. The built-in formats refuse
+        expert parallelism: the savers write one ``mp_rank_TT[_PPP]`` per (TP, PP) and
+        know nothing of the expert ranks' files (``mp_rank_TT[_PPP]_EEE``).
 
         Raises:
             ConfigError: naming the flag and what to use instead.
         """
+        ep = getattr(args, "expert_model_parallel_size", 1) or 1
+        if ep != 1:
+            from mindspeed_ha.errors import ConfigError
+
+            raise ConfigError(f"--expert-model-parallel-size {ep} with --enable-high-availability: the dying "
+                              f"checkpoint ({self.name}) writes no expert-parallel layout; use "
+                              "--expert-model-parallel-size 1")
 
     @abc.abstractmethod
     def dump(self, ctx, iteration: int, snapshot, role: SaverRole) -> str:
@@ -101,10 +110,11 @@ class CheckpointFormat(abc.ABC):
         """Whether the files in ``ckpt_dir`` say it is of this format (for a directory of
         unknown format, e.g. in a test; the dying checkpoint goes by ``--ckpt-format``)."""
 
-    def commit(self, staged: str, save_dir: str, iteration: int) -> str:
-        """Publish a merged ``staged`` directory: :meth:`validate`, fsync, rename to
-        ``<save_dir>/iter_XXXXXXX``, then the tracker (temp + fsync + rename).
-        Returns the published directory.
+    def commit(self, staged: str, save_dir: str, iteration: int,
+               validate: Optional[Callable[[str, int], Any]] = None) -> str:
+        """Publish a merged ``staged`` directory: :meth:`validate` (or ``validate``, a
+        wrapper of it), fsync, rename to ``<save_dir>/iter_XXXXXXX``, then the tracker
+        (temp + fsync + rename). Returns the published directory.
 
         Raises:
             CheckpointError: validation failed (nothing renamed, tracker untouched).
@@ -113,7 +123,7 @@ class CheckpointFormat(abc.ABC):
         """
         from mindspeed_ha.integrations import megatron_lm as mlm
 
-        return mlm.commit_checkpoint(staged, save_dir, iteration, validate=self.validate)
+        return mlm.commit_checkpoint(staged, save_dir, iteration, validate=validate or self.validate)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"

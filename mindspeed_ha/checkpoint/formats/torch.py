@@ -25,18 +25,24 @@ from mindspeed_ha.checkpoint.formats.base import CheckpointFormat, SaverRole
 
 
 def atomic_torch_save(obj, path: str) -> None:
-    """``torch.save(obj)`` to ``path`` through a temporary name, fsynced (each storage
-    written once, straight from memory: :func:`mindspeed_ha.checkpoint.torch_file.save`)."""
-    from mindspeed_ha.checkpoint import torch_file
+    """``torch.save(obj)`` to ``path`` through a new temporary file (``O_EXCL |
+    O_NOFOLLOW``, unpredictable name: :mod:`mindspeed_ha.checkpoint.files`), fsynced
+    (each storage written once, straight from memory: :func:`mindspeed_ha.checkpoint.torch_file.save`)."""
+    from mindspeed_ha.checkpoint import files, torch_file
 
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    torch_file.save(obj, tmp)
-    os.replace(tmp, path)
+    tmp = files.temp_name(path)
+    try:
+        torch_file.save(obj, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 class TorchFormat(CheckpointFormat):
-    """Megatron-LM's ``torch`` format (no start-up restriction)."""
+    """Megatron-LM's ``torch`` format (start-up: no expert parallelism, :meth:`CheckpointFormat.check`)."""
 
     name = "torch"
 

@@ -37,8 +37,10 @@ class TorchDistFormat(CheckpointFormat):
 
     def check(self, args: Any) -> None:
         """Raises:
-            ConfigError: ``--no-ckpt-fully-parallel-save``, or virtual pipeline stages.
+            ConfigError: ``--no-ckpt-fully-parallel-save``, virtual pipeline stages, or
+                expert parallelism (:meth:`CheckpointFormat.check`).
         """
+        super().check(args)
         if not getattr(args, "ckpt_fully_parallel_save", True):
             raise ConfigError("--ckpt-format torch_dist with --no-ckpt-fully-parallel-save and "
                               "--enable-high-availability: the dying checkpoint writes the distributed "
