@@ -114,8 +114,10 @@ def ha_args(script_args):
                         action="store_false")
     parser.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
     parser.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
-    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size"):
+    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
+                 "--expert-model-parallel-size", "--num-distributed-optimizer-instances"):
         parser.add_argument(flag, type=int, default=1)
+    parser.add_argument("--use-custom-fsdp", action="store_true")
     ns, _ = parser.parse_known_args(script_args)
     return ns
 

@@ -2,6 +2,8 @@
 
 import socket
 
+import re
+
 import pytest
 
 from mindspeed_ha.config import ConfigError
@@ -91,6 +93,21 @@ def test_launcher_reads_flags_without_abbreviations():
 
     ns = _ha_args(["--num-layers", "4", "--enable-high-availability"])
     assert ns.num_layers_per_virtual_pipeline_stage is None
+
+
+@pytest.mark.parametrize("flags,names", [(["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2"),
+                                         (["--num-distributed-optimizer-instances", "4"],
+                                          "--num-distributed-optimizer-instances=4"),
+                                         (["--use-custom-fsdp"], "--use-custom-fsdp")])
+def test_launcher_refuses_layouts_replicas_or_the_dying_checkpoint_cannot_serve(flags, names):
+    """Refused by the launcher before any worker starts (the workers refuse them too)."""
+    from mindspeed_ha.launcher import _check_before_start, _parse
+
+    argv = ["--standalone", "--nproc-per-node", "4", "-m", "x", "--use-distributed-optimizer",
+            "--enable-high-availability", "--ckpt-format", "torch", *flags]
+    targs, ns = _parse(argv)
+    with pytest.raises(ConfigError, match=re.escape(names)):
+        _check_before_start(targs, ns)
 
 
 def test_conflicting_optimizer_instances_name_both_flags(parse):
