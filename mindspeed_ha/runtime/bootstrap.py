@@ -157,3 +157,14 @@ def exchange(group, record: dict) -> list:
         n = int.from_bytes(raw[:4], "big")
         records.append(json.loads(raw[4:4 + n].decode()))
     return records
+
+
+def sweep_save_dir(save_dir: str) -> None:
+    """What killed dying checkpoints left in ``save_dir``, before any save of this run
+    (:func:`mindspeed_ha.checkpoint.leftovers.at_start_up`; each directory logged)."""
+    from mindspeed_ha.checkpoint import leftovers
+
+    try:
+        leftovers.at_start_up(save_dir, os.environ.get(ha_env.KEEP_FAILED_STAGING) == "1")
+    except OSError as exc:  # a start-up clean-up never stops the run
+        log.warning("%s: start-up clean-up of dying checkpoint leftovers failed: %s", save_dir, exc)

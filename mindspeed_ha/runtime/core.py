@@ -110,7 +110,7 @@ class HARuntime:
 
         self.layout = bootstrap.layout_of_this_rank(self.args)
         if self.rank == 0 and getattr(self.args, "save", None):
-            self._sweep_save_dir(self.args.save)
+            bootstrap.sweep_save_dir(self.args.save)
         key = bootstrap.agree_auth_key()
         self.controller_proc = bootstrap.ensure_controller(self.config, self.rank, key) or self.controller_proc
         if getattr(self.config, "auth_key", None) != key:
@@ -122,17 +122,6 @@ class HARuntime:
         self.processor.on_controller_lost(lambda record: bootstrap.exchange(self.fallback_group, record))
         self.processor.start()
         install_exit_hooks(self._get_runtime)
-
-    @staticmethod
-    def _sweep_save_dir(save_dir: str) -> None:
-        """What killed dying checkpoints left in ``save_dir``, before any save of this run
-        (:func:`mindspeed_ha.checkpoint.leftovers.at_start_up`; each directory logged)."""
-        from mindspeed_ha.checkpoint import leftovers
-
-        try:
-            leftovers.at_start_up(save_dir, os.environ.get(ha_env.KEEP_FAILED_STAGING) == "1")
-        except OSError as exc:  # a start-up clean-up never stops the run
-            log.warning("%s: start-up clean-up of dying checkpoint leftovers failed: %s", save_dir, exc)
 
     def attach(self, model, optimizer, opt_param_scheduler, loader=None) -> None:
         """The rank's training state (first call wins); ``loader``: the training script's
