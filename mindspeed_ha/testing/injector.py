@@ -76,7 +76,7 @@ from mindspeed_ha import env as ha_env
 from mindspeed_ha.errors import InjectedFault  # noqa: F401  (one error tree)
 import os
 import signal
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from mindspeed_ha.faultspec import (  # noqa: F401  (the spec language, parsed by the launcher too)
     SIGNALS as _SIGNALS, CORRUPT_HOW, CORRUPT_POINTS, CORRUPT_WHAT, FAULTS, NETWORK_POINTS, POINTS, UCE_POINTS, UCE_WHAT,
