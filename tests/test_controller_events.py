@@ -176,9 +176,7 @@ def test_a_hung_rank_of_this_launcher_is_ended_and_awaited_to_rejoin_under_worke
     cfg = dataclasses.replace(CFG, worker_reboot=True)
     ctl = _two_ranks_registered(cfg, clock)
     ctl.hosted_ranks = frozenset({0, 1})
-    clock.t += cfg.heartbeat_timeout_s + 1.0
-    ctl.state.ranks[0].last_heartbeat = clock.t  # rank 0 beats, rank 1 is silent
-    ctl._turn()
+    _silence(ctl, clock, cfg, silent=1)
     st = ctl.state
     assert st.phase is Phase.RECOVERING, [e.reason for e in ctl.events]
     assert 1 in st.rejoin_wait and not st.ranks[1].alive
@@ -193,6 +191,41 @@ def test_a_hung_rank_of_this_launcher_is_ended_and_awaited_to_rejoin_under_worke
     assert ctl.state.ranks[1].pid == 2001 and 1 not in ctl.unresponsive_ranks()
 
 
+def _silence(ctl, clock, cfg, silent):
+    """Controller turns every 0.5 s past the heartbeat timeout; every rank but ``silent`` beats."""
+    end = clock.t + cfg.heartbeat_timeout_s + 1.0
+    while clock.t < end:
+        clock.t += 0.5
+        for r, info in ctl.state.ranks.items():
+            if r != silent and info.alive:
+                info.last_heartbeat = clock.t
+        ctl._turn()
+
+
+def test_a_controller_stall_or_a_silent_job_ends_no_process():
+    """After a stall of the controller itself (its process frozen longer than the timeout)
+    every rank looks silent; ending them would lose the job: no rank is declared hung, the
+    silent-rank path (dying checkpoint) decides as before."""
+    import dataclasses
+
+    cfg = dataclasses.replace(CFG, worker_reboot=True)
+    for beats in (True, False):
+        clock = _Clock()
+        ctl = _two_ranks_registered(cfg, clock)
+        ctl.hosted_ranks = frozenset({0, 1})
+        ctl._turn()
+        clock.t += cfg.heartbeat_timeout_s + 1.0  # one long stall between two turns
+        if beats:  # rank 0's heartbeat was handled in this turn, rank 1's not
+            ctl.state.ranks[0].last_heartbeat = clock.t
+        ctl._turn()
+        assert not ctl.arbiter.hung and not ctl.state.rejoin_wait, beats
+        if not beats:  # every rank silent, turns regular again: still no hung process
+            for _ in range(4):
+                clock.t += 0.5
+                ctl._turn()
+            assert not ctl.arbiter.hung, "every rank silent is not one hung process"
+
+
 def test_a_hung_rank_elsewhere_or_without_worker_reboot_keeps_the_dying_checkpoint_path():
     """Without --enable-worker-reboot, or for a rank of another node's launcher (which is
     not told to end it), silence still means the dying checkpoint (STOPPING)."""
@@ -202,8 +235,6 @@ def test_a_hung_rank_elsewhere_or_without_worker_reboot_keeps_the_dying_checkpoi
         clock = _Clock()
         ctl = _two_ranks_registered(cfg, clock)
         ctl.hosted_ranks = frozenset(hosted)
-        clock.t += cfg.heartbeat_timeout_s + 1.0
-        ctl.state.ranks[0].last_heartbeat = clock.t
-        ctl._turn()
+        _silence(ctl, clock, cfg, silent=1)
         assert ctl.state.phase is Phase.STOPPING, (cfg.worker_reboot, [e.reason for e in ctl.events])
         assert not ctl.state.rejoin_wait

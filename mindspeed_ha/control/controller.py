@@ -126,6 +126,7 @@ class Controller:
         #: global ranks of the workers this controller's own launcher runs (set by the
         #: launcher): a hung one is ended and restarted under --enable-worker-reboot
         self.hosted_ranks: frozenset = frozenset()
+        self._last_decision_at: Optional[float] = None  # the previous decision step (controller clock)
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -337,7 +338,11 @@ class Controller:
         self.transport_rejected.flush(now)
         if not self.failover.may_decide(now):
             return
-        self.arbiter.note_hung(now, self.hosted_ranks)
+        previous, self._last_decision_at = self._last_decision_at, now
+        if previous is not None and now - previous < self.config.heartbeat_timeout_s / 2:
+            # not after a stall of the controller itself (its process frozen, swapped out):
+            # then every rank would look silent, and ending them would lose the job
+            self.arbiter.note_hung(now, self.hosted_ranks)
         for _ in range(MAX_DECISIONS_PER_STEP):
             d = decide(now, self.state, self.config)
             if d.action is ActionKind.NOOP and d.next_phase is None:

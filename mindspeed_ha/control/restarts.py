@@ -98,12 +98,16 @@ class RestartArbiter:
         (:meth:`Controller.unresponsive_ranks`), its agent restarts it, and the policy waits
         for the new process to rejoin (``rejoin_wait``) as after a crash, instead of taking
         the dying checkpoint. Ranks of other nodes keep the silent-rank path (their agent
-        is not told to end a process).
+        is not told to end a process), and so does a job whose every rank is silent; the
+        controller calls this only when its previous decision step is less than half a
+        heartbeat timeout old (after a stall of its own, every rank would look hung).
         """
         ctl, st = self.ctl, self.ctl.state
         if not ctl.config.worker_reboot or not hosted:
             return
         limit = ctl.config.heartbeat_timeout_s
+        if not any(i.alive and now - i.last_heartbeat <= limit for i in st.ranks.values()):
+            return  # every rank silent: not one hung process (the silent-rank path decides)
         for r in sorted(hosted):
             info = st.ranks.get(r)
             if (info is None or not info.alive or info.exit_code is not None or now - info.last_heartbeat <= limit

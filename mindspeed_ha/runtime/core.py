@@ -109,7 +109,9 @@ class HARuntime:
         import dataclasses
 
         self.layout = bootstrap.layout_of_this_rank(self.args)
-        if self.rank == 0 and getattr(self.args, "save", None):
+        restarted = os.environ.get(ha_env.INCARNATION, "0") not in ("", "0")  # ARF: the job runs on
+        if self.rank == 0 and getattr(self.args, "save", None) and not restarted:
+            # never in a restarted rank 0: the survivors may be writing a dying checkpoint now
             bootstrap.sweep_save_dir(self.args.save)
         key = bootstrap.agree_auth_key()
         self.controller_proc = bootstrap.ensure_controller(self.config, self.rank, key) or self.controller_proc
