@@ -142,18 +142,37 @@ def _reshard_outside_checkpoint_zeroed(wrapped, instance, args, kwargs):
     merge, flat_range = factory.merge_fn, sh_ten.flattened_range
 
     def merge_fn(sub_state_dict):
-        import torch
-
         flat = merge(sub_state_dict)
-        outside = torch.ones(sh_ten.local_shape, dtype=torch.bool)
-        outside[tuple(slice(0, n) for n in inside)] = False
-        outside = outside.flatten()[flat_range].to(flat.device)
-        with torch.no_grad():
-            flat.masked_fill_(outside, 0)
+        _zero_outside(flat, sh_ten.local_shape, inside, flat_range.start if flat_range is not None else 0)
         return flat
 
     factory.merge_fn = merge_fn
     return factory
+
+
+#: elements whose coordinates one pass of :func:`_zero_outside` computes (bounded memory)
+_ZERO_CHUNK = 1 << 22
+
+
+def _zero_outside(flat, shape, inside, start: int) -> None:
+    """Zero the elements of ``flat`` (elements ``start..`` of a row-major tensor of ``shape``)
+    whose coordinate in some dimension d is >= ``inside[d]``; coordinates are computed
+    ``_ZERO_CHUNK`` elements at a time, so memory stays bounded for a large embedding."""
+    import torch
+
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * int(shape[d + 1])
+    n = flat.numel()
+    with torch.no_grad():
+        for lo in range(0, n, _ZERO_CHUNK):
+            hi = min(n, lo + _ZERO_CHUNK)
+            rest = torch.arange(start + lo, start + hi, dtype=torch.int64)
+            outside = torch.zeros(hi - lo, dtype=torch.bool)
+            for stride, limit in zip(strides, inside):
+                outside |= (rest // stride) >= limit
+                rest = rest % stride
+            flat[lo:hi].masked_fill_(outside.to(flat.device), 0)
 
 
 PATCHES = [
