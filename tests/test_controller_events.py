@@ -54,17 +54,22 @@ class _Clock:
         return self.t
 
 
-def test_silent_ranks_give_detect_decide_total_from_the_events():
-    clock = _Clock()
-    ctl = Controller(CFG, 2, "127.0.0.1", 0, clock=clock)
+def _two_ranks_registered(cfg, clock, rejoins=True):
+    ctl = Controller(cfg, 2, "127.0.0.1", 0, clock=clock)
     ctl._router = _Router()
     for r in range(2):
         codec = wire.Codec(KEY, wire.new_sender("rank", r))
         lay = Layout(dp_rank=r, dp_size=2, replica_count=2, instance_id=r)
         ctl._router.inbox.append((b"r%d" % r, codec.encode(wire.Register(r, 2, 1000 + r, "h", lay, "/save", "run",
-                                                                          "updated", 1))))
+                                                                          "updated", 1, rejoins=rejoins))))
     ctl._turn()
     assert sorted(ctl.state.ranks) == [0, 1]
+    return ctl
+
+
+def test_silent_ranks_give_detect_decide_total_from_the_events():
+    clock = _Clock()
+    ctl = _two_ranks_registered(CFG, clock, rejoins=False)
     while ctl.state.phase is not Phase.DONE and clock.t < 200:
         clock.t += 1.0
         ctl._turn()
@@ -128,15 +133,8 @@ def test_a_fault_reported_after_the_retry_answer_survives_the_resume():
     from mindspeed_ha.control.state import PendingAction
 
     clock = _Clock()
-    ctl = Controller(CFG, 2, "127.0.0.1", 0, clock=clock)
-    ctl._router = _Router()
+    ctl = _two_ranks_registered(CFG, clock, rejoins=False)
     st = ctl.state
-    for r in range(2):
-        codec = wire.Codec(KEY, wire.new_sender("rank", r))
-        lay = Layout(dp_rank=r, dp_size=2, replica_count=2, instance_id=r)
-        ctl._router.inbox.append((b"r%d" % r, codec.encode(wire.Register(r, 2, 1000 + r, "h", lay, "/save", "run",
-                                                                          "updated", 1))))
-    ctl._turn()
     st.phase = Phase.RECOVERING
     for r, at in ((0, 99.0), (1, 101.0)):  # rank 0: the fault recovered; rank 1: a new one after the RETRY
         info = st.ranks[r]
@@ -150,19 +148,6 @@ def test_a_fault_reported_after_the_retry_answer_survives_the_resume():
     st.phase = Phase.RUNNING
     d = decide(clock.t, st, CFG)
     assert d.action is ActionKind.STOP_ALL and "rank 1 reported network fault" in d.reason, d.reason
-
-
-def _two_ranks_registered(cfg, clock, rejoins=True):
-    ctl = Controller(cfg, 2, "127.0.0.1", 0, clock=clock)
-    ctl._router = _Router()
-    for r in range(2):
-        codec = wire.Codec(KEY, wire.new_sender("rank", r))
-        lay = Layout(dp_rank=r, dp_size=2, replica_count=2, instance_id=r)
-        ctl._router.inbox.append((b"r%d" % r, codec.encode(wire.Register(r, 2, 1000 + r, "h", lay, "/save", "run",
-                                                                          "updated", 1, rejoins=rejoins))))
-    ctl._turn()
-    assert sorted(ctl.state.ranks) == [0, 1]
-    return ctl
 
 
 def test_a_hung_rank_of_this_launcher_is_ended_and_awaited_to_rejoin_under_worker_reboot():
