@@ -25,6 +25,7 @@ def test_patches_applied_after_megatron_import():
     import megatron.core.tensor_parallel.random  # noqa: F401
     import megatron.core.transformer.utils  # noqa: F401
     import megatron.core.models.common.language_module.language_module  # noqa: F401
+    import megatron.core.dist_checkpointing.strategies.resharding  # noqa: F401  (fix.dist_ckpt_reshard_padding)
 
     names = {p.name for p in cpu_backend.PATCHES}
     active = set(registry.active("cpu_backend"))
