@@ -194,8 +194,8 @@ def _free_port():
 
 def test_llama2_tiny_example_survives_a_kill(tree, tmp_path):
     """scripts/pretrain_llama2_7b_ptd.sh (TINY=1: the llama2 architecture at CPU size, with
-    replicas) survives a SIGKILL of a PP-last rank; the resumed losses equal the
-    uninterrupted run's bit for bit."""
+    replicas and worker reboot) survives a SIGKILL of a PP-last rank in the running job; the
+    losses equal the uninterrupted run's bit for bit."""
     import subprocess
     import sys
 
@@ -223,12 +223,14 @@ def test_llama2_tiny_example_survives_a_kill(tree, tmp_path):
     assert base.returncode == 0, base.stdout[-4000:]
     assert sorted(base_losses) == list(range(1, 11))
     ckpt = str(tmp_path / "ckpt")
+    # the example runs with --enable-worker-reboot and --load = --save, with a periodic save
+    # before the kill: the killed rank is restarted alone and rejoins, the job goes on (before
+    # the start-up load was one recorded entry: RejoinMismatch, 3 restarts, exit 75)
     faulty, faulty_losses = run(ckpt, inject=f"rank=3,iteration={KILL_AT},point=backward")
-    assert faulty.returncode == faults.EXIT_DYING_CHECKPOINT_SAVED, faulty.stdout[-4000:]
-    resumed, resumed_losses = run(ckpt)
-    assert resumed.returncode == 0, resumed.stdout[-4000:]
-    assert {k: faulty_losses[k] for k in range(1, KILL_AT)} == {k: base_losses[k] for k in range(1, KILL_AT)}
-    assert resumed_losses == {k: base_losses[k] for k in range(KILL_AT, 11)}
+    out = faulty.stdout + faulty.stderr
+    assert faulty.returncode == 0, out[-4000:]
+    assert "load_checkpoint is not run in a restarted process" in out, out[-4000:]
+    assert faulty_losses == base_losses
 
 
 IN_PLACE = [
