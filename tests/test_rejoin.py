@@ -233,6 +233,28 @@ def test_restarted_rank_replays_startup_and_rejoins_rebuilt_groups(tmp_path):
           f"groups rebuilt on rank {DEAD}: {len(ends[DEAD]['groups'])}")
 
 
+#: what the one-process replay scripts share: a new "incarnation" of the process, and a
+#: refusal as text (inserted at their ``# REPLAY_HELPERS`` line)
+REPLAY_HELPERS = textwrap.dedent('''
+    def again(incarnation):
+        dist.destroy_process_group()
+        rejoin.reset()
+        os.environ["MINDSPEED_HA_INCARNATION"] = str(incarnation)
+
+
+    def refused(fn):
+        try:
+            fn()
+        except rejoin.RejoinError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None
+''')
+
+
+def _script(template: str) -> str:
+    return template.replace("# REPLAY_HELPERS\n", REPLAY_HELPERS)
+
+
 REFUSALS = textwrap.dedent('''
     import json, os, sys
 
@@ -260,18 +282,7 @@ REFUSALS = textwrap.dedent('''
         return t.item(), big[0].item()
 
 
-    def again(incarnation):
-        dist.destroy_process_group()
-        rejoin.reset()
-        os.environ["MINDSPEED_HA_INCARNATION"] = str(incarnation)
-
-
-    def refused(fn):
-        try:
-            fn()
-        except rejoin.RejoinError as exc:
-            return f"{type(exc).__name__}: {exc}"
-        return None
+    # REPLAY_HELPERS
 
 
     out["recorded"] = start(5.0)
@@ -318,7 +329,7 @@ def test_replay_serves_recorded_values_and_refuses_clearly(tmp_path):
     record, was too big or used ``_coalescing_manager``; an op on a deferred group raises
     instead of hanging."""
     script = tmp_path / "refusals.py"
-    script.write_text(REFUSALS)
+    script.write_text(_script(REFUSALS))
     env = dict(os.environ, OMP_NUM_THREADS="1", MINDSPEED_HA_AUTH_KEY=JOB_KEY.hex())
     env.pop("MINDSPEED_HA_INCARNATION", None)
     p = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=100)
@@ -410,18 +421,7 @@ LOAD_SECTION = textwrap.dedent('''
         return got
 
 
-    def again(incarnation):
-        dist.destroy_process_group()
-        rejoin.reset()
-        os.environ["MINDSPEED_HA_INCARNATION"] = str(incarnation)
-
-
-    def refused(fn):
-        try:
-            fn()
-        except rejoin.RejoinError as exc:
-            return f"{type(exc).__name__}: {exc}"
-        return None
+    # REPLAY_HELPERS
 
 
     out = {"first": start()}  # the first start-up resumes checkpoint 4
@@ -454,7 +454,7 @@ def test_startup_load_is_one_entry_and_not_run_when_replayed(tmp_path):
     the first start-up's outcome; after the start-up the loader runs as usual; a start-up
     that loads where the record did not, or the reverse, is refused naming both sides."""
     script = tmp_path / "load_section.py"
-    script.write_text(LOAD_SECTION)
+    script.write_text(_script(LOAD_SECTION))
     env = dict(os.environ, OMP_NUM_THREADS="1", MINDSPEED_HA_AUTH_KEY=JOB_KEY.hex())  # records are sealed
     env.pop("MINDSPEED_HA_INCARNATION", None)
     p = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=100)
