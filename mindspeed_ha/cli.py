@@ -7,6 +7,7 @@ Subcommands:
                 kill, hang), compared bitwise with an uninterrupted run; resources flat
     patches     list every registered patch, its feature and whether it is active
     controller  run a standalone controller (what rank 0 starts without the launcher)
+    events      print a job's events file (--ha-events-file); --follow tails it
     preprocess  build a Megatron indexed dataset (.bin/.idx) from a text file
 """
 
@@ -107,6 +108,12 @@ def main(argv=None) -> int:
     p.add_argument("--import-megatron", action="store_true", help="import the target modules first")
     p.add_argument("--enable", action="append", help="enable a feature before listing (to preview)")
 
+    e = sub.add_parser("events", help="print the job's events (the --ha-events-file JSON lines)")
+    e.add_argument("--file", required=True, help="the job's --ha-events-file")
+    e.add_argument("--follow", action="store_true", help="go on printing the events appended, until --timeout")
+    e.add_argument("--timeout", type=float, default=3600.0, help="seconds --follow runs (default 3600)")
+    e.add_argument("--json", action="store_true", help="one JSON object per line (the file's schema)")
+
     sub.add_parser("controller", help="standalone controller (see --help of mindspeed_ha.control.controller)",
                    add_help=False)
     sub.add_parser("preprocess", help="text file -> Megatron indexed dataset", add_help=False)
@@ -119,6 +126,10 @@ def main(argv=None) -> int:
     ns = parser.parse_args(argv)
     if ns.cmd == "patches":
         return _cmd_patches(ns)
+    if ns.cmd == "events":
+        from mindspeed_ha.control import job_events
+
+        return job_events.cli(ns.file, ns.follow, ns.timeout, ns.json)
     if ns.cmd == "soak":
         from mindspeed_ha.launch.proctree import become_subreaper
         from mindspeed_ha.testing import soak

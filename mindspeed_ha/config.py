@@ -31,6 +31,9 @@ preemption_deadline_s              ``MINDSPEED_HA_PREEMPTION_DEADLINE`` >      `
 max_message_bytes                  ``MINDSPEED_HA_MAX_MESSAGE_BYTES``          ``1 MiB``
 auth_key                           ``MINDSPEED_HA_AUTH_KEY`` (hex)             ``None``
 network_retries                    ``--ha-network-retries``                    ``3``
+events_file                        ``--ha-events-file``                        ``None``
+metrics_port                       ``--ha-metrics-port``                       ``None`` (off)
+metrics_addr                       ``--ha-metrics-addr``                       ``127.0.0.1``
 =================================  ==========================================  ===============
 
 Addresses: ``TTP_ADDR`` must be an IPv4 or IPv6 literal (the reference's contract);
@@ -89,6 +92,8 @@ DEFAULT_NETWORK_RETRIES = 3
 MAX_NETWORK_RETRIES = 100
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
 MIN_AUTH_KEY_BYTES = 16
+#: where --ha-metrics-port binds unless --ha-metrics-addr says otherwise: this host only
+DEFAULT_METRICS_ADDR = "127.0.0.1"
 
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$")
 
@@ -202,6 +207,18 @@ class HAConfig:
     least 16 bytes. None until the launcher or the runtime provides one; never printed."""
     save_dir: Optional[str] = None
     """Megatron's ``--save``, where a dying checkpoint goes (None: none can be written)."""
+    events_file: Optional[str] = None
+    """``--ha-events-file``: the JSON-lines file the controller appends the job's events to
+    (:mod:`mindspeed_ha.control.job_events`), or None (no file). Its directory must exist on
+    the controller's host (:func:`mindspeed_ha.control.job_events.check_events_file`); an existing path must be a regular
+    file (appended to, never through a symbolic link)."""
+    metrics_port: Optional[int] = None
+    """``--ha-metrics-port``: the controller's HTTP port for ``/metrics`` (Prometheus),
+    ``/healthz``, ``/readyz``, ``/status`` (:mod:`mindspeed_ha.control.http_status`); range
+    0..65535 (0: any free port, announced in the log and the events file); None: off."""
+    metrics_addr: str = DEFAULT_METRICS_ADDR
+    """``--ha-metrics-addr``: the address the metrics port binds (IP literal or host name);
+    default ``127.0.0.1`` (this host only)."""
 
     def __post_init__(self) -> None:
         if not self.enabled:
@@ -247,6 +264,12 @@ class HAConfig:
             )
         if not isinstance(self.max_message_bytes, int) or not 4096 <= self.max_message_bytes <= (64 << 20):
             raise ConfigError(f"{ENV_MAX_MESSAGE_BYTES}={self.max_message_bytes!r}: accepted range 4096..67108864")
+        if self.metrics_port is not None and (
+                isinstance(self.metrics_port, bool) or not isinstance(self.metrics_port, int)
+                or not 0 <= self.metrics_port <= 65535):
+            raise ConfigError(f"--ha-metrics-port={self.metrics_port!r}: accepted range 0..65535 (0: any free port)")
+        if self.events_file is not None and (not isinstance(self.events_file, str) or not self.events_file.strip()):
+            raise ConfigError(f"--ha-events-file={self.events_file!r}: accepted a file path (its directory must exist)")
         if self.auth_key is not None and (
             not isinstance(self.auth_key, bytes) or len(self.auth_key) < MIN_AUTH_KEY_BYTES
         ):
@@ -308,6 +331,9 @@ class HAConfig:
             network_retries=_network_retries(args),
             auth_key=auth_key_from(env),
             save_dir=_arg(args, "save", None) or None,
+            events_file=_arg(args, "ha_events_file", None),
+            metrics_port=_arg(args, "ha_metrics_port", None),
+            metrics_addr=_check_host(_arg(args, "ha_metrics_addr", None) or DEFAULT_METRICS_ADDR, "--ha-metrics-addr"),
         )
 
 
@@ -458,6 +484,14 @@ def add_ha_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help=f"Graceful stop on SIGTERM/SIGINT: seconds from the signal to the committed checkpoint "
                         f"(env {ENV_PREEMPTION_DEADLINE}; default {DEFAULT_PREEMPTION_DEADLINE_S}; range "
                         f"(0, {MAX_PREEMPTION_DEADLINE_S:.0f}]); past it the save is abandoned (exit 77).")
+    g.add_argument("--ha-events-file", type=str, default=None,
+                   help="Append the job's events (faults, recoveries, pauses, the dying checkpoint, exit) to this "
+                        "JSON-lines file (read it with `mindspeed-ha events`); its directory must exist.")
+    g.add_argument("--ha-metrics-port", type=int, default=None,
+                   help="Serve /metrics (Prometheus), /healthz, /readyz and /status on this port of the "
+                        "controller's host, 0..65535 (0: any free port; default: off).")
+    g.add_argument("--ha-metrics-addr", type=str, default=None,
+                   help=f"Address the metrics port binds (default {DEFAULT_METRICS_ADDR}: this host only).")
     return parser
 
 

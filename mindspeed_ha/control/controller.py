@@ -8,7 +8,8 @@ It holds no policy of its own; its roles are modules, one each:
 * :mod:`.effects` -- action kind -> effect (what a decision sends and records);
 * :mod:`.restarts` -- node agents and restart arbitration (``--enable-worker-reboot``);
 * :mod:`.failover` -- fencing, the roster and a successor's takeover window;
-* :mod:`.outcome` -- the outcome and the phase events its timings are read from.
+* :mod:`.outcome` -- the outcome and the phase events its timings are read from;
+* :mod:`.observe` -- the events file and the metrics / status port (:meth:`Controller.status`).
 
 Liveness cannot be starved by inbound traffic. The loop runs in bounded turns
 (:meth:`Controller._turn`): agent reports, ZAP requests, at most
@@ -44,11 +45,13 @@ from mindspeed_ha import env as ha_env
 from mindspeed_ha.config import HAConfig
 from mindspeed_ha.control import admission, auth, effects, handlers, wire
 from mindspeed_ha.control.failover import Failover
+from mindspeed_ha.control.observe import Observers
 from mindspeed_ha.control.outcome import Event, Outcome, PhaseTimer, build_outcome
 from mindspeed_ha.control.policy import ActionKind, decide
 from mindspeed_ha.control.restarts import RestartArbiter
 from mindspeed_ha.control.server import (MAX_EVENTS_PER_TURN, MAX_FRAMES_PER_TURN, MAX_ZAP_PER_TURN, MONITOR_EVENTS,
                                          MONITOR_HWM, ControlServer)
+from mindspeed_ha.control.snapshot import snapshot
 from mindspeed_ha.control.state import ClusterState, Phase
 from mindspeed_ha.errors import ConfigError
 from mindspeed_ha.events import EventRecorder
@@ -127,6 +130,8 @@ class Controller:
         #: launcher): a hung one is ended and restarted under --enable-worker-reboot
         self.hosted_ranks: frozenset = frozenset()
         self._last_decision_at: Optional[float] = None  # the previous decision step (controller clock)
+        #: the events file (--ha-events-file) and the metrics port (--ha-metrics-port), with start/stop
+        self.observers = Observers(self)
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -143,7 +148,9 @@ class Controller:
         self.server.router = router
 
     def start(self) -> "Controller":
-        """Bind and start the I/O thread. Raises ConfigError if the port is in use.
+        """Bind and start the I/O thread, then the events file and the metrics port (if
+        configured). Raises ConfigError if a port is in use or the events file cannot be
+        opened.
 
         The I/O thread owns the sockets, the context and the wake pipe and closes them
         when it ends (linger 0); if starting fails half-way, everything created so far is
@@ -157,11 +164,17 @@ class Controller:
             self._thread = None
             self.server.close()
             raise
+        try:
+            self.observers.start()
+        except BaseException:
+            self.stop()
+            raise
         log.info("controller listening on %s:%d for %d ranks", self.bind_addr, self.port, self.world_size)
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop the I/O thread, which closes its sockets and context (idempotent)."""
+        """Stop the I/O thread, which closes its sockets and context, then the metrics
+        port and the events file (idempotent)."""
         self._stopping.set()
         self.server.wake()
         thread, self._thread = self._thread, None
@@ -169,6 +182,7 @@ class Controller:
             thread.join(timeout)
             if thread.is_alive():  # it still owns the sockets: it closes them when it ends
                 log.error("controller thread did not stop within %.1f s", timeout)
+        self.observers.stop()
 
     def __enter__(self) -> "Controller":
         return self.start()
@@ -253,6 +267,15 @@ class Controller:
                         for r, i in sorted(st.ranks.items())
                         if i.alive and i.exit_code is None and now - i.last_heartbeat > limit})
             return out
+
+    def status(self) -> Dict[str, Any]:
+        """The job as this controller sees it now (JSON-able copies, :func:`.snapshot.snapshot`;
+        ``up``: its I/O thread runs). Thread-safe: read under the lock."""
+        thread = self._thread
+        with self._lock:
+            out = snapshot(self, self.clock(), self.observers.job)
+        out["up"] = thread is not None and thread.is_alive() and not self._stopping.is_set()
+        return out
 
     @property
     def phase(self) -> Phase:
@@ -396,11 +419,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--save", default=None, help="fallback --save directory if ranks register none")
     p.add_argument("--registration-timeout", type=float, default=None,
                    help="exit if no rank registers within this many seconds (default: 2 x connect timeout)")
+    p.add_argument("--events-file", dest="ha_events_file", default=None, help="as --ha-events-file")
+    p.add_argument("--metrics-port", dest="ha_metrics_port", type=int, default=None, help="as --ha-metrics-port")
+    p.add_argument("--metrics-addr", dest="ha_metrics_addr", default=None, help="as --ha-metrics-addr")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         _check_flags(a)
-        cfg = HAConfig.from_args(argparse.Namespace(save=a.save), os.environ)
+        cfg = HAConfig.from_args(argparse.Namespace(save=a.save, ha_events_file=a.ha_events_file,
+                                                    ha_metrics_port=a.ha_metrics_port,
+                                                    ha_metrics_addr=a.ha_metrics_addr), os.environ)
         ctl = Controller(cfg, a.world_size, a.bind, a.port if a.port is not None else cfg.controller_port)
         ctl.start()
     except ConfigError as exc:

@@ -4,7 +4,8 @@
 (:data:`EFFECTS`; every other kind but NOOP is an ACTION message to its targets, with
 :data:`BEFORE_ACTION` noting what the controller keeps of it), moves the job phase,
 appends the decision to the controller's log (``Controller.events``), records the phase
-events it ends (:class:`outcome.PhaseTimer`) and logs one line.
+events it ends (:class:`outcome.PhaseTimer`) and the job events it means
+(:func:`job_events.on_decision`), and logs one line.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Callable, Dict
 
-from mindspeed_ha.control import wire
+from mindspeed_ha.control import job_events, wire
 from mindspeed_ha.control.outcome import Event
 from mindspeed_ha.control.policy import ActionKind, Decision, DumpPlan
 from mindspeed_ha.control.state import PendingAction
@@ -33,13 +34,14 @@ def apply(ctl: "Controller", now: float, d: Decision) -> None:
         IllegalTransition: ``d.next_phase`` is not a legal move (its messages are sent).
     """
     st = ctl.state
-    old = st.phase
+    old, fault_before = st.phase, st.fault
     EFFECTS.get(d.action, _send_action)(ctl, now, d)
     if d.next_phase is not None and d.next_phase is not old:
         st.set_phase(d.next_phase, now)
     ctl.events.append(Event(now, st.phase, d.action, d.reason))
     iteration = d.params.get("iteration", st.plan.iteration if st.plan else None)
     ctl.timer.applied(now, d.action, st, iteration if isinstance(iteration, int) else None)
+    job_events.on_decision(ctl, d, old, fault_before)
     fault = st.fault
     log.info("controller: phase %s -> %s, decision %s, targets %s, fault rank %s, iteration %s: %s",
              old.value, st.phase.value, d.action.value, list(d.targets),

@@ -131,8 +131,13 @@ def _heartbeat(ctl: "Controller", now: float, rank: int, info: RankInfo, body: w
 
 
 def _status(ctl: "Controller", now: float, rank: int, info: RankInfo, body: Any) -> None:
+    was = info.iteration if info.status is OptimizerStatus.UPDATED or info.status is OptimizerStatus.UPDATING else None
     info.status, info.iteration = OptimizerStatus(body.status), body.iteration
     info.step = body.step
+    if info.status is OptimizerStatus.UPDATED:  # the step time as the controller sees it (metrics, status)
+        if was is not None and body.iteration == was and info.updated_at is not None:
+            info.step_seconds = now - info.updated_at  # UPDATED(k-1) -> UPDATING(k) -> UPDATED(k)
+        info.updated_at = now
 
 
 def _fault(ctl: "Controller", now: float, rank: int, info: RankInfo, body: Any) -> None:

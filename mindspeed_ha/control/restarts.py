@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, AbstractSet, Any, Callable, Dict, List, Option
 
 import zmq
 
-from mindspeed_ha.control import wire
+from mindspeed_ha.control import job_events, wire
 from mindspeed_ha.control.policy import ActionKind
 from mindspeed_ha.control.state import Phase
 
@@ -143,6 +143,9 @@ class RestartArbiter:
         self.restarts.append({"rank": rank, "incarnation": incarnation, "pid": pid, "exit_code": code, "at": at})
         log.warning("rank %d: restarted by its agent as pid %d (incarnation %d; the previous one exited "
                     "with %d)", rank, pid, incarnation, code)
+        job_events.note(self.ctl.recorder, "WorkerRestarted", None, ranks=[rank],
+                        reason=f"the previous process exited with {code}", incarnation=incarnation, pid=pid,
+                        exit_code=code)
 
     def welcome(self, body: wire.AgentHello) -> wire.AgentWelcome:
         """Which incarnation each of ``body.ranks`` starts as: 0 for a rank that never

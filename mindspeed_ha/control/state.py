@@ -247,6 +247,8 @@ class RankInfo:
     step: int = -1  # the train_step the rank's training thread entered (STATUS / STOPPED), -1: unknown
     incarnation: int = 0  # how many times the launcher restarted this rank's process (ARF)
     rejoins: bool = False  # a restarted process of this rank can rejoin (REGISTER)
+    updated_at: Optional[float] = None  # when its latest STATUS UPDATED(k) arrived (controller clock)
+    step_seconds: Optional[float] = None  # between its last two UPDATED(k-1), UPDATED(k): its step time, s
 
 
 @dataclasses.dataclass(frozen=True)

@@ -83,6 +83,10 @@ def ensure_controller(config, rank: int, key: bytes):
     cmd = [sys.executable, "-m", "mindspeed_ha.control.controller",
            "--world-size", os.environ.get("WORLD_SIZE", "1"),
            "--port", str(config.controller_port), "--bind", config.controller_addr]
+    if config.events_file:
+        cmd += ["--events-file", os.path.abspath(config.events_file)]
+    if config.metrics_port is not None:
+        cmd += ["--metrics-port", str(config.metrics_port), "--metrics-addr", config.metrics_addr]
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     log.info("rank 0 started controller pid %d on port %d", proc.pid, config.controller_port)
     return proc
