@@ -10,15 +10,23 @@ done, the faulty rank kept its PID (the injector's log and the recovery log name
 process; the launcher restarts nothing), every rank re-ran iteration K after the
 recovery, and the per-iteration losses equal the uninterrupted run's bit for bit (same
 seed, dropout on). The same run with the repair skipped (testing knob) gives different
-losses: the damage is real and the repair is what undoes it.
+losses: the damage is real and the repair is what undoes it. The same jobs write the events
+file and serve the metrics port: scraped while the job runs (once the first recovery is in
+the file), /metrics shows the fault, the recovery and its phase seconds, and the file holds
+every fault's events in order; the port is closed when the job is over.
 """
 
 import json
 import os
+import socket
+import threading
+import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from mindspeed_ha import faults
+from mindspeed_ha.control import job_events
 from mindspeed_ha.testing.harness import Baselines, four_rank_args, read_jsonl, run_four
 
 ITERS = 8
@@ -41,11 +49,11 @@ def _baseline(baselines, layout):
     return baselines.get(layout)
 
 
-def _faulty(tmp_path, layout, spec, extra_env=None):
+def _faulty(tmp_path, layout, spec, extra_env=None, extra_args=()):
     fired, after, report = (str(tmp_path / n) for n in ("fired.jsonl", "after.jsonl", "report.json"))
     env = {"MINDSPEED_HA_INJECT": spec, "MINDSPEED_HA_INJECT_LOG": fired, "MINDSPEED_HA_RECOVERY_LOG": after,
            "MINDSPEED_HA_REPORT": report, **(extra_env or {})}
-    r = _run(_args(layout), env=env)
+    r = _run(_args(layout, *extra_args), env=env)
     rep = json.load(open(report)) if os.path.exists(report) else {}
     return r, read_jsonl(fired), read_jsonl(after), rep
 
@@ -84,16 +92,51 @@ def _spec(k, rank, point, fault, what):
     return f"rank={rank},iteration={k},point={point},fault={fault}" + (f",what={what}" if what else "")
 
 
+class _Scraper:
+    """While the job runs: follow its events file until the first RecoveryFinished, then
+    scrape the metrics port the ControllerStarted event names (--ha-metrics-port 0)."""
+
+    def __init__(self, path):
+        self.path, self.url, self.metrics, self.status = path, None, None, None
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        for e in job_events.follow(self.path, 300, self.stop):
+            if e["type"] == "ControllerStarted":
+                self.url = e["detail"]["metrics_url"]
+            if e["type"] == "RecoveryFinished" and self.url:
+                with urllib.request.urlopen(self.url + "/metrics", timeout=30) as resp:
+                    self.metrics = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                                    for f in text_string_to_metric_families(resp.read().decode()) for s in f.samples}
+                with urllib.request.urlopen(self.url + "/status", timeout=30) as resp:
+                    self.status = json.load(resp)
+                return
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(60)
+
+
 @pytest.mark.parametrize("layout", sorted(SCHEDULES))
 def test_recovered_in_place(tmp_path, baselines, layout):
     """Each fault of the layout's schedule (iteration k = 2, 3, ...) is recovered in place:
     one recovery per fault, of the right mode, iteration and repairs; every rank re-ran
     (or, forward, finished) iteration k in the same process, the faulty rank being the
-    process that faulted; the losses equal the uninterrupted run's bit for bit."""
+    process that faulted; the losses equal the uninterrupted run's bit for bit. The events
+    file and a scrape of /metrics during the run show them (see the module docstring)."""
     base = _baseline(baselines, layout)
     cases = {k: case for k, case in enumerate(SCHEDULES[layout], start=2)}
-    r, fired, after, rep = _faulty(tmp_path, layout, ";".join(_spec(k, *c) for k, c in cases.items()))
+    events = str(tmp_path / "events.jsonl")
+    with _Scraper(events) as scraper:
+        r, fired, after, rep = _faulty(tmp_path, layout, ";".join(_spec(k, *c) for k, c in cases.items()),
+                                       extra_args=("--ha-events-file", events, "--ha-metrics-port", "0"))
     assert r.returncode == 0, (r.stdout + r.stderr)[-8000:]
+    _check_events_and_metrics(events, scraper, list(cases.values()))
     assert [(e["iteration"], e["rank"]) for e in fired] == [(k, c[0]) for k, c in cases.items()], fired
     recs = rep.get("recoveries") or []
     assert len(recs) == len(cases), rep
@@ -114,6 +157,37 @@ def test_recovered_in_place(tmp_path, baselines, layout):
     for it in sorted(base):
         assert r.losses[it] == base[it], \
             f"iteration {it}: {float.fromhex(r.losses[it])} != uninterrupted {float.fromhex(base[it])}"
+
+
+def _check_events_and_metrics(path, scraper, cases):
+    """The file: per fault FaultDetected -> RecoveryStarted -> RecoveryFinished, in order,
+    then JobExit 0. The scrape (during the run, after the first recovery): that fault, its
+    recovery, its phase seconds; the port closed now that the job is over."""
+    lines = job_events.read(path)
+    types = [e["type"] for e in lines]
+    assert types == ["ControllerStarted"] + ["FaultDetected", "RecoveryStarted", "RecoveryFinished"] * len(cases) \
+        + ["JobExit"], types
+    assert [e["seq"] for e in lines] == list(range(1, len(lines) + 1))
+    assert [e["detail"]["kind"] for e in lines if e["type"] == "FaultDetected"] == [c[2] for c in cases]
+    assert [e["ranks"] for e in lines if e["type"] == "FaultDetected"] == [[c[0]] for c in cases]
+    assert [e["iteration"] for e in lines if e["type"] == "FaultDetected"] == list(range(2, 2 + len(cases)))
+    finished = [e for e in lines if e["type"] == "RecoveryFinished"]
+    assert all(e["phase_seconds"]["total"] > 0 and "rebuild" in e["phase_seconds"] for e in finished), finished
+    assert lines[-1]["detail"]["exit_code"] == 0
+    m = scraper.metrics
+    assert m is not None, "no scrape during the run"
+    kind = cases[0][2]
+    mode = "forward" if cases[0][1] == "optimizer" else "rollback"
+    assert m[("mindspeed_ha_faults_total", (("kind", kind),))] >= 1, m
+    assert m[("mindspeed_ha_recoveries_total", (("mode", mode), ("outcome", "recovered")))] >= 1, m
+    assert m[("mindspeed_ha_recovery_phase_seconds_count", (("phase", "rebuild"),))] >= 1, m
+    assert m[("mindspeed_ha_recovery_phase_seconds_sum", (("phase", "rebuild"),))] > 0, m
+    assert m[("mindspeed_ha_recovery_duration_seconds_count", ())] >= 1, m
+    assert m[("mindspeed_ha_ranks", (("state", "dead"),))] == 0, m
+    assert scraper.status["world_size"] == 4 and scraper.status["recoveries"], scraper.status
+    port = int(scraper.url.rsplit(":", 1)[1])
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
 
 
 def test_skipping_the_repair_changes_the_losses(tmp_path, baselines):

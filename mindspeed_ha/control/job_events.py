@@ -277,9 +277,11 @@ def on_decision(ctl: "Controller", d: Decision, old: Phase, fault_before: Any) -
     if d.action is ActionKind.STOP_ALL and fault_before is None and st.fault is not None:
         f = st.fault
         detect = ctl.recorder.last("detect")
+        faulty = st.ranks.get(f.rank)
+        if it is None and faulty is not None and faulty.fault_iteration >= 0:
+            it = faulty.fault_iteration  # the iteration being computed when it raised
         note(rec, "FaultDetected", it, ranks=[f.rank] if f.rank >= 0 else [], reason=f.reason,
-             phase_seconds={"detect": detect.seconds} if detect is not None else None, kind=f.kind.value,
-             in_place=bool(d.params.get("recover")))
+             phase_seconds={"detect": detect.seconds} if detect is not None else None, kind=f.kind.value)
     elif d.action is ActionKind.RETRY and st.recoveries:
         r = st.recoveries[-1]
         note(rec, "RecoveryStarted", r["iteration"], ranks=[r["rank"]], reason=d.reason, mode=r["mode"],
