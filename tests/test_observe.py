@@ -10,6 +10,7 @@ a scrape during the job) is in tests/test_in_place_recovery.py.
 import dataclasses
 import json
 import os
+import re
 import socket
 import urllib.error
 import urllib.request
@@ -152,6 +153,12 @@ def test_metrics_collector_counts_the_recovery_and_reads_the_state():
     assert _value(fams, "mindspeed_ha_steps_lost", "mindspeed_ha_steps_lost_total") == 1
     assert _value(fams, "mindspeed_ha_job_state", "mindspeed_ha_job_state", state="done") == 1
     assert all(f.name.startswith("mindspeed_ha_") for f in fams.values())
+    # the Grafana dashboard (docs/grafana_dashboard.json) asks only for series the registry exposes
+    exposed = {sample.name for f in fams.values() for sample in f.samples}
+    exposed |= {f.name + "_total" for f in fams.values() if f.type == "counter"}  # a labelled one not counted yet
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "grafana_dashboard.json")) as f:
+        wanted = set(re.findall(r"mindspeed_ha_[a-z_]+", f.read()))
+    assert wanted and wanted <= exposed, sorted(wanted - exposed)
 
 
 def _version():
