@@ -215,6 +215,13 @@ def test_metrics_port_in_use_is_an_error_naming_the_flag(tmp_path):
         with pytest.raises(ConfigError, match="--ha-metrics-port"):
             ctl.start()
         assert ctl.status()["up"] is False  # the controller was stopped again
+        successor = Controller(cfg, 1, "127.0.0.1", 0)  # failover: the job must not be lost for its metrics
+        successor.take_over({"ranks": {}})
+        successor.start()
+        try:
+            assert successor.status()["up"] is True
+        finally:
+            successor.stop()
 
 
 def test_events_command_prints_the_file(tmp_path, capsys):

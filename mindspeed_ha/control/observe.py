@@ -15,6 +15,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Optional
 
 from mindspeed_ha.control import job_events
+from mindspeed_ha.errors import ConfigError
 from mindspeed_ha.control.snapshot import term_of
 
 if TYPE_CHECKING:
@@ -37,20 +38,19 @@ class Observers:
 
         Raises:
             ConfigError: the file cannot be opened or the port bound (naming the flag);
-                whatever was started is stopped first.
+                whatever was started is stopped first. Not for a successor (failover):
+                it logs the error and goes on without them.
         """
-        ctl, cfg = self.ctl, self.ctl.config
+        ctl = self.ctl
         try:
-            if cfg.events_file:
-                self.file = job_events.EventsFile(cfg.events_file, self.job, lambda: term_of(ctl))
-                ctl.recorder.add_sink(self.file)
-            if cfg.metrics_port is not None:
-                from mindspeed_ha.control.http_status import StatusServer
-                from mindspeed_ha.control.metrics import JobMetrics
-
-                metrics = JobMetrics(ctl.status)
-                ctl.recorder.add_sink(metrics)
-                self.http = StatusServer(cfg.metrics_addr, cfg.metrics_port, metrics.registry, ctl.status).start()
+            self._open()
+        except ConfigError as exc:
+            if ctl.failover.takeover_at is None:
+                self.stop()
+                raise
+            # a successor: the job must not be lost for want of a view of it
+            log.error("controller failover: the successor goes on without %s: %s",
+                      "the metrics port" if self.file is not None else "the events file and the metrics port", exc)
         except BaseException:
             self.stop()
             raise
@@ -61,6 +61,19 @@ class Observers:
         if ctl.failover.takeover_at is not None:
             job_events.note(ctl.recorder, "ControllerTakeover", reason="a successor took over the lost leader's job",
                             ranks=sorted(ctl.state.ranks), term=term_of(ctl))
+
+    def _open(self) -> None:
+        ctl, cfg = self.ctl, self.ctl.config
+        if cfg.events_file:
+            self.file = job_events.EventsFile(cfg.events_file, self.job, lambda: term_of(ctl))
+            ctl.recorder.add_sink(self.file)
+        if cfg.metrics_port is not None:
+            from mindspeed_ha.control.http_status import StatusServer
+            from mindspeed_ha.control.metrics import JobMetrics
+
+            metrics = JobMetrics(ctl.status)
+            ctl.recorder.add_sink(metrics)
+            self.http = StatusServer(cfg.metrics_addr, cfg.metrics_port, metrics.registry, ctl.status).start()
 
     def stop(self) -> None:
         """Close the port and the file (idempotent; after the controller's thread ended)."""
