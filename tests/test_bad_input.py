@@ -296,6 +296,7 @@ CONFIG_BAD = ([({name: v}, [], name) for name in SECONDS_ENV for v in ("nan", "i
                                                     "--ha-preemption-deadline") for v in ("nan", "inf", "-1")]
               + [({"TTP_PORT": v}, [], "TTP_PORT") for v in ("70000", "-1", "http")]
               + [({}, ["--ha-controller-port", "70000"], "--ha-controller-port")]
+              + [({}, ["--ha-metrics-port", v], "--ha-metrics-port") for v in ("70000", "-1")]
               + [({"MINDSPEED_HA_MAX_MESSAGE_BYTES": v}, [], "MINDSPEED_HA_MAX_MESSAGE_BYTES") for v in ("abc", "10")]
               + [({}, ["--ha-network-retries", "-1"], "--ha-network-retries"),
                  ({}, ["--ha-replica-count", "-2"], "--ha-replica-count")])
