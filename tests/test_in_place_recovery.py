@@ -203,13 +203,19 @@ def test_skipping_the_repair_changes_the_losses(tmp_path, baselines):
 def test_fault_during_recovery_falls_back_to_the_dying_checkpoint(tmp_path):
     """A network fault starts a recovery; rank 2 fails inside it (after the clean-up, before
     the rebuild). Nothing loops: the controller takes the dying-checkpoint path, which the
-    processor threads write while the other training threads wait in the rebuild."""
-    save = str(tmp_path / "ckpt")
+    processor threads write while the other training threads wait in the rebuild. The events
+    file says so: the fault, the recovery started and failed, the checkpoint, the exit 75."""
+    save, events = str(tmp_path / "ckpt"), str(tmp_path / "events.jsonl")
     spec = (f"rank=1,iteration={K},point=grad_sync,fault=network;"
             f"rank=2,iteration={K},point=recover,fault=raise")
-    r = _run(_args("tp1pp2", "--save", save), env={"MINDSPEED_HA_INJECT": spec})
+    r = _run(_args("tp1pp2", "--save", save, "--ha-events-file", events), env={"MINDSPEED_HA_INJECT": spec})
     log = r.stdout + r.stderr
     assert r.returncode == faults.EXIT_DYING_CHECKPOINT_SAVED, log[-6000:]
     assert "rank 2 failed to recover" in log or "reported a fault during recovery" in log, log[-6000:]
     with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as f:
         assert int(f.read()) == K - 1
+    lines = job_events.read(events)  # the events file tells the same story
+    assert [e["type"] for e in lines] == ["ControllerStarted", "FaultDetected", "RecoveryStarted", "RecoveryFailed",
+                                          "DyingCheckpointCommitted", "JobExit"], lines
+    assert lines[-2]["iteration"] == K - 1 and lines[-2]["phase_seconds"]["save"] > 0, lines[-2]
+    assert lines[-1]["detail"]["exit_code"] == faults.EXIT_DYING_CHECKPOINT_SAVED and lines[-1]["severity"] == "Warning"
