@@ -20,6 +20,7 @@ import pytest
 
 from mindspeed_ha import faults
 from mindspeed_ha.config import ConfigError, HAConfig
+from mindspeed_ha.control import job_events
 from mindspeed_ha.testing import megatron_lm as mlm
 from mindspeed_ha.testing.harness import launch, launcher_command, tiny_gpt_args
 
@@ -118,12 +119,18 @@ def _check_checkpoint_and_resume(tmp_path, r, base, save):
 
 def test_sigint_to_the_launcher_stops_gracefully(tmp_path):
     """Ctrl-C (SIGINT) to mindspeed-ha-run: the same graceful stop as SIGTERM, exit 75."""
-    save = str(tmp_path / "ckpt")
-    r = _run(tmp_path, _args("--save", save), f"rank=1,iteration={SIGNAL_AT},point=between,fault=int_launcher")
+    save, events = str(tmp_path / "ckpt"), str(tmp_path / "events.jsonl")
+    r = _run(tmp_path, _args("--save", save, "--ha-events-file", events),
+             f"rank=1,iteration={SIGNAL_AT},point=between,fault=int_launcher")
     assert r.returncode == faults.EXIT_DYING_CHECKPOINT_SAVED, r.stderr[-6000:]
     assert "SIGINT to the launcher" in r.report["stop_request"]["reason"] and r.report["fault_rank"] is None
     assert _actions(r.report) == ["drain", "drain", "verify", "dump", "assemble", "commit", "exit"]
     assert _tracker(save) == r.report["iteration"] >= SIGNAL_AT
+    lines = job_events.read(events)  # the events file: requested, every rank paused, saved, exit 75
+    assert [e["type"] for e in lines] == ["ControllerStarted", "StopRequested", "Paused", "DyingCheckpointCommitted",
+                                          "JobExit"], lines
+    assert "SIGINT" in lines[1]["reason"] and lines[2]["phase_seconds"]["drain"] > 0 and lines[2]["ranks"] == [0, 1, 2, 3]
+    assert lines[2]["iteration"] == lines[3]["iteration"] == r.report["iteration"]
 
 
 def test_sigterm_to_the_launcher_stops_gracefully_and_resumes_bitwise(tmp_path, baseline):
