@@ -12,6 +12,7 @@ import json
 import os
 import re
 import socket
+import threading
 import urllib.error
 import urllib.request
 
@@ -201,7 +202,7 @@ def test_status_port_serves_probes_and_pages_and_closes_with_the_controller(tmp_
         ctl.stop()
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
-    assert not any(t.name == "mindspeed-ha-http" for t in __import__("threading").enumerate())
+    assert not any(t.name in ("mindspeed-ha-http", "mindspeed-ha-events") for t in threading.enumerate())
 
 
 def test_metrics_port_in_use_is_an_error_naming_the_flag(tmp_path):

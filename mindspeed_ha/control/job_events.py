@@ -32,6 +32,7 @@ import hmac
 import json
 import logging
 import os
+import queue
 import stat
 import threading
 import time
@@ -171,10 +172,12 @@ def _last_seq(path: str, tail: int = 1 << 16) -> int:
 class EventsFile:
     """Sink of the controller's recorder: one line per typed event, ``seq`` in file order.
 
-    One ``write`` per line on an O_APPEND descriptor: a reader sees whole lines, and lines
-    of two writers of one file (a leader and its successor) do not interleave on a local
-    filesystem. A write error is logged once and the stream goes on (events are a view;
-    they never stop the job).
+    The controller's thread only formats the line and queues it; a writer thread of this
+    sink writes it, so a slow or hung filesystem (a shared one) never holds the controller's
+    turn. One ``write`` per line on an O_APPEND descriptor: a reader sees whole lines, and
+    lines of two writers of one file (a leader and its successor) do not interleave on a
+    local filesystem. A write error is logged once and the stream goes on (events are a
+    view; they never stop the job).
 
     Args:
         path: ``--ha-events-file``.
@@ -187,31 +190,58 @@ class EventsFile:
 
     def __init__(self, path: str, job: str, term: Callable[[], int]):
         self.path, self.job, self.term = path, job, term
-        self._fd: Optional[int] = _open_append(path)
+        self._fd = _open_append(path)
         self._seq = _last_seq(path)
         self._lock = threading.Lock()
-        self._failed = False
+        self._closed = False
+        self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write_lines, name="mindspeed-ha-events", daemon=True)
+        self._writer.start()
 
     def __call__(self, event: PhaseEvent) -> None:
         if event.name not in TYPES:
             return
-        with self._lock:
-            if self._fd is None:
+        with self._lock:  # seq and queue order are one order
+            if self._closed:
                 return
             self._seq += 1
-            line = json.dumps(to_line(event, self._seq, self.job, self.term()), sort_keys=False) + "\n"
-            try:
-                os.write(self._fd, line.encode())
-            except OSError as exc:
-                if not self._failed:
-                    log.warning("events file %s: write failed (%s); later events may be missing", self.path, exc)
-                self._failed = True
+            self._queue.put((json.dumps(to_line(event, self._seq, self.job, self.term())) + "\n").encode())
 
-    def close(self) -> None:
+    def _write_lines(self) -> None:
+        failed = False
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            try:
+                os.write(self._fd, item)
+            except OSError as exc:
+                if not failed:
+                    log.warning("events file %s: write failed (%s); later events may be missing", self.path, exc)
+                failed = True
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until every line queued so far is written; False after ``timeout_s``."""
+        done = threading.Event()
+        self._queue.put(done)
+        return done.wait(timeout_s)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Write what is queued, then close the file (idempotent). A writer stuck for more
+        than ``timeout_s`` (a hung filesystem) is left with its descriptor, and logged."""
         with self._lock:
-            fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
+            if self._closed:
+                return
+            self._closed = True
+        self._queue.put(None)
+        self._writer.join(timeout_s)
+        if self._writer.is_alive():
+            log.error("events file %s: the writer is stuck for %.1f s; left open", self.path, timeout_s)
+            return
+        os.close(self._fd)
 
 
 def read(path: str) -> List[Dict[str, Any]]:

@@ -61,6 +61,8 @@ class Observers:
         if ctl.failover.takeover_at is not None:
             job_events.note(ctl.recorder, "ControllerTakeover", reason="a successor took over the lost leader's job",
                             ranks=sorted(ctl.state.ranks), term=term_of(ctl))
+        if self.file is not None:
+            self.file.flush()  # the port chosen for --ha-metrics-port 0 is in the file when start() returns
 
     def _open(self) -> None:
         ctl, cfg = self.ctl, self.ctl.config
