@@ -392,7 +392,7 @@ def cli(path: str, follow_: bool, timeout_s: float, as_json: bool, out=None) -> 
     """``mindspeed-ha events --file PATH [--follow] [--timeout S] [--json]``: print the
     events of ``path`` (JSON lines with ``--json``); with ``--follow`` go on printing those
     appended until ``timeout_s`` passed. Returns the exit status: 0, 1 (no such file,
-    without ``--follow``), 2 (bad ``--timeout``)."""
+    without ``--follow``), 2 (bad ``--timeout``), 130 (Ctrl-C)."""
     import math
     import sys
 
@@ -405,6 +405,11 @@ def cli(path: str, follow_: bool, timeout_s: float, as_json: bool, out=None) -> 
               file=sys.stderr)
         return 1
     events = follow(path, timeout_s) if follow_ else iter(read(path))
-    for d in events:
-        print(json.dumps(d) if as_json else format_line(d), file=out, flush=True)
+    try:
+        for d in events:
+            print(json.dumps(d) if as_json else format_line(d), file=out, flush=True)
+    except KeyboardInterrupt:  # Ctrl-C ends --follow: no traceback
+        return 130
+    except BrokenPipeError:  # `| head`: the reader has what it wanted
+        return 0
     return 0
