@@ -18,7 +18,7 @@ ENV = ha_env.INJECT
 POINTS = ("forward", "backward", "grad_sync", "optimizer", "between", "data", "eval", "save", "final_save",
           "dying", "pp", "tp", "recover")
 FAULTS = ("kill", "raise", "stop", "corrupt", "term", "term_launcher", "int_launcher", "kill_launcher", "uce",
-          "network", "kill_node", "stop_launcher")
+          "network", "kill_node", "stop_launcher", "hold")
 #: faults that signal a process and let this rank go on: SIGTERM to itself (a preempted
 #: worker), SIGTERM to its parent, the launcher (a preempted job), SIGKILL to the launcher
 #: (the controller's host lost; the workers stay)

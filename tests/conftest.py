@@ -81,3 +81,18 @@ def _private_corpus_cache(tmp_path_factory):
         os.environ.pop("MINDSPEED_HA_CACHE", None)
     else:
         os.environ["MINDSPEED_HA_CACHE"] = old
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_torch_compile_start_up():
+    """Every job a test launches runs with ``TORCHDYNAMO_DISABLE=1`` (unless the caller's
+    environment says otherwise): megatron-core decorates its fusions with ``torch.compile``
+    at import (megatron/core/jit.py), which imports dynamo and inductor, 1.4 of the 4.8
+    CPU-seconds one rank spends importing megatron-core here. A test compares runs that
+    share this environment (the baseline and the faulted run alike), so no assertion
+    depends on it; the stock Megatron-LM runs set it already (testing/megatron_lm.py)."""
+    old = os.environ.get("TORCHDYNAMO_DISABLE")
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    yield
+    if old is None:
+        os.environ.pop("TORCHDYNAMO_DISABLE", None)

@@ -11,9 +11,10 @@ process; the launcher restarts nothing), every rank re-ran iteration K after the
 recovery, and the per-iteration losses equal the uninterrupted run's bit for bit (same
 seed, dropout on). The same run with the repair skipped (testing knob) gives different
 losses: the damage is real and the repair is what undoes it. The same jobs write the events
-file and serve the metrics port: scraped while the job runs (once the first recovery is in
-the file), /metrics shows the fault, the recovery and its phase seconds, and the file holds
-every fault's events in order; the port is closed when the job is over.
+file and serve the metrics port: scraped while the job runs (once every recovery is in the
+file; rank 0 holds the job open meanwhile, ``fault=hold``), /metrics counts every fault by
+kind, every recovery by mode and their phase seconds, and the file holds every fault's
+events in order; the port is closed when the job is over.
 """
 
 import json
@@ -93,25 +94,34 @@ def _spec(k, rank, point, fault, what):
 
 
 class _Scraper:
-    """While the job runs: follow its events file until the first RecoveryFinished, then
-    scrape the metrics port the ControllerStarted event names (--ha-metrics-port 0)."""
+    """While the job runs: follow its events file until the ``n``-th RecoveryFinished, then
+    scrape the metrics port the ControllerStarted event names (--ha-metrics-port 0), then
+    release the job. The job cannot end before: rank 0 holds after iteration ``ITERS - 1``
+    (``fault=hold``) until the release file exists, which this creates whatever happens."""
 
-    def __init__(self, path):
-        self.path, self.url, self.metrics, self.status = path, None, None, None
+    def __init__(self, path, release, n):
+        self.path, self.release, self.n = path, release, n
+        self.url, self.metrics, self.status = None, None, None
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
-        for e in job_events.follow(self.path, 300, self.stop):
-            if e["type"] == "ControllerStarted":
-                self.url = e["detail"]["metrics_url"]
-            if e["type"] == "RecoveryFinished" and self.url:
-                with urllib.request.urlopen(self.url + "/metrics", timeout=30) as resp:
-                    self.metrics = {(s.name, tuple(sorted(s.labels.items()))): s.value
-                                    for f in text_string_to_metric_families(resp.read().decode()) for s in f.samples}
-                with urllib.request.urlopen(self.url + "/status", timeout=30) as resp:
-                    self.status = json.load(resp)
-                return
+        try:
+            finished = 0
+            for e in job_events.follow(self.path, 300, self.stop):
+                if e["type"] == "ControllerStarted":
+                    self.url = e["detail"]["metrics_url"]
+                finished += e["type"] == "RecoveryFinished"
+                if finished == self.n and self.url:
+                    with urllib.request.urlopen(self.url + "/metrics", timeout=30) as resp:
+                        self.metrics = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                                        for f in text_string_to_metric_families(resp.read().decode())
+                                        for s in f.samples}
+                    with urllib.request.urlopen(self.url + "/status", timeout=30) as resp:
+                        self.status = json.load(resp)
+                    return
+        finally:
+            open(self.release, "w").close()
 
     def __enter__(self):
         self.thread.start()
@@ -120,6 +130,7 @@ class _Scraper:
     def __exit__(self, *exc):
         self.stop.set()
         self.thread.join(60)
+        open(self.release, "w").close()
 
 
 @pytest.mark.parametrize("layout", sorted(SCHEDULES))
@@ -131,12 +142,17 @@ def test_recovered_in_place(tmp_path, baselines, layout):
     file and a scrape of /metrics during the run show them (see the module docstring)."""
     base = _baseline(baselines, layout)
     cases = {k: case for k, case in enumerate(SCHEDULES[layout], start=2)}
-    events = str(tmp_path / "events.jsonl")
-    with _Scraper(events) as scraper:
-        r, fired, after, rep = _faulty(tmp_path, layout, ";".join(_spec(k, *c) for k, c in cases.items()),
+    events, release = str(tmp_path / "events.jsonl"), str(tmp_path / "release")
+    hold = f"rank=0,iteration={ITERS - 1},point=between,fault=hold"
+    assert max(cases) <= ITERS - 1  # "between": after iteration ITERS - 1 and its recovery
+    with _Scraper(events, release, len(cases)) as scraper:
+        r, fired, after, rep = _faulty(tmp_path, layout, ";".join([_spec(k, *c) for k, c in cases.items()] + [hold]),
+                                       extra_env={"MINDSPEED_HA_INJECT_RELEASE": release},
                                        extra_args=("--ha-events-file", events, "--ha-metrics-port", "0"))
     assert r.returncode == 0, (r.stdout + r.stderr)[-8000:]
     _check_events_and_metrics(events, scraper, list(cases.values()))
+    assert [e["fault"] for e in fired][-1] == "hold", fired
+    fired = [e for e in fired if e["fault"] != "hold"]
     assert [(e["iteration"], e["rank"]) for e in fired] == [(k, c[0]) for k, c in cases.items()], fired
     recs = rep.get("recoveries") or []
     assert len(recs) == len(cases), rep
@@ -176,13 +192,15 @@ def _check_events_and_metrics(path, scraper, cases):
     assert lines[-1]["detail"]["exit_code"] == 0
     m = scraper.metrics
     assert m is not None, "no scrape during the run"
-    kind = cases[0][2]
-    mode = "forward" if cases[0][1] == "optimizer" else "rollback"
-    assert m[("mindspeed_ha_faults_total", (("kind", kind),))] >= 1, m
-    assert m[("mindspeed_ha_recoveries_total", (("mode", mode), ("outcome", "recovered")))] >= 1, m
-    assert m[("mindspeed_ha_recovery_phase_seconds_count", (("phase", "rebuild"),))] >= 1, m
+    n = len(cases)
+    for kind in {c[2] for c in cases}:
+        assert m[("mindspeed_ha_faults_total", (("kind", kind),))] == sum(c[2] == kind for c in cases), m
+    for mode in ("forward", "rollback"):
+        count = sum((c[1] == "optimizer") == (mode == "forward") for c in cases)
+        assert m.get(("mindspeed_ha_recoveries_total", (("mode", mode), ("outcome", "recovered"))), 0) == count, m
+    assert m[("mindspeed_ha_recovery_phase_seconds_count", (("phase", "rebuild"),))] == n, m
     assert m[("mindspeed_ha_recovery_phase_seconds_sum", (("phase", "rebuild"),))] > 0, m
-    assert m[("mindspeed_ha_recovery_duration_seconds_count", ())] >= 1, m
+    assert m[("mindspeed_ha_recovery_duration_seconds_count", ())] == n, m
     assert m[("mindspeed_ha_ranks", (("state", "dead"),))] == 0, m
     assert scraper.status["world_size"] == 4 and scraper.status["recoveries"], scraper.status
     port = int(scraper.url.rsplit(":", 1)[1])

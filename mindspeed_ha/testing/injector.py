@@ -33,7 +33,10 @@ preempted job / Ctrl-C / a lost controller host; the rank itself goes on),
 ``stop_launcher`` (SIGSTOP to the launcher: a controller host that freezes, e.g. a long
 stall, and may come back: the split-brain case of controller failover), ``kill_node`` (a lost node: SIGKILL to its launcher first, so that nothing is restarted,
 then to every other process the launcher started, the node's other workers included,
-then to itself), ``corrupt`` (silent data corruption of this rank's state, then training goes on; only at
+then to itself), ``hold`` (this rank waits at the point, its processor's heartbeats going on,
+until the file ``MINDSPEED_HA_INJECT_RELEASE`` names exists, at most :data:`HOLD_MAX_S`; its
+peers wait in their next collective: a test looks at the running job meanwhile, e.g. scrapes
+its metrics, and is sure the job has not ended), ``corrupt`` (silent data corruption of this rank's state, then training goes on; only at
 the points the runtime fires with its state: ``optimizer``, ``between``, ``dying``)::
 
     MINDSPEED_HA_INJECT="rank=0,iteration=2,point=between,fault=corrupt,what=exp_avg,how=bitflip"
@@ -159,6 +162,9 @@ class Injector:
         if spec.fault == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
             return  # continued (SIGCONT): the hang is over
+        if spec.fault == "hold":
+            _hold()
+            return
         if spec.fault == "corrupt":
             return  # silent: training goes on with the corrupted state
         if spec.fault in _SIGNALS:
@@ -209,6 +215,31 @@ class Injector:
             self._announce(f"mindspeed-ha injector: network rank {self.rank} at {spec.point} of iteration "
                            f"{iteration}: {op_name} failed", spec, spec.point, iteration)
             raise InjectedFault(NETWORK_MESSAGE.format(port=os.environ.get("MASTER_PORT", "29500")))
+
+
+#: seconds a ``fault=hold`` waits for its release file at most, then goes on (logged)
+HOLD_MAX_S = 300.0
+_HOLD_POLL_S = 0.02  # polling an observable state (a file), not a synchronisation sleep
+
+
+def _hold() -> None:
+    """Wait until the release file exists (``MINDSPEED_HA_INJECT_RELEASE``), at most
+    :data:`HOLD_MAX_S`.
+
+    Raises:
+        ValueError: the variable is not set (a hold nobody can release).
+    """
+    import time
+
+    path = os.environ.get(ha_env.INJECT_RELEASE)
+    if not path:
+        raise ValueError(f"{ENV}: fault=hold needs {ha_env.INJECT_RELEASE} (the file that releases it)")
+    end = time.monotonic() + HOLD_MAX_S
+    while not os.path.exists(path):
+        if time.monotonic() > end:
+            print(f"mindspeed-ha injector: hold not released after {HOLD_MAX_S:g} s ({path}): going on", flush=True)
+            return
+        time.sleep(_HOLD_POLL_S)
 
 
 def _kill_node() -> None:
