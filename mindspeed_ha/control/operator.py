@@ -37,21 +37,13 @@ from mindspeed_ha import env as ha_env
 from mindspeed_ha.config import DEFAULT_MAX_MESSAGE_BYTES, auth_key_from, controller_addr_from, port_from
 from mindspeed_ha.control import auth, wire
 from mindspeed_ha.control.lease import LeaseDir
-from mindspeed_ha.errors import ConfigError
+from mindspeed_ha.errors import ConfigError, OperatorError
 
 EXIT_DONE, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_AUTH = 0, 1, 2, 4, 5, 6
 #: seconds between two looks into the lease directory while no reply came
 LEASE_POLL_S = 0.25
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-
-
-class OperatorError(Exception):
-    """The request got no reply: ``code`` is :data:`EXIT_UNREACHABLE` or :data:`EXIT_AUTH`."""
-
-    def __init__(self, code: int, message: str):
-        super().__init__(message)
-        self.code = code
 
 
 @dataclasses.dataclass(frozen=True)
