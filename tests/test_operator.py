@@ -96,6 +96,14 @@ def test_stop_while_paused_saves_the_iteration_held_at(job, closing):
     assert out is not None and out.exit_code == EXIT_DYING_CHECKPOINT_SAVED and out.iteration == k, out
 
 
+def test_pause_max_then_stop_saves_the_iteration_held_at(job, closing):
+    j = job()
+    _running(j, closing)
+    k = _ask(j, "pause", max_s=0.2, then_stop=True).result["iteration"]
+    out = j.ctl.wait_done(20)
+    assert out is not None and out.exit_code == EXIT_DYING_CHECKPOINT_SAVED and out.iteration == k, out
+
+
 def test_a_fault_during_a_pause_is_handled(job, closing):
     """A rank's process vanishes while every rank holds at K: the dying checkpoint of K (75)."""
     j = job()
