@@ -85,6 +85,8 @@ def test_pause_max_resumes_by_itself(job, closing):
     _wait_for(lambda: j.ctl.phase is Phase.RUNNING, what="auto resume")
     pauses = _ask(j, "status").result["pauses"]
     assert pauses[-1]["iteration"] == reply.result["iteration"] and pauses[-1]["held_seconds"] >= 0.2
+    k = reply.result["iteration"]
+    _wait_for(lambda: all(i.iteration > k for i in j.ctl.state.ranks.values()), what="training after --max")
 
 
 def test_stop_while_paused_saves_the_iteration_held_at(job, closing):
@@ -169,3 +171,24 @@ def test_operator_frames_are_checked_like_any_peer(closing):
     with pytest.raises(wire.WireError):
         wire.Codec(b"k" * 32, "controller").decode(frame)
     assert wire.SCHEMA_VERSION == 8
+
+
+def test_the_client_follows_the_leader_of_the_lease_directory(job, tmp_path):
+    """After a controller failover the CLI asks the leader of the highest term, as ranks do:
+    a request aimed at term 0's (gone) controller goes to term 1's, same request id."""
+    from mindspeed_ha.control.lease import LeaseDir, Term
+
+    j = job()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        gone = s.getsockname()[1]
+    env = {"MINDSPEED_HA_LEASE_DIR": str(tmp_path / "lease")}
+    lease = LeaseDir(env["MINDSPEED_HA_LEASE_DIR"], KEY)
+    assert lease.take(Term(0, "127.0.0.1", gone, 0, 0, 1))
+    first = operator.find_controller(None, KEY, env)
+    assert (first.port, first.term) == (gone, 0)
+    assert lease.take(Term(1, "127.0.0.1", j.ctl.port, 0, 1, 2))  # node 1 took over
+    reply = operator.request("status", key=KEY, target=first, timeout_s=20.0, env=env, request_id="s1")
+    assert reply.code == 0 and reply.request_id == "s1" and reply.result["world_size"] == WORLD
+    assert operator.find_controller(None, KEY, env).port == j.ctl.port
+    assert operator.find_controller(f"127.0.0.1:{gone}", KEY, env).port == gone  # --addr wins

@@ -52,6 +52,7 @@ class Operator:
         while True:
             assert self.job.poll() is None, f"the job ended ({self.job.returncode}) while waiting for {what}"
             code, out = self("status")
+            assert code in (0, operator.EXIT_UNREACHABLE), out  # 5: the controller is not listening yet
             if code == 0 and cond(out["result"]):
                 return out["result"]
 
