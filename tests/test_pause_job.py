@@ -1,4 +1,5 @@
-"""The operator's graceful pause on a real 4-rank job (built-in trainer, gloo, real megatron-core).
+"""The operator's graceful pause on Megatron-LM's own pretrain_gpt.py (core_v0.12.1, unmodified,
+unpacked from ../shared/third_party) on 4 CPU/gloo ranks (TP1 PP2 DP2), through ``mindspeed-ha-run``.
 
 One job, driven from the real ``mindspeed-ha`` console entry (subprocesses) in sequence:
 ``pause`` (every rank holds after one iteration K1; ``status --json`` shows every rank at
@@ -7,7 +8,8 @@ K1), the CLI with a wrong key (exit 6, the job unaffected: still paused at K1, s
 the pause's held seconds); ``pause`` a third time and SIGKILL a rank while every rank holds
 at K3: the fault is handled as during a graceful stop, the dying checkpoint of K3, exit 75.
 Standard of proof: the per-iteration losses of 1..K3 (two pauses and resumes among them)
-are bitwise equal to an uninterrupted run of the same job stopped at K3. Synchronisation
+(and grad norms) are bitwise equal to an uninterrupted run of the same job, HA off, stopped at K3
+by Megatron-LM's ``--exit-interval``. Synchronisation
 is on the job's observable state (``status`` output), never on time.
 """
 
@@ -23,8 +25,8 @@ import pytest
 from mindspeed_ha.control import operator
 from mindspeed_ha.faults import EXIT_DYING_CHECKPOINT_SAVED
 from mindspeed_ha.launch.proctree import end_tree
-from mindspeed_ha.testing.harness import (TRAINER_MODULE, four_rank_args, free_port, launch, launcher_command,
-                                          losses_from_log)
+from mindspeed_ha.testing import megatron_lm as mlm
+from mindspeed_ha.testing.harness import free_port, launcher_command, read_rank_loss_logs
 
 #: long enough never to end before the third pause (the kill during it ends the job)
 ITERS = 400
@@ -61,15 +63,18 @@ def _iterations(s):
     return [r.get("iteration", -1) for r in s["ranks"]]
 
 
-def test_pause_status_wrong_key_resume_max_and_a_kill_during_a_pause(tmp_path):
+def test_pause_status_wrong_key_resume_max_and_a_kill_during_a_pause(tmp_path, megatron_lm_tarball):
+    root = mlm.unpack(megatron_lm_tarball, str(tmp_path / "megatron_lm"))
     port, key = free_port(), secrets.token_hex(32)
     save, loss_log = str(tmp_path / "ckpt"), str(tmp_path / "loss.jsonl")
-    args = four_rank_args("tp1pp2", ITERS)
-    env = dict(os.environ, OMP_NUM_THREADS="1", TTP_PORT=str(port), MINDSPEED_HA_AUTH_KEY=key)
+    args = mlm.stock_gpt_args(tp=1, pp=2, train_iters=ITERS)
+    env = dict(os.environ, **mlm.stock_env({"TTP_PORT": str(port), "MINDSPEED_HA_AUTH_KEY": key,
+                                             "MINDSPEED_HA_LOSS_LOG": loss_log}))
     out_path = tmp_path / "job.out"
     with open(out_path, "w") as out:
-        job = subprocess.Popen([*launcher_command(4), "--log-dir", str(tmp_path / "torchrun"), "-m", TRAINER_MODULE,
-                                *args, "--save", save, "--loss-log", loss_log], env=env, stdout=out,
+        job = subprocess.Popen([*launcher_command(4), "--log-dir", str(tmp_path / "torchrun"),
+                                os.path.join(root, "pretrain_gpt.py"), *args, "--enable-high-availability",
+                                "--save", save, "--save-interval", "100000"], env=env, cwd=root, stdout=out,
                                stderr=subprocess.STDOUT, start_new_session=True)
     try:
         op = Operator(port, key, job)
@@ -117,8 +122,10 @@ def test_pause_status_wrong_key_resume_max_and_a_kill_during_a_pause(tmp_path):
     assert rc == EXIT_DYING_CHECKPOINT_SAVED, log[-6000:]
     with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as f:
         assert int(f.read()) == k3
-    paused = losses_from_log(loss_log)
-    base = launch(4, args + ["--exit-interval", str(k3)], launcher=launcher_command(4), timeout_s=300)
+    records, paused = read_rank_loss_logs(loss_log)
+    norms = {int(r["iteration"]): r["grad_norm"] for r in records if "lm loss" in r["loss"]}
+    base = mlm.launch_stock(root, args + ["--exit-interval", str(k3)], timeout_s=300)
     assert base.returncode == 0, base.stderr[-4000:]
     assert sorted(base.losses) == list(range(1, k3 + 1))
     assert {i: paused[i] for i in range(1, k3 + 1)} == base.losses
+    assert {i: norms[i] for i in range(1, k3 + 1)} == base.grad_norms
