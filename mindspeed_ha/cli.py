@@ -78,6 +78,8 @@ def _cmd_operator(ns) -> int:
     import os
     import secrets
 
+    from mindspeed_ha import env as ha_env
+    from mindspeed_ha.config import HAConfig
     from mindspeed_ha.control import operator
     from mindspeed_ha.errors import ConfigError
 
@@ -104,11 +106,13 @@ def _cmd_operator(ns) -> int:
             raise ConfigError("--request-id: 1..64 characters")
         key = operator.read_key(ns.key_file, os.environ)
         target = operator.find_controller(ns.addr, key, os.environ)
+        max_bytes = HAConfig.from_args(None, {k: v for k, v in os.environ.items() if k != ha_env.AUTH_KEY}
+                                       ).max_message_bytes  # the job's frame limit, checked as the ranks do
     except ConfigError as exc:
         return say(operator.EXIT_USAGE, str(exc))
     try:
         reply = operator.request(ns.cmd, key=key, target=target, timeout_s=ns.timeout, max_s=max_s or 0.0,
-                                 then_stop=getattr(ns, "then_stop", False), request_id=rid)
+                                 then_stop=getattr(ns, "then_stop", False), request_id=rid, max_bytes=max_bytes)
     except operator.OperatorError as exc:
         return say(exc.code, str(exc))
     return say(operator.result_code(reply), reply.detail or "ok", reply.result)
@@ -116,8 +120,9 @@ def _cmd_operator(ns) -> int:
 
 def _operator_parser(sub, verb: str, help_text: str):
     p = sub.add_parser(verb, help=help_text)
-    p.add_argument("--addr", default=None, help="the controller's HOST:PORT (default: MINDSPEED_HA_LEASE_DIR's "
-                                                "leader, else CONTROLLER_ADDR/TTP_ADDR and TTP_PORT)")
+    p.add_argument("--addr", default=None, help="the controller's HOST:PORT (default: the leader in the job's lease "
+                                                "directory, MINDSPEED_HA_LEASE_DIR or under MINDSPEED_HA_LEASE_ROOT; "
+                                                "else CONTROLLER_ADDR/TTP_ADDR and TTP_PORT)")
     p.add_argument("--key-file", default=None, help="file holding the job key in hex (default: MINDSPEED_HA_AUTH_KEY)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the answer (default 30)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")

@@ -176,7 +176,7 @@ def test_operator_frames_are_checked_like_any_peer(closing):
 def test_the_client_follows_the_leader_of_the_lease_directory(job, tmp_path):
     """After a controller failover the CLI asks the leader of the highest term, as ranks do:
     a request aimed at term 0's (gone) controller goes to term 1's, same request id."""
-    from mindspeed_ha.control.lease import LeaseDir, Term
+    from mindspeed_ha.control.lease import LeaseDir, Term, lease_dir
 
     j = job()
     with socket.socket() as s:
@@ -192,3 +192,6 @@ def test_the_client_follows_the_leader_of_the_lease_directory(job, tmp_path):
     assert reply.code == 0 and reply.request_id == "s1" and reply.result["world_size"] == WORLD
     assert operator.find_controller(None, KEY, env).port == j.ctl.port
     assert operator.find_controller(f"127.0.0.1:{gone}", KEY, env).port == gone  # --addr wins
+    root = {"MINDSPEED_HA_LEASE_ROOT": str(tmp_path / "root")}  # what the launchers get
+    LeaseDir(lease_dir(root["MINDSPEED_HA_LEASE_ROOT"], KEY), KEY).take(Term(3, "127.0.0.1", j.ctl.port, 0, 1, 2))
+    assert operator.find_controller(None, KEY, root).term == 3

@@ -4,8 +4,9 @@ It reaches the job's controller as a rank does: over the controller's CURVE-encr
 ROUTER socket (:mod:`.auth`: keys derived from the job key ``MINDSPEED_HA_AUTH_KEY`` or
 ``--key-file``), with the same HMAC-tagged, versioned, size-limited msgpack frames
 (:mod:`.wire`), addressed as the ranks address it: ``--addr HOST:PORT``, else the leader
-of the highest term in the job's lease directory (``MINDSPEED_HA_LEASE_DIR``: controller
-failover, as :class:`~.link.ControlLink` follows a takeover), else ``CONTROLLER_ADDR`` /
+of the highest term in the job's lease directory (``MINDSPEED_HA_LEASE_DIR``, or the job's
+under ``MINDSPEED_HA_LEASE_ROOT``: controller failover, as :class:`~.link.ControlLink`
+follows a takeover), else ``CONTROLLER_ADDR`` /
 ``TTP_ADDR`` and ``TTP_PORT``. One request, one reply (:mod:`.operator_desk`); while no
 reply has come and the lease directory names a newer leader, the same request (same id:
 the controller answers a repeat without acting twice) goes to it.
@@ -36,7 +37,7 @@ from zmq.utils.monitor import recv_monitor_message
 from mindspeed_ha import env as ha_env
 from mindspeed_ha.config import DEFAULT_MAX_MESSAGE_BYTES, auth_key_from, controller_addr_from, port_from
 from mindspeed_ha.control import auth, wire
-from mindspeed_ha.control.lease import LeaseDir
+from mindspeed_ha.control.lease import LeaseDir, lease_dir
 from mindspeed_ha.errors import ConfigError, OperatorError
 
 EXIT_DONE, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_AUTH = 0, 1, 2, 4, 5, 6
@@ -104,14 +105,22 @@ def find_controller(addr: Optional[str], key: bytes, env: Mapping[str, str]) -> 
 
 
 def _lease(key: bytes, env: Mapping[str, str]) -> Optional[LeaseDir]:
+    """The job's lease directory: ``MINDSPEED_HA_LEASE_DIR`` (what the ranks get), else the
+    job's directory under ``MINDSPEED_HA_LEASE_ROOT`` (what the launchers get; for a job
+    that kept the default, ``<--save>/.mindspeed_ha``), else None."""
     path = env.get(ha_env.LEASE_DIR)
+    if not path and env.get(ha_env.LEASE_ROOT):
+        path = lease_dir(os.path.abspath(env[ha_env.LEASE_ROOT]), key)
     return LeaseDir(path, key) if path else None
 
 
 def request(verb: str, *, key: bytes, target: Target, timeout_s: float, max_s: float = 0.0,
             then_stop: bool = False, request_id: Optional[str] = None,
-            env: Optional[Mapping[str, str]] = None) -> wire.OperatorReply:
+            env: Optional[Mapping[str, str]] = None,
+            max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> wire.OperatorReply:
     """Send one OPERATOR_REQUEST and wait up to ``timeout_s`` for its reply.
+
+    ``max_bytes``: the job's frame limit (``MINDSPEED_HA_MAX_MESSAGE_BYTES``), for the reply.
 
     Raises:
         OperatorError: :data:`EXIT_AUTH` (the controller refused the key) or
@@ -119,7 +128,7 @@ def request(verb: str, *, key: bytes, target: Target, timeout_s: float, max_s: f
     """
     env = os.environ if env is None else env
     body = wire.OperatorRequest(request_id or secrets.token_hex(8), verb, float(max_s), bool(then_stop))
-    codec = wire.Codec(key, wire.new_sender("operator"), DEFAULT_MAX_MESSAGE_BYTES)
+    codec = wire.Codec(key, wire.new_sender("operator"), max_bytes)
     keys = auth.derive_keys(key)
     lease = _lease(key, env) if target.term >= 0 else None
     deadline = time.monotonic() + timeout_s
@@ -127,7 +136,7 @@ def request(verb: str, *, key: bytes, target: Target, timeout_s: float, max_s: f
     sock = monitor = None
     try:
         while True:
-            sock, monitor = _connect(ctx, keys, target)
+            sock, monitor = _connect(ctx, keys, target, max_bytes)
             sock.send(codec.encode(body))
             reply, moved = _await(sock, monitor, codec, body.request_id, deadline, lease, target)
             if reply is not None:
@@ -139,9 +148,9 @@ def request(verb: str, *, key: bytes, target: Target, timeout_s: float, max_s: f
         wire.close_all(ctx, monitor, sock)
 
 
-def _connect(ctx: Any, keys: auth.CurveKeys, target: Target) -> Tuple[Any, Any]:
+def _connect(ctx: Any, keys: auth.CurveKeys, target: Target, max_bytes: int) -> Tuple[Any, Any]:
     sock = ctx.socket(zmq.DEALER)
-    wire.configure_socket(sock, DEFAULT_MAX_MESSAGE_BYTES)
+    wire.configure_socket(sock, max_bytes)
     auth.configure_client(sock, keys)
     sock.setsockopt(zmq.RECONNECT_IVL, 100)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)

@@ -136,7 +136,11 @@ class OperatorDesk:
     @staticmethod
     def _send(ctl: "Controller", ident: bytes, reply: wire.OperatorReply) -> None:
         try:
-            ctl.server.send(ident, reply)
+            try:
+                ctl.server.send(ident, reply)
+            except wire.WireError as exc:  # e.g. the status of a huge job: over the frame limit
+                ctl.server.send(ident, wire.OperatorReply(reply.request_id, FAILED, f"the answer does not fit one "
+                                                          f"control frame ({exc}): raise the job's frame limit"))
         except (zmq.ZMQError, wire.WireError) as exc:  # the operator went away: its repeat gets the reply
             log.info("operator: cannot answer request %s: %s", reply.request_id, exc)
 
