@@ -195,3 +195,16 @@ def test_the_client_follows_the_leader_of_the_lease_directory(job, tmp_path):
     root = {"MINDSPEED_HA_LEASE_ROOT": str(tmp_path / "root")}  # what the launchers get
     LeaseDir(lease_dir(root["MINDSPEED_HA_LEASE_ROOT"], KEY), KEY).take(Term(3, "127.0.0.1", j.ctl.port, 0, 1, 2))
     assert operator.find_controller(None, KEY, root).term == 3
+
+
+def test_status_lists_the_warm_spare_the_launcher_reports(job):
+    """The agent's warm spare reaches ``status`` through the launcher's hooks (Survivors)."""
+    from mindspeed_ha.launch.survivors import Survivors
+
+    j = job()
+    assert _ask(j, "status").result["spares"] is None  # nothing reported: not known
+    hooks = Survivors(j.ctl, grace_s=1.0)
+    hooks.spare_changed(4242)
+    assert [s["pid"] for s in _ask(j, "status").result["spares"]] == [4242]
+    hooks.spare_changed(None)  # adopted by a restarted worker
+    assert _ask(j, "status").result["spares"] == []

@@ -130,6 +130,9 @@ class Controller:
         #: global ranks of the workers this controller's own launcher runs (set by the
         #: launcher): a hung one is ended and restarted under --enable-worker-reboot
         self.hosted_ranks: frozenset = frozenset()
+        #: the warm spares parked for this job, as the launcher hosting this controller reports
+        #: them (``[{"host", "pid"}]``; None: not reported; ``mindspeed-ha status``)
+        self.spares: Optional[List[Dict[str, Any]]] = None
         self._last_decision_at: Optional[float] = None  # the previous decision step (controller clock)
 
     # ------------------------------------------------------------------ lifecycle

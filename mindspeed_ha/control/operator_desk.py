@@ -241,7 +241,7 @@ def _recovery(rec: Dict[str, Any]) -> Dict[str, Any]:
 def status(ctl: "Controller", now: float) -> Dict[str, Any]:
     """The job's status as the controller sees it (JSON-able; ``mindspeed-ha status``)."""
     st, cfg = ctl.state, ctl.config
-    ranks, by_state = [], {k: [] for k in ("healthy", "suspect", "dead", "restarting", "starting", "spare")}
+    ranks, by_state = [], {k: [] for k in ("healthy", "suspect", "dead", "restarting", "starting")}
     for r in range(st.world_size):
         info, state = st.ranks.get(r), rank_state(ctl, r, now)
         by_state[state].append(r)
@@ -267,7 +267,7 @@ def status(ctl: "Controller", now: float) -> Dict[str, Any]:
         "world_size": st.world_size, "run_id": st.run_id, "ranks": ranks, "by_state": by_state,
         "recoveries": [_recovery(r) for r in st.recoveries[-STATUS_RECOVERIES:]],
         "restarts": [dict(r) for r in ctl.arbiter.restarts][-STATUS_RECOVERIES:],
-        "spares": None, "features": features, "pause": pause, "pauses": ctl.operators.pauses[-5:],
+        "spares": ctl.spares, "features": features, "pause": pause, "pauses": ctl.operators.pauses[-5:],
         "stop_requested": st.stop_request.reason if st.stop_request is not None else None,
         "exit_code": st.exit_code, "exit_reason": st.exit_reason,
     }
