@@ -70,7 +70,7 @@ def _release(ctl: "Controller", now: float, d: Decision) -> None:
     """RELEASE (the graceful pause ends): a RELEASE message to every target; the pause's
     agreement is forgotten, so a later pause or stop starts afresh."""
     st = ctl.state
-    paused_at, st.drain_until, st.pause = st.drain_until, None, None
+    st.drain_until, st.pause = None, None
     for r in d.targets:
         ctl.server.send_to_rank(r, wire.Release(d.reason))
     for info in st.ranks.values():

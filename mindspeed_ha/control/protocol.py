@@ -370,10 +370,10 @@ class StepProtocol:
         """RELEASE: the graceful pause ends: lift the limit, the paused training thread goes on."""
         with self.cond:
             self.limit, self.hold = None, False
-            if self.state is StepState.DRAINING:
+            if self.state is StepState.DRAINING:  # (a STOP that crossed the RELEASE keeps its hold)
                 self.transition(StepState.RUNNING)
-            self.stop_received_at = None  # the job runs on: a later stop is news
-            self.stop_event.clear()
+                self.stop_received_at = None  # the job runs on: a later stop is news
+                self.stop_event.clear()
             self.cond.notify_all()
         log.warning("rank %d: graceful pause released (%s)", self.rank, body.reason)
 
