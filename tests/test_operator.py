@@ -208,3 +208,63 @@ def test_status_lists_the_warm_spare_the_launcher_reports(job):
     assert [s["pid"] for s in _ask(j, "status").result["spares"]] == [4242]
     hooks.spare_changed(None)  # adopted by a restarted worker
     assert _ask(j, "status").result["spares"] == []
+
+
+# --------------------------------------------------------------------------- the pause plan (pure)
+def _cfg():
+    import dataclasses
+
+    from test_control import CFG
+
+    return dataclasses.replace(CFG, heartbeat_timeout_s=100.0)  # no silence within these instants
+
+
+def _paused_state(phase, **kw):
+    from mindspeed_ha.control.state import ClusterState, PauseRequest
+    from test_policy import cluster
+
+    st = ClusterState(world_size=4, ranks=cluster(1, 2, 2, 2, it=7), phase=phase, phase_since=10.0, drain_until=7,
+                      pause=PauseRequest(at=9.0, **kw))
+    for info in st.ranks.values():
+        info.last_heartbeat = 10.0
+    return st
+
+
+@pytest.mark.parametrize("case,now,expect", [
+    ("held", 11.0, (ActionKind.NOOP, None)),
+    ("max passed", 12.5, (ActionKind.RELEASE, Phase.RUNNING)),
+    ("max passed, then stop", 12.5, (ActionKind.NOOP, Phase.DRAINING)),
+    ("resume", 11.0, (ActionKind.RELEASE, Phase.RUNNING)),
+    ("stop", 11.0, (ActionKind.NOOP, Phase.DRAINING)),
+    ("a rank died", 11.0, (ActionKind.STOP_ALL, Phase.STOPPING)),
+])
+def test_paused_decisions(case, now, expect):
+    from mindspeed_ha.control.policy import decide
+    from mindspeed_ha.control.state import StopRequest
+
+    CFG = _cfg()
+    st = _paused_state(Phase.PAUSED, max_s=2.0, then_stop=case.endswith("then stop"))
+    if case == "resume":
+        st.pause.resume_at = 10.5
+    elif case == "stop":
+        st.stop_request = StopRequest(10.5, -1, "operator")
+    elif case == "a rank died":
+        st.ranks[2].alive, st.ranks[2].dead_reason, st.ranks[2].failed_at = False, "killed", 10.5
+    d = decide(now, st, CFG)
+    assert (d.action, d.next_phase) == expect, d
+    if d.action is ActionKind.RELEASE:
+        assert d.targets == (0, 1, 2, 3)
+
+
+def test_a_pause_that_does_not_come_is_released_with_a_reason():
+    from mindspeed_ha.control.policy import decide
+    from mindspeed_ha.control.policy.pause import PAUSE_FAILED
+
+    CFG = _cfg()
+    st = _paused_state(Phase.PAUSING)
+    st.ranks[3].stopped = False  # never reached the agreed iteration
+    assert decide(10.0 + CFG.stop_timeout_s / 2, st, CFG).action is ActionKind.NOOP
+    d = decide(9.0 + CFG.stop_timeout_s + 0.1, st, CFG)
+    assert d.action is ActionKind.RELEASE and d.next_phase is Phase.RUNNING and PAUSE_FAILED in d.reason
+    st.ranks[3].stopped = True
+    assert decide(11.0, st, CFG).next_phase is Phase.PAUSED
