@@ -154,6 +154,9 @@ class RestartHooks:
         """Dead ``rank`` will not be restarted, for the reason ``why`` (the agent hands over
         to torch's monitoring)."""
 
+    def spare_changed(self, pid: Optional[int]) -> None:
+        """This node's warm spare is now process ``pid`` (None: none parked: adopted, ended)."""
+
 
 def incarnation_path(path: str, incarnation: int) -> str:
     """``.../1/stdout.log`` -> ``.../1/stdout.incarnation2.log``; the console (``""``) and
@@ -425,6 +428,7 @@ class WorkerRebootAgent(LocalElasticAgent):
         sys_path = None if argv[0] == "-m" else os.path.dirname(os.path.abspath(argv[0]))
         self._spare = SpareHandler(pc.entrypoint, sys_path)
         log.info("warm spare started: pid %d", self._spare.proc.pid)
+        self.hooks.spare_changed(self._spare.proc.pid)
 
     def _adopt_spare(self, worker_group: WorkerGroup, local_rank: int, env: Dict[str, str], stdout: str,
                      stderr: str) -> Optional[SpareHandler]:
@@ -433,6 +437,7 @@ class WorkerRebootAgent(LocalElasticAgent):
         spare_handler, self._spare = self._spare, None
         if spare_handler is None:
             return None
+        self.hooks.spare_changed(None)
         pc = self._pcontext
         argv = boot_argv(pc.entrypoint, pc.args[local_rank])
         if spare_handler.proc.poll() is not None or argv is None:
@@ -459,6 +464,7 @@ class WorkerRebootAgent(LocalElasticAgent):
     def _stop_spare(self) -> None:
         spare_handler, self._spare = self._spare, None
         if spare_handler is not None:
+            self.hooks.spare_changed(None)
             self._end_spare(spare_handler)
 
     @staticmethod

@@ -9,6 +9,16 @@ Subcommands:
     controller  run a standalone controller (what rank 0 starts without the launcher)
     events      print a job's events file (--ha-events-file); --follow tails it
     preprocess  build a Megatron indexed dataset (.bin/.idx) from a text file
+    status      a running job's phase, ranks, heartbeats, pauses and recoveries
+    pause       graceful pause of a running job: every rank holds after one iteration
+    resume      end a graceful pause
+    stop        graceful stop: checkpoint of the last completed iteration, exit 75
+
+The operator verbs (status, pause, resume, stop) reach the job's controller over its
+authenticated channel (the job key: MINDSPEED_HA_AUTH_KEY or --key-file; the address:
+--addr HOST:PORT, MINDSPEED_HA_LEASE_DIR, CONTROLLER_ADDR/TTP_ADDR and TTP_PORT).
+Exit codes: 0 done, 1 the action failed, 2 usage, 4 refused in the job's current state,
+5 unreachable, 6 authentication failed.
 """
 
 from __future__ import annotations
@@ -64,6 +74,64 @@ def _cmd_demo(ns) -> int:
     return run_demo(ns)
 
 
+def _cmd_operator(ns) -> int:
+    import math
+    import os
+    import secrets
+
+    from mindspeed_ha import env as ha_env
+    from mindspeed_ha.config import HAConfig
+    from mindspeed_ha.control import operator
+    from mindspeed_ha.errors import ConfigError
+
+    def say(code: int, text: str, result=None) -> int:
+        if ns.json:
+            print(json.dumps({"verb": ns.cmd, "code": code, "detail": text, "request_id": rid,
+                              "result": result or {}}, sort_keys=True))
+        elif ns.cmd == "status" and code == 0 and result:
+            print(operator.format_status(result))
+        else:
+            print(f"mindspeed-ha {ns.cmd}: {text}", file=sys.stdout if code == 0 else sys.stderr)
+        return code
+
+    rid = ns.request_id or secrets.token_hex(8)
+    max_s = getattr(ns, "max", None)
+    try:
+        if not (math.isfinite(ns.timeout) and ns.timeout > 0):
+            raise ConfigError(f"--timeout {ns.timeout}: accepted finite seconds > 0")
+        if max_s is not None and not (math.isfinite(max_s) and 0 < max_s <= 7 * 24 * 3600):
+            raise ConfigError(f"--max {max_s}: accepted range (0, 604800] seconds")
+        if getattr(ns, "then_stop", False) and max_s is None:
+            raise ConfigError("--then-stop goes with --max S")
+        if not 0 < len(rid) <= 64:
+            raise ConfigError("--request-id: 1..64 characters")
+        key = operator.read_key(ns.key_file, os.environ)
+        target = operator.find_controller(ns.addr, key, os.environ)
+        max_bytes = HAConfig.from_args(None, {k: v for k, v in os.environ.items() if k != ha_env.AUTH_KEY}
+                                       ).max_message_bytes  # the job's frame limit, checked as the ranks do
+    except ConfigError as exc:
+        return say(operator.EXIT_USAGE, str(exc))
+    try:
+        reply = operator.request(ns.cmd, key=key, target=target, timeout_s=ns.timeout, max_s=max_s or 0.0,
+                                 then_stop=getattr(ns, "then_stop", False), request_id=rid, max_bytes=max_bytes)
+    except operator.OperatorError as exc:
+        return say(exc.code, str(exc))
+    return say(operator.result_code(reply), reply.detail or "ok", reply.result)
+
+
+def _operator_parser(sub, verb: str, help_text: str):
+    p = sub.add_parser(verb, help=help_text)
+    p.add_argument("--addr", default=None, help="the controller's HOST:PORT (default: the leader in the job's lease "
+                                                "directory, MINDSPEED_HA_LEASE_DIR or under MINDSPEED_HA_LEASE_ROOT; "
+                                                "else CONTROLLER_ADDR/TTP_ADDR and TTP_PORT)")
+    p.add_argument("--key-file", default=None, help="file holding the job key in hex (default: MINDSPEED_HA_AUTH_KEY)")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the answer (default 30)")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.add_argument("--request-id", default=None,
+                   help="idempotency key (default: random); a repeated id gets the first answer, never a second action")
+    return p
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="mindspeed-ha", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -113,6 +181,13 @@ def main(argv=None) -> int:
     e.add_argument("--follow", action="store_true", help="go on printing the events appended, until --timeout")
     e.add_argument("--timeout", type=float, default=3600.0, help="seconds --follow runs (default 3600)")
     e.add_argument("--json", action="store_true", help="one JSON object per line (the file's schema)")
+    _operator_parser(sub, "status", "a running job's status (phase, ranks, heartbeats, pauses, recoveries)")
+    pz = _operator_parser(sub, "pause", "graceful pause: every rank holds after one iteration (answers once all do)")
+    pz.add_argument("--max", type=float, default=None, metavar="S", help="resume by itself after S seconds")
+    pz.add_argument("--then-stop", action="store_true",
+                    help="with --max: at S, stop instead (checkpoint of the iteration held at, exit 75)")
+    _operator_parser(sub, "resume", "end a graceful pause")
+    _operator_parser(sub, "stop", "graceful stop: checkpoint of the last completed iteration, exit 75")
 
     sub.add_parser("controller", help="standalone controller (see --help of mindspeed_ha.control.controller)",
                    add_help=False)
@@ -130,6 +205,8 @@ def main(argv=None) -> int:
         from mindspeed_ha.control import job_events
 
         return job_events.cli(ns.file, ns.follow, ns.timeout, ns.json)
+    if ns.cmd in ("status", "pause", "resume", "stop"):
+        return _cmd_operator(ns)
     if ns.cmd == "soak":
         from mindspeed_ha.launch.proctree import become_subreaper
         from mindspeed_ha.testing import soak

@@ -13,6 +13,7 @@ bad input are also ``ValueError`` so that callers that caught the built-in keep 
     +-- ProcessFailure               kind PROCESS
     +-- ControlPlaneError            kind NETWORK
     |   +-- ControllerLostError
+    |   +-- OperatorError              the operator's CLI got no reply (unreachable, key refused)
     +-- IllegalTransition
     +-- ProcessorExited
     +-- AgentLinkError
@@ -80,6 +81,15 @@ class ControlPlaneError(HAError):
     """The controller/processor link failed (not a training fault)."""
 
     kind = FaultKind.NETWORK
+
+
+class OperatorError(ControlPlaneError):
+    """An operator request got no reply: ``code`` is the CLI's exit code (5: unreachable,
+    6: the controller refused the key; see :mod:`mindspeed_ha.control.operator`)."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
 
 
 class ControllerLostError(ControlPlaneError):

@@ -8,6 +8,7 @@ It holds no policy of its own; its roles are modules, one each:
 * :mod:`.effects` -- action kind -> effect (what a decision sends and records);
 * :mod:`.restarts` -- node agents and restart arbitration (``--enable-worker-reboot``);
 * :mod:`.failover` -- fencing, the roster and a successor's takeover window;
+* :mod:`.operator_desk` -- the operator's requests (status, graceful pause, resume, stop);
 * :mod:`.outcome` -- the outcome and the phase events its timings are read from;
 * :mod:`.observe` -- the events file and the metrics / status port (:meth:`Controller.status`).
 
@@ -46,6 +47,7 @@ from mindspeed_ha.config import HAConfig
 from mindspeed_ha.control import admission, auth, effects, handlers, wire
 from mindspeed_ha.control.failover import Failover
 from mindspeed_ha.control.observe import Observers
+from mindspeed_ha.control.operator_desk import OperatorDesk
 from mindspeed_ha.control.outcome import Event, Outcome, PhaseTimer, build_outcome
 from mindspeed_ha.control.policy import ActionKind, decide
 from mindspeed_ha.control.restarts import RestartArbiter
@@ -116,6 +118,8 @@ class Controller:
         self._stopping = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.arbiter = RestartArbiter(self)
+        #: the operator's requests (``mindspeed-ha status | pause | resume | stop``, see :mod:`.operator_desk`)
+        self.operators = OperatorDesk()
         self.failover = Failover(self, self._stopping)
         # controller failover (mindspeed_ha.control.lease): set by the launcher
         #: the term this controller holds (``Leadership``), or None (no failover: always acts)
@@ -129,6 +133,9 @@ class Controller:
         #: global ranks of the workers this controller's own launcher runs (set by the
         #: launcher): a hung one is ended and restarted under --enable-worker-reboot
         self.hosted_ranks: frozenset = frozenset()
+        #: the warm spares parked for this job, as the launcher hosting this controller reports
+        #: them (``[{"host", "pid"}]``; None: not reported; ``mindspeed-ha status``)
+        self.spares: Optional[List[Dict[str, Any]]] = None
         self._last_decision_at: Optional[float] = None  # the previous decision step (controller clock)
         #: the events file (--ha-events-file) and the metrics port (--ha-metrics-port), with start/stop
         self.observers = Observers(self)
@@ -369,8 +376,9 @@ class Controller:
         for _ in range(MAX_DECISIONS_PER_STEP):
             d = decide(now, self.state, self.config)
             if d.action is ActionKind.NOOP and d.next_phase is None:
-                return
+                break
             effects.apply(self, now, d)
+        self.operators.settle(self, now)
 
 
 def _discard(commands: "queue.SimpleQueue[Any]") -> None:

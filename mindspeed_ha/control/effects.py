@@ -53,9 +53,11 @@ def _nothing(ctl: "Controller", now: float, d: Decision) -> None:
 
 
 def _drain(ctl: "Controller", now: float, d: Decision) -> None:
-    """DRAIN (graceful stop): a DRAIN message, not an ACTION; ``until`` -1: pause at once."""
+    """DRAIN (graceful stop) and PAUSE (graceful pause: DRAIN with ``hold``): a DRAIN message,
+    not an ACTION; ``until`` -1: pause at once."""
     st = ctl.state
     until = int(d.params["until"])
+    hold = bool(d.params.get("hold"))
     if until >= 0:
         st.drain_until = until
     for r in d.targets:
@@ -63,7 +65,19 @@ def _drain(ctl: "Controller", now: float, d: Decision) -> None:
         info.stopped = False  # only a STOPPED that answers this round counts
         if until < 0:
             info.pause_at = None
-        ctl.server.send_to_rank(r, wire.Drain(d.reason, until))
+        ctl.server.send_to_rank(r, wire.Drain(d.reason, until, hold))
+
+
+def _release(ctl: "Controller", now: float, d: Decision) -> None:
+    """RELEASE (the graceful pause ends): a RELEASE message to every target; the pause's
+    agreement is forgotten, so a later pause or stop starts afresh."""
+    st = ctl.state
+    st.drain_until, st.pause = None, None
+    for r in d.targets:
+        ctl.server.send_to_rank(r, wire.Release(d.reason))
+    for info in st.ranks.values():
+        info.pause_at = None
+        info.stopped = False
 
 
 def _stop_all(ctl: "Controller", now: float, d: Decision) -> None:
@@ -159,6 +173,8 @@ def _note_retry(ctl: "Controller", now: float, d: Decision) -> None:
 EFFECTS: Dict[ActionKind, Effect] = {
     ActionKind.NOOP: _nothing,
     ActionKind.DRAIN: _drain,
+    ActionKind.PAUSE: _drain,
+    ActionKind.RELEASE: _release,
     ActionKind.STOP_ALL: _stop_all,
     ActionKind.RESUME: _recovered,
 }

@@ -3,7 +3,8 @@
 :func:`dispatch` routes one authenticated message: REGISTER to :func:`register`, a node
 agent's messages to :data:`restarts.AGENT_HANDLERS`, and a registered rank's messages
 to :data:`RANK_HANDLERS` (message type -> handler); anything else is counted as
-rejected. :data:`COMMANDS` does the same for the reports other threads of this
+rejected; an operator's OPERATOR_REQUEST goes to the controller's
+:class:`~.operator_desk.OperatorDesk`. :data:`COMMANDS` does the same for the reports other threads of this
 process queue (the launcher's hooks, a signal handler). Handlers run on the I/O thread
 under the controller's lock; they change state and send replies, and decide nothing
 (that is :func:`policy.decide`).
@@ -42,6 +43,9 @@ def dispatch(ctl: "Controller", now: float, ident: bytes, fd: Optional[int], msg
         return
     if msg.type.value in wire.AGENT_TYPES:
         restarts.agent_message(ctl, now, ident, msg)
+        return
+    if msg.type is wire.MsgType.OPERATOR_REQUEST:  # an operator (mindspeed-ha status | pause | ...)
+        ctl.operators.handle(ctl, now, ident, body)
         return
     rank = ctl.server.rank_of_ident.get(ident)
     if rank is None or getattr(body, "rank", rank) != rank:
@@ -84,9 +88,10 @@ def register(ctl: "Controller", now: float, ident: bytes, fd: Optional[int], sen
         log.warning("controller: cannot answer REGISTER of rank %d: %s", body.rank, exc)
     if ok and st.phase is Phase.STOPPING:
         ctl.server.send_to_rank(body.rank, wire.Stop("job is stopping"))
-    elif ok and st.phase is Phase.DRAINING:
-        ctl.server.send_to_rank(body.rank, wire.Drain("graceful stop", -1 if st.drain_until is None
-                                                      else st.drain_until))
+    elif ok and st.phase in (Phase.DRAINING, Phase.PAUSING, Phase.PAUSED):
+        ctl.server.send_to_rank(body.rank, wire.Drain(
+            "graceful stop" if st.phase is Phase.DRAINING else "graceful pause",
+            -1 if st.drain_until is None else st.drain_until, st.phase is not Phase.DRAINING))
 
 
 def _admit(ctl: "Controller", now: float, ident: bytes, fd: Optional[int], sender: str, body: wire.Register) -> None:

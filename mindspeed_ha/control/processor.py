@@ -396,6 +396,8 @@ class Processor:
             self._proto.on_stop(body)
         elif t is wire.MsgType.DRAIN:
             self._proto.on_drain(body)
+        elif t is wire.MsgType.RELEASE:
+            self._proto.on_release(body)
         elif t is wire.MsgType.GOODBYE_ACK:
             link.goodbye_acked = True
         elif t is wire.MsgType.ACTION:

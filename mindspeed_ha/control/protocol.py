@@ -4,7 +4,8 @@ One :class:`StepState` (a ``str`` Enum with a transition table, like
 :class:`~mindspeed_ha.control.state.Phase`) says what the controller (or, once it is
 lost, the ranks' own agreement) asks of this rank's training thread::
 
-    RUNNING --DRAIN--> DRAINING                     (a graceful stop: pause at the limit)
+    RUNNING --DRAIN--> DRAINING                     (a graceful stop or pause: pause at the limit)
+    DRAINING --RELEASE--> RUNNING                   (the graceful pause ends)
     RUNNING / DRAINING --STOP(freeze=False)--> OBSERVED   (in-place round 1: steps go on)
     RUNNING / DRAINING / OBSERVED --STOP(freeze)--> FROZEN      (no optimizer update starts)
     any of the above --STOP(recover)--> RECOVERING  (the step is aborted until RETRY)
@@ -149,6 +150,7 @@ class StepProtocol:
         self.state = StepState.RUNNING
         self.hooks = RecoveryHooks()
         self.limit: Optional[int] = None  # the pause limit (DRAIN / the ranks' agreement)
+        self.hold = False  # a graceful pause (DRAIN.hold): paused without the freeze deadline until RELEASE
         self.paused_at: Optional[int] = None  # the training thread is paused after this iteration
         self.completed: Optional[int] = None  # the last iteration the training thread completed
         self.step = -1  # the train_step the training thread entered (pause_point), -1 before
@@ -254,10 +256,15 @@ class StepProtocol:
             if not lost:
                 self.outbox.put_locked(wire.Stopped(self.rank, st.value, it, int(iteration)))
             self.cond.notify_all()
-            log.warning("rank %d: paused after iteration %d (graceful stop)", self.rank, iteration)
+            log.warning("rank %d: paused after iteration %d (%s)", self.rank, iteration,
+                        "graceful pause" if self.hold else "graceful stop")
             deadline = time.monotonic() + self.freeze_deadline_s
             try:
                 while self.limit is not None and iteration >= self.limit and self.exit is None:
+                    if self.hold:  # the operator's pause: as long as the controller wants (RELEASE)
+                        deadline = time.monotonic() + self.freeze_deadline_s
+                        self.cond.wait()
+                        continue
                     left = deadline - time.monotonic()
                     if left <= 0:
                         timed_out = True
@@ -341,6 +348,7 @@ class StepProtocol:
         with self.cond:
             if self.stop_received_at is None:
                 self.stop_received_at = time.monotonic()
+            self.hold = bool(body.hold)
             if body.until < 0:
                 mine = self.next_pause_locked()
                 self.limit = max(0, mine)  # not started: pause after the first iteration
@@ -355,7 +363,19 @@ class StepProtocol:
                 self.transition(StepState.DRAINING)
             self.cond.notify_all()
         self.stop_event.set()
-        log.warning("rank %d: graceful stop (%s): pausing after iteration %d", self.rank, body.reason, mine)
+        log.warning("rank %d: graceful %s (%s): pausing after iteration %d", self.rank,
+                    "pause" if body.hold else "stop", body.reason, mine)
+
+    def on_release(self, body: wire.Release) -> None:
+        """RELEASE: the graceful pause ends: lift the limit, the paused training thread goes on."""
+        with self.cond:
+            self.limit, self.hold = None, False
+            if self.state is StepState.DRAINING:  # (a STOP that crossed the RELEASE keeps its hold)
+                self.transition(StepState.RUNNING)
+                self.stop_received_at = None  # the job runs on: a later stop is news
+                self.stop_event.clear()
+            self.cond.notify_all()
+        log.warning("rank %d: graceful pause released (%s)", self.rank, body.reason)
 
     def deliver_locked(self, action: wire.Action) -> None:
         """Hand RETRY or EXIT to the training thread; RETRY ends the stop (the job runs on)."""
@@ -411,6 +431,8 @@ class StepProtocol:
                 return None, "controller lost while this rank waited for its action on a fault"
             if self.state is not StepState.RECOVERING and self.state is not StepState.EXITED:
                 self.transition(StepState.DRAINING)  # a pause limit replaces any freeze
+            self.hold = False  # a graceful pause without its controller: the ranks' own verdict follows
+            self.cond.notify_all()
             mine = self.limit if self.limit is not None else self.next_pause_locked()
             self.limit = max(0, mine)
             return mine, ""

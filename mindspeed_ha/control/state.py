@@ -27,6 +27,11 @@ Job phase (``Phase``), moved only by the decisions of
     RUNNING -> RECOVERING (a UCE or network fault recoverable in place, or a dead worker that
         is restarted (ARF): observe, abort, park, RETRY(plan)) -> RUNNING (every rank recovered)
         | STOPPING (the plan is impossible or a rank failed during recovery: the dying checkpoint)
+    RUNNING -> PAUSING (the operator's ``pause``: the graceful stop's two rounds, nothing saved)
+        -> PAUSED (every rank holds after the agreed iteration) -> RUNNING (``resume``, or ``--max``
+        passed: RELEASE) | STOPPING (a fault: the dying checkpoint) | DRAINING (``stop``, or
+        ``--max`` with ``--then-stop``: the ranks already hold at the iteration to save);
+        PAUSING -> RUNNING (``resume`` before every rank paused, or the pause failed) | DONE
 
 Step positions (``StepPosition``): where a rank was when it reported a fault
 (``wire.Fault.where``, kept in ``RankInfo.fault_where``); the in-place plan reads them.
@@ -159,6 +164,8 @@ class Phase(str, enum.Enum):
     RUNNING = "running"
     RECOVERING = "recovering"
     DRAINING = "draining"
+    PAUSING = "pausing"
+    PAUSED = "paused"
     STOPPING = "stopping"
     VERIFYING = "verifying"
     DUMPING = "dumping"
@@ -169,7 +176,9 @@ class Phase(str, enum.Enum):
 
 
 PHASE_MOVES: Dict[Phase, FrozenSet[Phase]] = {
-    Phase.RUNNING: frozenset({Phase.STOPPING, Phase.DRAINING, Phase.RECOVERING, Phase.DONE}),
+    Phase.RUNNING: frozenset({Phase.STOPPING, Phase.DRAINING, Phase.RECOVERING, Phase.PAUSING, Phase.DONE}),
+    Phase.PAUSING: frozenset({Phase.PAUSED, Phase.RUNNING, Phase.STOPPING, Phase.DRAINING, Phase.DONE}),
+    Phase.PAUSED: frozenset({Phase.RUNNING, Phase.STOPPING, Phase.DRAINING}),
     Phase.RECOVERING: frozenset({Phase.RUNNING, Phase.STOPPING}),
     Phase.DRAINING: frozenset({Phase.STOPPING, Phase.VERIFYING, Phase.DUMPING, Phase.EXITING, Phase.DONE}),
     Phase.STOPPING: frozenset({Phase.VERIFYING, Phase.DUMPING, Phase.EXITING}),
@@ -271,6 +280,17 @@ class StopRequest:
 
 
 @dataclasses.dataclass
+class PauseRequest:
+    """The operator's graceful pause: when it was asked (controller clock), its ``--max``
+    (seconds, 0: none) and what ends it (``resume_at``: a ``resume`` arrived)."""
+
+    at: float
+    max_s: float = 0.0
+    then_stop: bool = False
+    resume_at: Optional[float] = None
+
+
+@dataclasses.dataclass
 class PendingAction:
     """An ACTION sent to ``targets`` whose results the controller is collecting."""
 
@@ -309,7 +329,8 @@ class ClusterState:
     run_id: str = ""
     unregistered_exits: Dict[int, Tuple[Optional[int], str, float]] = dataclasses.field(default_factory=dict)
     stop_request: Optional[StopRequest] = None  # graceful stop (preemption), the first request
-    drain_until: Optional[int] = None  # graceful stop: the iteration every rank pauses after
+    drain_until: Optional[int] = None  # graceful stop / pause: the iteration every rank pauses after
+    pause: Optional[PauseRequest] = None  # the operator's graceful pause under way (PAUSING / PAUSED)
     #: in-place recoveries so far, oldest first: dicts with iteration, kind, rank, generation, times
     recoveries: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
     #: in-place recovery: when the abort (STOP with ``recover``) was sent; None before it
@@ -337,10 +358,10 @@ class ClusterState:
     def request_stop(self, at: float, rank: int, reason: str) -> bool:
         """Record a graceful-stop request; True if it is the first one.
 
-        Only a running job is stopped gracefully: once a fault round (or a graceful stop)
+        Only a running (or gracefully paused) job is stopped gracefully: once a fault round (or a graceful stop)
         is under way, or the job is over, the request changes nothing.
         """
-        if self.stop_request is not None or self.phase is not Phase.RUNNING:
+        if self.stop_request is not None or self.phase not in (Phase.RUNNING, Phase.PAUSING, Phase.PAUSED):
             return False
         self.stop_request = StopRequest(at, rank, reason)
         return True

@@ -55,7 +55,9 @@ log = logging.getLogger(__name__)
 #: 6: the launchers' agents on other nodes: AGENT_HELLO / AGENT_WELCOME, RESTART_QUERY /
 #:    RESTART_ANSWER, AGENT_REPORT; array fields are checked element by element
 #: 7: GOODBYE_ACK: a rank closes its connection only once its GOODBYE was handled
-SCHEMA_VERSION = 7
+#: 8: the operator (``mindspeed-ha status|pause|resume|stop``): OPERATOR_REQUEST / OPERATOR_REPLY;
+#:    graceful pause: DRAIN.hold, RELEASE (lift the pause limit)
+SCHEMA_VERSION = 8
 TAG_BYTES = 32
 DEFAULT_MAX_BYTES = 1 << 20
 #: what CURVE adds to a frame on the wire (MESSAGE command, nonce, MAC: 33 bytes), rounded up
@@ -85,6 +87,9 @@ class MsgType(str, enum.Enum):
     RESTART_QUERY = "restart_query"
     RESTART_ANSWER = "restart_answer"
     AGENT_REPORT = "agent_report"
+    OPERATOR_REQUEST = "operator_request"
+    OPERATOR_REPLY = "operator_reply"
+    RELEASE = "release"
 
 
 # --------------------------------------------------------------------------- bodies
@@ -202,10 +207,20 @@ class Drain:
     ``until`` -1 (first round): pause at the end of the iteration now in progress and
     answer DRAINING with it. ``until`` k: pause at the end of iteration k (every rank gets
     the same k, the highest any rank announced), then answer STOPPED(pause_at=k).
+    ``hold``: a graceful pause (the operator's ``pause``): the rank waits at the limit
+    without the freeze deadline while its controller is there, until RELEASE.
     """
 
     reason: str
     until: int = -1
+    hold: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Release:
+    """controller -> processor: the graceful pause ends; lift the pause limit, go on training."""
+
+    reason: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,6 +345,39 @@ class AgentReport:
     detail: str = ""
 
 
+# ------------------------------------------------ the operator (mindspeed-ha status | pause | resume | stop)
+#: the verbs an operator may send
+OPERATOR_VERBS = ("status", "pause", "resume", "stop")
+
+
+@dataclasses.dataclass(frozen=True)
+class OperatorRequest:
+    """operator -> controller: run ``verb`` (one of :data:`OPERATOR_VERBS`).
+
+    ``request_id``: chosen by the operator (1..64 characters); the controller answers a
+    repeated id with the first request's reply and does not act twice. ``max_s``: with
+    ``pause``, resume by itself after this many seconds (0: until ``resume``);
+    ``then_stop``: at ``max_s``, stop (checkpoint, exit 75) instead of resuming.
+    """
+
+    request_id: str
+    verb: str
+    max_s: float = 0.0
+    then_stop: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class OperatorReply:
+    """controller -> operator: the outcome of ``request_id``. ``code``: 0 done, 1 the action
+    failed, 4 refused in the job's current state (``detail`` says why); ``result``: what
+    the verb returns (``status``: the job's status; ``pause``: the iteration held at)."""
+
+    request_id: str
+    code: int
+    detail: str = ""
+    result: Dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
 AGENT_TYPES = frozenset({"agent_hello", "restart_query", "agent_report"})
 
 BODY_TYPES: Dict[MsgType, Type[Any]] = {
@@ -353,6 +401,9 @@ BODY_TYPES: Dict[MsgType, Type[Any]] = {
     MsgType.RESTART_QUERY: RestartQuery,
     MsgType.RESTART_ANSWER: RestartAnswer,
     MsgType.AGENT_REPORT: AgentReport,
+    MsgType.OPERATOR_REQUEST: OperatorRequest,
+    MsgType.OPERATOR_REPLY: OperatorReply,
+    MsgType.RELEASE: Release,
 }
 _TYPE_OF = {cls: t for t, cls in BODY_TYPES.items()}
 
@@ -599,5 +650,6 @@ __all__ = [
     "endpoint",
     "Register", "Registered", "Heartbeat", "Status", "Fault", "Stop", "Stopped", "Action", "ActionResult",
     "Integrity", "Goodbye", "GoodbyeAck", "StopRequest", "Drain", "Draining", "BODY_TYPES", "Layout",
+    "Release", "OperatorRequest", "OperatorReply", "OPERATOR_VERBS",
 ]
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import subprocess
 import time
 from typing import Dict, List, Optional, Set
@@ -90,6 +91,11 @@ class Survivors:
 
     def supervise(self, pcontext) -> None:
         supervise(pcontext, self)
+
+    def spare_changed(self, pid: Optional[int]) -> None:
+        """This node's warm spare (``mindspeed-ha status`` lists it, where this launcher hosts the controller)."""
+        if self.controller is not None:
+            self.controller.spares = [] if pid is None else [{"host": socket.gethostname(), "pid": int(pid)}]
 
     def abandoned(self, rank: int, why: str) -> None:
         controller, link = self.controller, self.link

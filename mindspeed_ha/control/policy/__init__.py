@@ -16,6 +16,7 @@ module                     decides
 :mod:`.arf`                worker restart (ARF): when, and the rejoin plan
 :mod:`.recovery`           RecoveryPlan, RecoveryMode, NoRecovery and the shared rules
 :mod:`.drain`              DRAINING: the graceful stop, ``agree_pause``, the deadline
+:mod:`.pause`              PAUSING / PAUSED: the operator's graceful pause, resume, ``--max``
 :mod:`.save`               STOPPING .. EXITING: the dying checkpoint's phases
 :mod:`.dying`              ``select_dying_checkpoint``: DumpPlan / NoCompleteData
 :mod:`.without_controller` ``plan_without_controller``: the ranks' own dying checkpoint
@@ -30,6 +31,10 @@ Phases and what moves them (see ``state.Phase``)::
                 every rank said GOODBYE(0)                              -> NOOP, DONE
                 a graceful stop was requested (SIGTERM/SIGINT to the launcher or a rank)
                                                                         -> DRAIN(-1), DRAINING
+                the operator asked for a graceful pause                 -> PAUSE(-1), PAUSING
+    PAUSING     (see :mod:`.pause`) the graceful stop's two rounds with ``hold``; every rank
+    PAUSED      paused after K -> PAUSED; resume or ``--max`` -> RELEASE, RUNNING; a stop
+                -> DRAINING (the ranks hold at K already); a fault -> STOP_ALL, STOPPING
     DRAINING    (graceful stop, see :mod:`.drain`) round 1: every rank says after which
                 iteration it will pause; K = :func:`agree_pause` -> DRAIN(K) to all; round 2:
                 every rank paused after K (STOPPED pause_at=K) -> as STOPPING below, with no

@@ -20,8 +20,9 @@ from mindspeed_ha.faults import FaultKind
 
 class ActionKind(str, enum.Enum):
     """What a decision does. DUMP, ASSEMBLE, COMMIT, EXIT, VERIFY and RETRY travel as an
-    ACTION message of that kind; STOP_ALL as STOP, DRAIN as DRAIN; NOOP and RESUME send
-    nothing (RESUME: every rank recovered in place, the job goes back to RUNNING)."""
+    ACTION message of that kind; STOP_ALL as STOP, DRAIN as DRAIN; PAUSE (the operator's
+    graceful pause) as DRAIN with ``hold``; RELEASE (the pause ends) as RELEASE; NOOP and
+    RESUME send nothing (RESUME: every rank recovered in place, the job goes back to RUNNING)."""
 
     NOOP = "noop"
     STOP_ALL = "stop_all"
@@ -33,6 +34,8 @@ class ActionKind(str, enum.Enum):
     DRAIN = "drain"
     RETRY = "retry"
     RESUME = "resume"
+    PAUSE = "pause"
+    RELEASE = "release"
 
 
 class ActionPlan(Protocol):
@@ -81,9 +84,10 @@ class DrainPlan:
     every rank says where it will pause)."""
 
     until: int
+    hold: bool = False  # the operator's graceful pause (PAUSE): held until RELEASE, nothing saved
 
     def to_params(self) -> Dict[str, Any]:
-        return {"until": self.until}
+        return {"until": self.until, "hold": True} if self.hold else {"until": self.until}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -93,6 +93,9 @@ def running(now: float, state: ClusterState, config: HAConfig, gone: Mapping[int
         return Decision(ActionKind.DRAIN, f"graceful stop requested ({state.stop_request.reason}): every rank "
                         "finishes the iteration in progress, then the checkpoint of the last one is written",
                         DrainPlan(-1), live_targets(state, gone), Phase.DRAINING)
+    if fault is None and state.pause is not None:  # the operator's graceful pause (see .pause)
+        return Decision(ActionKind.PAUSE, "graceful pause requested by the operator: every rank says where it "
+                        "pauses", DrainPlan(-1, hold=True), live_targets(state, gone), Phase.PAUSING)
     if fault is None:
         return noop("running")
     rank, kind, reason, at = fault

@@ -13,6 +13,7 @@ from mindspeed_ha.config import HAConfig
 from mindspeed_ha.control.policy.decision import Decision, noop
 from mindspeed_ha.control.policy.detect import gone_ranks, running
 from mindspeed_ha.control.policy.drain import draining, past_preemption_deadline
+from mindspeed_ha.control.policy.pause import paused, pausing
 from mindspeed_ha.control.policy.recovering import recovering
 from mindspeed_ha.control.policy.save import exiting, saving, stopping, verifying
 from mindspeed_ha.control.state import ClusterState, Phase
@@ -39,6 +40,8 @@ PHASES: Dict[Phase, PhaseStep] = {
     Phase.RUNNING: running,
     Phase.RECOVERING: recovering,
     Phase.DRAINING: draining,
+    Phase.PAUSING: pausing,
+    Phase.PAUSED: paused,
     Phase.STOPPING: _deadline_first(stopping),
     Phase.VERIFYING: _deadline_first(verifying),
     Phase.DUMPING: _deadline_first(saving),

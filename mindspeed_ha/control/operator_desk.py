@@ -1,0 +1,276 @@
+"""The controller's side of the operator channel: OPERATOR_REQUEST -> verb -> OPERATOR_REPLY.
+
+An operator (``mindspeed-ha status | pause | resume | stop``, :mod:`.operator`) is one more
+peer kind on the controller's ROUTER socket: a CURVE client with the job's key (one
+without it never gets a frame through, see :mod:`.auth`), its frames HMAC-checked,
+versioned and size-limited like a rank's (:mod:`.wire`). Its requests are handled on the
+controller thread under the controller's lock, like every rank frame (:func:`handle`,
+from :func:`.handlers.dispatch`); they change ``ClusterState`` (a pause, resume or stop
+request) and decide nothing: the pause plan is :mod:`.policy.pause`.
+
+Replies: ``status`` and the refusals at once; ``resume`` and ``stop`` once the request is
+recorded; ``pause`` when every rank holds (PAUSED, with the iteration) or the pause
+failed (the job left PAUSING another way: a fault, a stop, ranks that did not answer).
+Codes: 0 done, 1 the action failed, 4 refused in the job's current state.
+
+Idempotency: the reply of each ``request_id`` is kept (the last :data:`KEEP_REQUESTS`); a
+repeated id (a CLI retrying after a timeout or a controller failover, or an operator
+repeating ``--request-id``) gets the first request's reply, or waits with it while it is
+pending, and never acts twice.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+
+import zmq
+
+from mindspeed_ha.control import wire
+from mindspeed_ha.control.policy.pause import PAUSE_FAILED
+from mindspeed_ha.control.state import PauseRequest, Phase
+
+if TYPE_CHECKING:
+    from mindspeed_ha.control.controller import Controller
+
+log = logging.getLogger("mindspeed_ha.control.controller")
+
+#: reply codes (the CLI's exit codes, see :mod:`.operator`)
+DONE, FAILED, REFUSED = 0, 1, 4
+#: request ids whose reply is kept for repeats
+KEEP_REQUESTS = 256
+#: the longest request id accepted
+MAX_REQUEST_ID = 64
+#: the longest ``--max`` accepted, seconds (a week)
+MAX_PAUSE_S = 7 * 24 * 3600.0
+#: recoveries listed by ``status``
+STATUS_RECOVERIES = 5
+
+
+class OperatorDesk:
+    """The operator requests of one controller: kept replies, pending ones, the pause's times.
+
+    Owned by the controller thread (no lock of its own: it runs under the controller's).
+    """
+
+    def __init__(self) -> None:
+        #: request_id -> (verb, reply or None while pending, connections waiting for it)
+        self.requests: "collections.OrderedDict[str, Tuple[str, Optional[wire.OperatorReply], List[bytes]]]" = \
+            collections.OrderedDict()
+        self._phase: Optional[Phase] = None
+        self._pause_asked_at: Optional[float] = None
+        self._paused_at: Optional[float] = None
+        #: (iteration, seconds from the request to every rank paused, seconds held) of each pause
+        self.pauses: List[Dict[str, Any]] = []
+
+    # ------------------------------------------------------------------ requests
+    def handle(self, ctl: "Controller", now: float, ident: bytes, body: wire.OperatorRequest) -> None:
+        """One OPERATOR_REQUEST: answer a repeat from the kept reply, else run its verb."""
+        rid = body.request_id
+        if not 0 < len(rid) <= MAX_REQUEST_ID:
+            self._send(ctl, ident, wire.OperatorReply(rid[:MAX_REQUEST_ID], REFUSED,
+                                                      f"request_id: 1..{MAX_REQUEST_ID} characters"))
+            return
+        kept = self.requests.get(rid)
+        if kept is not None:
+            verb, reply, waiting = kept
+            if reply is not None:
+                self._send(ctl, ident, reply)
+            elif ident not in waiting:
+                waiting.append(ident)
+            log.info("operator: %s request %s repeated: %s", verb, rid, "answered again" if reply else "pending")
+            return
+        verb = VERBS.get(body.verb)
+        if verb is None:
+            reply: Optional[wire.OperatorReply] = wire.OperatorReply(
+                rid, REFUSED, f"unknown verb {body.verb!r}: one of {', '.join(wire.OPERATOR_VERBS)}")
+        else:
+            reply = verb(ctl, now, body)
+        log.info("operator: %s request %s%s", body.verb, rid,
+                 "" if reply is None else f": code {reply.code} {reply.detail}")
+        self.requests[rid] = (body.verb, reply, [ident])
+        while len(self.requests) > KEEP_REQUESTS:
+            self.requests.popitem(last=False)
+        if reply is not None:
+            self._send(ctl, ident, reply)
+
+    def settle(self, ctl: "Controller", now: float) -> None:
+        """After the decision step: note the pause's times, answer pending pause requests."""
+        st = ctl.state
+        phase, self._phase = st.phase, st.phase
+        if phase is Phase.PAUSED and self._paused_at is None:
+            self._paused_at = now
+            took = now - (self._pause_asked_at if self._pause_asked_at is not None else now)
+            self.pauses.append({"iteration": st.drain_until, "pause_seconds": took, "held_seconds": None})
+            ctl.recorder.mark("paused", st.drain_until, seconds_to_pause=took)
+            log.warning("controller: every rank holds after iteration %s (%.3f s after the pause request)",
+                        st.drain_until, took)
+        elif phase is not Phase.PAUSED and self._paused_at is not None:
+            held = now - self._paused_at
+            self.pauses[-1]["held_seconds"] = held
+            self._paused_at = None
+            ctl.recorder.mark("resumed" if phase is Phase.RUNNING else "pause_ended", self.pauses[-1]["iteration"],
+                              held_seconds=held, phase=phase.value)
+        if phase not in (Phase.PAUSING, Phase.PAUSED):
+            self._pause_asked_at = None
+        for rid, (verb, reply, waiting) in list(self.requests.items()):
+            if reply is not None or verb != "pause":
+                continue
+            if phase is Phase.PAUSED:
+                reply = wire.OperatorReply(rid, DONE, f"paused after iteration {st.drain_until}",
+                                           {"iteration": st.drain_until, "seconds": self.pauses[-1]["pause_seconds"]})
+            elif phase is not Phase.PAUSING:
+                last = ctl.events[-1].reason if ctl.events else ""
+                reply = wire.OperatorReply(rid, FAILED, f"{PAUSE_FAILED}: job phase {phase.value}: {last}")
+            else:
+                continue
+            self.requests[rid] = (verb, reply, [])
+            for ident in waiting:
+                self._send(ctl, ident, reply)
+
+    def pause_asked(self, now: float) -> None:
+        self._pause_asked_at = now
+
+    @staticmethod
+    def _send(ctl: "Controller", ident: bytes, reply: wire.OperatorReply) -> None:
+        try:
+            try:
+                ctl.server.send(ident, reply)
+            except wire.WireError as exc:  # e.g. the status of a huge job: over the frame limit
+                ctl.server.send(ident, wire.OperatorReply(reply.request_id, FAILED, f"the answer does not fit one "
+                                                          f"control frame ({exc}): raise the job's frame limit"))
+        except (zmq.ZMQError, wire.WireError) as exc:  # the operator went away: its repeat gets the reply
+            log.info("operator: cannot answer request %s: %s", reply.request_id, exc)
+
+
+# ---------------------------------------------------------------------- the verbs
+def _refused(body: wire.OperatorRequest, why: str) -> wire.OperatorReply:
+    return wire.OperatorReply(body.request_id, REFUSED, why)
+
+
+def _pause(ctl: "Controller", now: float, body: wire.OperatorRequest) -> Optional[wire.OperatorReply]:
+    st = ctl.state
+    if not (math.isfinite(body.max_s) and 0 <= body.max_s <= MAX_PAUSE_S):
+        return _refused(body, f"--max {body.max_s}: accepted range 0..{MAX_PAUSE_S:g} seconds (0: until resume)")
+    if st.phase in (Phase.PAUSING, Phase.PAUSED):
+        return _refused(body, f"the job is already {st.phase.value} (after iteration {st.drain_until})")
+    if st.phase is not Phase.RUNNING:
+        return _refused(body, f"the job is {st.phase.value}" + (f" ({ctl.events[-1].reason})" if ctl.events else ""))
+    if st.fault is not None or any(i.fault is not None for i in st.ranks.values()):
+        return _refused(body, "a fault is being handled")
+    if st.stop_request is not None:
+        return _refused(body, f"a graceful stop was requested ({st.stop_request.reason})")
+    missing = st.world_size - len(st.ranks)
+    if missing > 0:
+        return _refused(body, f"{missing} of {st.world_size} ranks have not registered yet")
+    dead = [r for r, i in sorted(st.ranks.items()) if not i.alive]
+    if dead:
+        return _refused(body, f"ranks {dead} are gone")
+    st.pause = PauseRequest(now, float(body.max_s), bool(body.then_stop))
+    ctl.operators.pause_asked(now)
+    ctl.recorder.mark("pause_requested", None, max_s=float(body.max_s))
+    log.warning("operator: graceful pause requested%s", f" for at most {body.max_s:g} s" if body.max_s else "")
+    return None  # answered by settle(): PAUSED, or the pause failed
+
+
+def _resume(ctl: "Controller", now: float, body: wire.OperatorRequest) -> Optional[wire.OperatorReply]:
+    st = ctl.state
+    if st.phase not in (Phase.PAUSING, Phase.PAUSED) or st.pause is None:
+        return _refused(body, f"the job is not paused (phase {st.phase.value})")
+    if st.stop_request is not None:
+        return _refused(body, f"a graceful stop is under way ({st.stop_request.reason})")
+    if st.pause.resume_at is None:
+        st.pause.resume_at = now
+    log.warning("operator: resume requested (job %s after iteration %s)", st.phase.value, st.drain_until)
+    return wire.OperatorReply(body.request_id, DONE, f"resuming after iteration {st.drain_until}",
+                              {"iteration": st.drain_until})
+
+
+def _stop(ctl: "Controller", now: float, body: wire.OperatorRequest) -> Optional[wire.OperatorReply]:
+    st = ctl.state
+    if not st.request_stop(now, -1, "the operator's stop"):
+        return _refused(body, f"the job cannot stop gracefully now (phase {st.phase.value}"
+                        + (", a stop was already requested)" if st.stop_request else ")"))
+    log.warning("operator: graceful stop requested (checkpoint of the last completed iteration, exit 75)")
+    return wire.OperatorReply(body.request_id, DONE, "graceful stop under way: the checkpoint of the last "
+                              "completed iteration is written, then the job exits 75")
+
+
+def _status(ctl: "Controller", now: float, body: wire.OperatorRequest) -> Optional[wire.OperatorReply]:
+    return wire.OperatorReply(body.request_id, DONE, "", status(ctl, now))
+
+
+VERBS: Dict[str, Callable[["Controller", float, wire.OperatorRequest], Optional[wire.OperatorReply]]] = {
+    "status": _status,
+    "pause": _pause,
+    "resume": _resume,
+    "stop": _stop,
+}
+
+
+# ---------------------------------------------------------------------- status
+def rank_state(ctl: "Controller", rank: int, now: float) -> str:
+    """healthy / suspect (no frame for over two heartbeat intervals) / dead / restarting
+    (dead, its new process awaited: ``--enable-worker-reboot``) / starting (not registered)."""
+    st, info = ctl.state, ctl.state.ranks.get(rank)
+    if rank in st.rejoin_wait:
+        return "restarting"
+    if info is None:
+        return "dead" if rank in st.unregistered_exits else "starting"
+    if not info.alive:
+        return "dead"
+    if now - info.last_heartbeat > 2 * ctl.config.heartbeat_interval_s:
+        return "suspect"
+    return "healthy"
+
+
+def _recovery(rec: Dict[str, Any]) -> Dict[str, Any]:
+    """One in-place recovery with its phase seconds (controller clock)."""
+    marks = [("detect", "evidence_at", "stop_at"), ("observe", "stop_at", "abort_at"),
+             ("abort", "abort_at", "retry_at"), ("recover", "retry_at", "done_at")]
+    seconds = {name: round(rec[b] - rec[a], 6) for name, a, b in marks
+               if rec.get(a) is not None and rec.get(b) is not None}
+    if rec.get("done_at") is not None:
+        seconds["total"] = round(rec["done_at"] - rec["evidence_at"], 6)
+    return {"iteration": rec["iteration"], "kind": rec["kind"], "mode": rec.get("mode"), "rank": rec["rank"],
+            "done": rec.get("done_at") is not None, "phase_seconds": seconds}
+
+
+def status(ctl: "Controller", now: float) -> Dict[str, Any]:
+    """The job's status as the controller sees it (JSON-able; ``mindspeed-ha status``)."""
+    st, cfg = ctl.state, ctl.config
+    ranks, by_state = [], {k: [] for k in ("healthy", "suspect", "dead", "restarting", "starting")}
+    for r in range(st.world_size):
+        info, state = st.ranks.get(r), rank_state(ctl, r, now)
+        by_state[state].append(r)
+        row: Dict[str, Any] = {"rank": r, "state": state}
+        if info is not None:
+            row.update(iteration=info.iteration, optimizer=info.status.value, step=info.step, pid=info.pid,
+                       host=info.host, heartbeat_age_s=round(now - info.last_heartbeat, 3),
+                       incarnation=info.incarnation)
+            if info.dead_reason:
+                row["dead_reason"] = info.dead_reason
+        ranks.append(row)
+    term = getattr(getattr(ctl.leadership, "term", None), "term", None)
+    features = [name for name, on in (("ha", cfg.enabled), ("replica", cfg.replica_count > 1 and not cfg.no_replica),
+                                      ("hbm_repair", cfg.hbm_repair), ("worker_reboot", cfg.worker_reboot),
+                                      ("distributed_optimizer", cfg.distributed_optimizer),
+                                      ("controller_failover", ctl.lease is not None)) if on]
+    pause = None
+    if st.pause is not None or st.phase in (Phase.PAUSING, Phase.PAUSED):
+        pause = {"iteration": st.drain_until, "since_s": round(now - st.phase_since, 3),
+                 "max_s": st.pause.max_s if st.pause is not None else 0.0}
+    return {
+        "phase": st.phase.value, "phase_since_s": round(now - st.phase_since, 3), "term": term,
+        "world_size": st.world_size, "run_id": st.run_id, "ranks": ranks, "by_state": by_state,
+        "recoveries": [_recovery(r) for r in st.recoveries[-STATUS_RECOVERIES:]],
+        "restarts": [dict(r) for r in ctl.arbiter.restarts][-STATUS_RECOVERIES:],
+        "spares": ctl.spares, "features": features, "pause": pause, "pauses": ctl.operators.pauses[-5:],
+        "stop_requested": st.stop_request.reason if st.stop_request is not None else None,
+        "exit_code": st.exit_code, "exit_reason": st.exit_reason,
+    }
+
+
+__all__ = ["DONE", "FAILED", "REFUSED", "OperatorDesk", "VERBS", "rank_state", "status"]

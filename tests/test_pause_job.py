@@ -1,0 +1,131 @@
+"""The operator's graceful pause on Megatron-LM's own pretrain_gpt.py (core_v0.12.1, unmodified,
+unpacked from ../shared/third_party) on 4 CPU/gloo ranks (TP1 PP2 DP2), through ``mindspeed-ha-run``.
+
+One job, driven from the real ``mindspeed-ha`` console entry (subprocesses) in sequence:
+``pause`` (every rank holds after one iteration K1; ``status --json`` shows every rank at
+K1), the CLI with a wrong key (exit 6, the job unaffected: still paused at K1, same PIDs),
+``resume``; ``pause --max 1`` (resumes by itself: ``status`` shows the job running again and
+the pause's held seconds); ``pause`` a third time and SIGKILL a rank while every rank holds
+at K3: the fault is handled as during a graceful stop, the dying checkpoint of K3, exit 75.
+Standard of proof: the per-iteration losses of 1..K3 (two pauses and resumes among them)
+(and grad norms) are bitwise equal to an uninterrupted run of the same job, HA off, stopped at K3
+by Megatron-LM's ``--exit-interval``. Synchronisation
+is on the job's observable state (``status`` output), never on time.
+"""
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from mindspeed_ha.control import operator
+from mindspeed_ha.faults import EXIT_DYING_CHECKPOINT_SAVED
+from mindspeed_ha.launch.proctree import end_tree
+from mindspeed_ha.testing import megatron_lm as mlm
+from mindspeed_ha.testing.harness import free_port, launcher_command, read_rank_loss_logs
+
+#: long enough never to end before the third pause (the kill during it ends the job)
+ITERS = 400
+pytestmark = pytest.mark.timeout(600)
+
+
+def _cli():
+    exe = os.path.join(os.path.dirname(sys.executable), "mindspeed-ha")
+    return [exe] if os.path.exists(exe) else [sys.executable, "-m", "mindspeed_ha.cli"]
+
+
+class Operator:
+    def __init__(self, port, key, job):
+        self.addr, self.key, self.job = f"127.0.0.1:{port}", key, job
+
+    def __call__(self, verb, *flags, key=None):
+        env = dict(os.environ, MINDSPEED_HA_AUTH_KEY=key or self.key)
+        p = subprocess.run([*_cli(), verb, "--json", "--addr", self.addr, "--timeout", "120", *flags], env=env,
+                           capture_output=True, text=True, timeout=180)
+        out = json.loads(p.stdout) if p.stdout.strip() else {}
+        return p.returncode, out
+
+    def status_until(self, cond, what):
+        """``status`` again and again until ``cond(status)`` holds (the job must still run)."""
+        while True:
+            assert self.job.poll() is None, f"the job ended ({self.job.returncode}) while waiting for {what}"
+            code, out = self("status")
+            assert code in (0, operator.EXIT_UNREACHABLE), out  # 5: the controller is not listening yet
+            if code == 0 and cond(out["result"]):
+                return out["result"]
+
+
+def _iterations(s):
+    return [r.get("iteration", -1) for r in s["ranks"]]
+
+
+def test_pause_status_wrong_key_resume_max_and_a_kill_during_a_pause(tmp_path, megatron_lm_tarball):
+    root = mlm.unpack(megatron_lm_tarball, str(tmp_path / "megatron_lm"))
+    port, key = free_port(), secrets.token_hex(32)
+    save, loss_log = str(tmp_path / "ckpt"), str(tmp_path / "loss.jsonl")
+    args = mlm.stock_gpt_args(tp=1, pp=2, train_iters=ITERS)
+    env = dict(os.environ, **mlm.stock_env({"TTP_PORT": str(port), "MINDSPEED_HA_AUTH_KEY": key,
+                                             "MINDSPEED_HA_LOSS_LOG": loss_log}))
+    out_path = tmp_path / "job.out"
+    with open(out_path, "w") as out:
+        job = subprocess.Popen([*launcher_command(4), "--log-dir", str(tmp_path / "torchrun"),
+                                os.path.join(root, "pretrain_gpt.py"), *args, "--enable-high-availability",
+                                "--save", save, "--save-interval", "100000"], env=env, cwd=root, stdout=out,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        op = Operator(port, key, job)
+        op.status_until(lambda s: s["phase"] == "running" and min(_iterations(s)) >= 2, "iteration 2")
+
+        code, out = op("pause")
+        assert code == 0, out
+        k1 = out["result"]["iteration"]
+        code, out = op("status")
+        s = out["result"]
+        assert code == 0 and s["phase"] == "paused" and s["pause"]["iteration"] == k1
+        assert _iterations(s) == [k1] * 4 and s["by_state"]["healthy"] == [0, 1, 2, 3]
+        pids = [r["pid"] for r in s["ranks"]]
+
+        for verb in ("status", "resume"):  # a CLI without the job's key is refused like any peer
+            code, out = op(verb, key=secrets.token_hex(32))
+            assert code == operator.EXIT_AUTH, out
+        code, out = op("status")
+        assert out["result"]["phase"] == "paused" and _iterations(out["result"]) == [k1] * 4
+        assert [r["pid"] for r in out["result"]["ranks"]] == pids
+
+        code, out = op("resume")
+        assert code == 0, out
+        s = op.status_until(lambda s: min(_iterations(s)) >= k1 + 2, "training after resume")
+
+        code, out = op("pause", "--max", "1")
+        assert code == 0, out
+        k2 = out["result"]["iteration"]
+        assert k2 > k1
+        op.status_until(lambda s: s["phase"] == "running" and s["pauses"][-1]["held_seconds"] is not None,
+                        "the pause's end (--max 1)")
+
+        op.status_until(lambda s: min(_iterations(s)) >= k2 + 2, "training after the automatic resume")
+        code, out = op("pause")
+        assert code == 0, out
+        k3 = out["result"]["iteration"]
+        code, out = op("status")
+        assert _iterations(out["result"]) == [k3] * 4
+        os.kill(out["result"]["ranks"][1]["pid"], signal.SIGKILL)  # a fault while every rank holds
+        rc = job.wait(timeout=300)
+    finally:
+        end_tree(job.pid, include_root=True)
+        job.wait()
+    log = out_path.read_text()
+    assert rc == EXIT_DYING_CHECKPOINT_SAVED, log[-6000:]
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as f:
+        assert int(f.read()) == k3
+    records, paused = read_rank_loss_logs(loss_log)
+    norms = {int(r["iteration"]): r["grad_norm"] for r in records if "lm loss" in r["loss"]}
+    base = mlm.launch_stock(root, args + ["--exit-interval", str(k3)], timeout_s=300)
+    assert base.returncode == 0, base.stderr[-4000:]
+    assert sorted(base.losses) == list(range(1, k3 + 1))
+    assert {i: paused[i] for i in range(1, k3 + 1)} == base.losses
+    assert {i: norms[i] for i in range(1, k3 + 1)} == base.grad_norms
