@@ -74,6 +74,9 @@ def test_pause_holds_every_rank_at_one_iteration_and_resume_is_idempotent(job, c
     assert [e.action for e in j.ctl.events].count(ActionKind.RELEASE) == 1
     again = _ask(j, "resume")
     assert again.code == REFUSED and "not paused" in again.detail
+    typed = [e for e in j.ctl.recorder.events() if e.name in ("PauseRequested", "Paused", "Resumed")]
+    assert [e.name for e in typed] == ["PauseRequested", "Paused", "Resumed"], typed  # the events file's types
+    assert typed[1].iteration == k and typed[2].detail["phase_seconds"]["pause"] > 0
     _wait_for(lambda: all(i.iteration > k for i in j.ctl.state.ranks.values()), what="training after resume")
 
 

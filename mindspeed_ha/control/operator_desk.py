@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import zmq
 
-from mindspeed_ha.control import wire
+from mindspeed_ha.control import job_events, wire
 from mindspeed_ha.control.policy.pause import PAUSE_FAILED
 from mindspeed_ha.control.state import PauseRequest, Phase
 
@@ -104,15 +104,17 @@ class OperatorDesk:
             self._paused_at = now
             took = now - (self._pause_asked_at if self._pause_asked_at is not None else now)
             self.pauses.append({"iteration": st.drain_until, "pause_seconds": took, "held_seconds": None})
-            ctl.recorder.mark("paused", st.drain_until, seconds_to_pause=took)
+            job_events.note(ctl.recorder, "Paused", st.drain_until, ranks=st.alive_ranks(),
+                            reason="operator's graceful pause", phase_seconds={"pausing": took}, purpose="pause")
             log.warning("controller: every rank holds after iteration %s (%.3f s after the pause request)",
                         st.drain_until, took)
         elif phase is not Phase.PAUSED and self._paused_at is not None:
             held = now - self._paused_at
             self.pauses[-1]["held_seconds"] = held
             self._paused_at = None
-            ctl.recorder.mark("resumed" if phase is Phase.RUNNING else "pause_ended", self.pauses[-1]["iteration"],
-                              held_seconds=held, phase=phase.value)
+            job_events.note(ctl.recorder, "Resumed", self.pauses[-1]["iteration"], phase_seconds={"pause": held},
+                            reason="training goes on" if phase is Phase.RUNNING else f"pause ended: {phase.value}",
+                            phase=phase.value)
         if phase not in (Phase.PAUSING, Phase.PAUSED):
             self._pause_asked_at = None
         for rid, (verb, reply, waiting) in list(self.requests.items()):
@@ -170,7 +172,8 @@ def _pause(ctl: "Controller", now: float, body: wire.OperatorRequest) -> Optiona
         return _refused(body, f"ranks {dead} are gone")
     st.pause = PauseRequest(now, float(body.max_s), bool(body.then_stop))
     ctl.operators.pause_asked(now)
-    ctl.recorder.mark("pause_requested", None, max_s=float(body.max_s))
+    job_events.note(ctl.recorder, "PauseRequested", None, reason="operator", max_s=float(body.max_s),
+                    then_stop=bool(body.then_stop))
     log.warning("operator: graceful pause requested%s", f" for at most {body.max_s:g} s" if body.max_s else "")
     return None  # answered by settle(): PAUSED, or the pause failed
 
