@@ -359,11 +359,16 @@ def test_peers_without_the_key_never_reach_the_application(closing):
                 raw.sendall(payload)
             except OSError:
                 pass  # the controller may close first
+    # Refused for certain: the key-less and junk peers (protocol error), the wrong client key
+    # (ZAP denies it). Whether a raw connection closed by its sender counts as a protocol
+    # error or a handshake ended without detail depends on which the controller reads first
+    # (under load: the first; CI found it), so either is accepted, nothing else.
     deadline = time.monotonic() + 30
-    reasons = {"handshake_failed", "handshake_protocol_error", "handshake_auth_denied"}
-    while set(ctl.transport_rejected.totals) != reasons and time.monotonic() < deadline:
+    required = {"handshake_protocol_error", "handshake_auth_denied"}
+    while not required <= set(ctl.transport_rejected.totals) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert set(ctl.transport_rejected.totals) == reasons, ctl.traffic()
+    assert required <= set(ctl.transport_rejected.totals) <= required | {"handshake_failed"}, ctl.traffic()
+    assert ctl.codec.accepted == 0 and not ctl.state.ranks, ctl.traffic()
     p = Processor(CFG, 0, Layout(), None, port=ctl.port)  # the job's own rank gets in meanwhile
     closing.callback(p.close, None)
     p.start()
