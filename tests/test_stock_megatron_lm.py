@@ -233,24 +233,26 @@ def test_llama2_tiny_example_survives_a_kill(tree, tmp_path):
     assert faulty_losses == base_losses
 
 
+#: One job meets three faults, one per iteration (each hits a job that already recovered from
+#: the ones before): (iteration, rank, spec).
 IN_PLACE = [
-    ("uce-forward-pp_last", "pp2", f"rank=3,iteration={KILL_AT},point=forward,fault=uce,what=param"),
-    ("network-grad_sync", "pp2", f"rank=1,iteration={KILL_AT},point=grad_sync,fault=network"),
+    (KILL_AT - 2, 3, "point=forward,fault=uce,what=param"),  # UCE on the PP-last stage, before the update
+    (KILL_AT - 1, 1, "point=grad_sync,fault=network"),  # a failed link inside DDP's gradient all-reduce
     # inside the optimizer update (roll forward): Megatron-LM's train_step goes on after it with
     # its own frame (its model-parallel all-reduces of update_successful / grad norm included)
-    ("uce-optimizer-dp", "pp2", f"rank=1,iteration={KILL_AT},point=optimizer,fault=uce,what=exp_avg"),
+    (KILL_AT, 1, "point=optimizer,fault=uce,what=exp_avg"),
 ]
 
 
-@pytest.mark.parametrize("name,layout,spec", IN_PLACE, ids=[c[0] for c in IN_PLACE])
-def test_recovered_in_place(tree, baselines, tmp_path, name, layout, spec):
+def test_recovered_in_place(tree, baselines, tmp_path):
     """UCE (memory really damaged, repaired from the replica; before or inside the optimizer
-    update) and a network error inside a real collective, on the stock script: the job
-    finishes in the same processes (exit 0, the faulty rank's PID unchanged, every rank
-    re-ran or finished iteration KILL_AT after the recovery) and every loss and grad norm
-    equals the uninterrupted run's bit for bit."""
+    update) and a network error inside a real collective, on the stock script, one after the
+    other in one job: the job finishes in the same processes (exit 0, each faulty rank's PID
+    unchanged, every rank re-ran or finished each faulty iteration after its recovery) and
+    every loss and grad norm equals the uninterrupted run's bit for bit."""
     fired, after = str(tmp_path / "fired.jsonl"), str(tmp_path / "after.jsonl")
-    args = _args(layout, enable_hbmfault_repair=name.startswith("uce"))
+    args = _args("pp2", enable_hbmfault_repair=True)
+    spec = ";".join(f"rank={rank},iteration={k},{what}" for k, rank, what in IN_PLACE)
     r = _run(tree, args, env={"MINDSPEED_HA_INJECT": spec, "MINDSPEED_HA_INJECT_LOG": fired,
                               "MINDSPEED_HA_RECOVERY_LOG": after})
     assert r.returncode == 0, (r.stdout + r.stderr)[-8000:]
@@ -258,10 +260,13 @@ def test_recovered_in_place(tree, baselines, tmp_path, name, layout, spec):
         shot = [json.loads(line) for line in f]
     with open(after) as f:
         again = [json.loads(line) for line in f]
-    assert len(shot) == 1
-    assert sorted(e["rank"] for e in again) == [0, 1, 2, 3] and {e["iteration"] for e in again} == {KILL_AT}
-    assert {e["pid"] for e in again if e["rank"] == shot[0]["rank"]} == {shot[0]["pid"]}
-    base = baselines[layout]
+    assert [(e["iteration"], e["rank"]) for e in shot] == [(k, rank) for k, rank, _ in IN_PLACE], shot
+    for e in shot:
+        at_k = [a for a in again if a["iteration"] == e["iteration"]]
+        assert sorted(a["rank"] for a in at_k) == [0, 1, 2, 3], (e, again)
+        assert {a["pid"] for a in at_k if a["rank"] == e["rank"]} == {e["pid"]}, (e, again)
+    assert len(again) == 4 * len(IN_PLACE), again
+    base = baselines["pp2"]
     assert r.losses == base["losses"]
     assert r.grad_norms == base["grad_norms"]
 
