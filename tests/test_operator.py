@@ -271,3 +271,26 @@ def test_a_pause_that_does_not_come_is_released_with_a_reason():
     assert d.action is ActionKind.RELEASE and d.next_phase is Phase.RUNNING and PAUSE_FAILED in d.reason
     st.ranks[3].stopped = True
     assert decide(11.0, st, CFG).next_phase is Phase.PAUSED
+
+
+@pytest.mark.parametrize("first,k", [(7, 8), (0, 1)], ids=["after_load", "fresh"])
+def test_a_pause_before_any_iteration_agrees_on_the_first_one_the_ranks_run(first, k):
+    """No rank started an iteration when the pause came (every rank announced -1): each
+    holds at its first pause point (the loop's start: the iteration loaded, or 0) and says
+    where; K is the next one (a job that loaded iteration 7 pauses after 8, not after 1,
+    which it never reaches)."""
+    from mindspeed_ha.control.policy import decide
+
+    CFG = _cfg()
+    st = _paused_state(Phase.PAUSING)
+    st.drain_until = None
+    for info in st.ranks.values():
+        info.pause_at, info.stopped = -1, False
+    d = decide(11.0, st, CFG)
+    assert d.action is ActionKind.NOOP and "first pause point" in d.reason, d
+    for r in range(3):
+        st.ranks[r].paused_after = first
+    assert decide(11.0, st, CFG).action is ActionKind.NOOP  # rank 3 has not said yet
+    st.ranks[3].paused_after = first
+    d = decide(11.0, st, CFG)
+    assert d.action is ActionKind.PAUSE and d.params["until"] == k and d.targets == (0, 1, 2, 3), d

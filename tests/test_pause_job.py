@@ -7,9 +7,13 @@ K1), the CLI with a wrong key (exit 6, the job unaffected: still paused at K1, s
 ``resume``; ``pause --max 1`` (resumes by itself: ``status`` shows the job running again and
 the pause's held seconds); ``pause`` a third time and SIGKILL a rank while every rank holds
 at K3: the fault is handled as during a graceful stop, the dying checkpoint of K3, exit 75.
+Then the same job again with ``--load`` (a second job: the scheduler's requeue): it trains on
+from K3, is paused at K4 and ``stop``-ped while every rank holds: the checkpoint of K4 (no
+step lost), exit 75.
 Standard of proof: the per-iteration losses of 1..K3 (two pauses and resumes among them)
-(and grad norms) are bitwise equal to an uninterrupted run of the same job, HA off, stopped at K3
-by Megatron-LM's ``--exit-interval``. Synchronisation
+and K3+1..K4 (after --load, nothing re-run, nothing past K4) (and grad norms) are bitwise
+equal to an uninterrupted run of the same job, HA off, stopped at K4 by Megatron-LM's
+``--exit-interval``. Synchronisation
 is on the job's observable state (``status`` output), never on time.
 """
 
@@ -28,7 +32,7 @@ from mindspeed_ha.launch.proctree import end_tree
 from mindspeed_ha.testing import megatron_lm as mlm
 from mindspeed_ha.testing.harness import free_port, launcher_command, read_rank_loss_logs
 
-#: long enough never to end before the third pause (the kill during it ends the job)
+#: long enough never to end before a pause (the kill during the third, the stop during the fourth end the jobs)
 ITERS = 400
 pytestmark = pytest.mark.timeout(600)
 
@@ -63,19 +67,35 @@ def _iterations(s):
     return [r.get("iteration", -1) for r in s["ranks"]]
 
 
-def test_pause_status_wrong_key_resume_max_and_a_kill_during_a_pause(tmp_path, megatron_lm_tarball):
-    root = mlm.unpack(megatron_lm_tarball, str(tmp_path / "megatron_lm"))
-    port, key = free_port(), secrets.token_hex(32)
-    save, loss_log = str(tmp_path / "ckpt"), str(tmp_path / "loss.jsonl")
-    args = mlm.stock_gpt_args(tp=1, pp=2, train_iters=ITERS)
-    env = dict(os.environ, **mlm.stock_env({"TTP_PORT": str(port), "MINDSPEED_HA_AUTH_KEY": key,
-                                             "MINDSPEED_HA_LOSS_LOG": loss_log}))
-    out_path = tmp_path / "job.out"
+def _start(root, args, env, out_path):
     with open(out_path, "w") as out:
-        job = subprocess.Popen([*launcher_command(4), "--log-dir", str(tmp_path / "torchrun"),
-                                os.path.join(root, "pretrain_gpt.py"), *args, "--enable-high-availability",
-                                "--save", save, "--save-interval", "100000"], env=env, cwd=root, stdout=out,
-                               stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen([*launcher_command(4), "--log-dir", str(out_path) + ".torchrun",
+                                 os.path.join(root, "pretrain_gpt.py"), *args, "--enable-high-availability"],
+                                env=env, cwd=root, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _tracker(save):
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as f:
+        return int(f.read())
+
+
+def _losses_and_norms(loss_log):
+    records, losses = read_rank_loss_logs(loss_log)
+    return losses, {int(r["iteration"]): r["grad_norm"] for r in records if "lm loss" in r["loss"]}
+
+
+def test_pause_status_wrong_key_resume_max_a_kill_during_a_pause_then_stop_while_paused(tmp_path, megatron_lm_tarball):
+    root = mlm.unpack(megatron_lm_tarball, str(tmp_path / "megatron_lm"))
+    key = secrets.token_hex(32)
+    save, loss_log = str(tmp_path / "ckpt"), str(tmp_path / "loss.jsonl")
+    args = mlm.stock_gpt_args(tp=1, pp=2, train_iters=ITERS) + ["--save", save, "--save-interval", "100000"]
+
+    def env(port, loss_log):
+        return dict(os.environ, **mlm.stock_env({"TTP_PORT": str(port), "MINDSPEED_HA_AUTH_KEY": key,
+                                                  "MINDSPEED_HA_LOSS_LOG": loss_log}))
+
+    port, out_path = free_port(), tmp_path / "job.out"
+    job = _start(root, args, env(port, loss_log), out_path)
     try:
         op = Operator(port, key, job)
         op.status_until(lambda s: s["phase"] == "running" and min(_iterations(s)) >= 2, "iteration 2")
@@ -120,12 +140,43 @@ def test_pause_status_wrong_key_resume_max_and_a_kill_during_a_pause(tmp_path, m
         job.wait()
     log = out_path.read_text()
     assert rc == EXIT_DYING_CHECKPOINT_SAVED, log[-6000:]
-    with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as f:
-        assert int(f.read()) == k3
-    records, paused = read_rank_loss_logs(loss_log)
-    norms = {int(r["iteration"]): r["grad_norm"] for r in records if "lm loss" in r["loss"]}
-    base = mlm.launch_stock(root, args + ["--exit-interval", str(k3)], timeout_s=300)
+    assert _tracker(save) == k3
+
+    # the same job again from the dying checkpoint of K3 (--load): trains on, is paused at K4,
+    # then stopped while paused: the checkpoint of K4 (no step lost), exit 75
+    loss_log2, out_path2 = str(tmp_path / "resumed.jsonl"), tmp_path / "resumed.out"
+    port2 = free_port()
+    job2 = _start(root, args + ["--load", save], env(port2, loss_log2), out_path2)
+    try:
+        op2 = Operator(port2, key, job2)
+        # paused as soon as every rank registered: before or after the ranks started their
+        # first iteration (either way, K4 = K3 + 1 or a few more; before: not iteration 1)
+        op2.status_until(lambda s: s["phase"] == "running" and s["by_state"]["healthy"] == [0, 1, 2, 3],
+                         "every rank registered (--load)")
+        code, out = op2("pause")
+        assert code == 0, out
+        k4 = out["result"]["iteration"]
+        assert k4 > k3
+        code, out = op2("status")
+        assert code == 0 and out["result"]["phase"] == "paused" and _iterations(out["result"]) == [k4] * 4, out
+        code, out = op2("stop")  # while every rank holds at K4
+        assert code == 0, out
+        rc2 = job2.wait(timeout=300)
+    finally:
+        end_tree(job2.pid, include_root=True)
+        job2.wait()
+    assert rc2 == EXIT_DYING_CHECKPOINT_SAVED, out_path2.read_text()[-6000:]
+    assert _tracker(save) == k4
+    assert not [n for n in os.listdir(save) if n.startswith(".")], os.listdir(save)  # no staging left
+
+    paused, norms = _losses_and_norms(loss_log)
+    resumed, norms2 = _losses_and_norms(loss_log2)
+    assert sorted(resumed) == list(range(k3 + 1, k4 + 1))  # nothing re-run, nothing past K4
+    base = mlm.launch_stock(root, mlm.stock_gpt_args(tp=1, pp=2, train_iters=ITERS) + ["--exit-interval", str(k4)],
+                            timeout_s=300)
     assert base.returncode == 0, base.stderr[-4000:]
-    assert sorted(base.losses) == list(range(1, k3 + 1))
-    assert {i: paused[i] for i in range(1, k3 + 1)} == base.losses
-    assert {i: norms[i] for i in range(1, k3 + 1)} == base.grad_norms
+    assert sorted(base.losses) == list(range(1, k4 + 1))
+    assert {i: paused[i] for i in range(1, k3 + 1)} == {i: base.losses[i] for i in range(1, k3 + 1)}
+    assert {i: norms[i] for i in range(1, k3 + 1)} == {i: base.grad_norms[i] for i in range(1, k3 + 1)}
+    assert resumed == {i: base.losses[i] for i in range(k3 + 1, k4 + 1)}
+    assert norms2 == {i: base.grad_norms[i] for i in range(k3 + 1, k4 + 1)}

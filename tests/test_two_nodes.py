@@ -17,9 +17,12 @@ per-iteration losses equal an uninterrupted single-launcher run's bit for bit.
 import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
+from mindspeed_ha.control import operator
 from mindspeed_ha.testing.harness import Baselines, TwoNodeJob, four_rank_args
 
 pytestmark = pytest.mark.timeout(600)
@@ -97,19 +100,46 @@ def _failover_env(tmp_path):
             "MINDSPEED_HA_NODE_ADDR": "127.0.0.1"}
 
 
+def _status_until(job, procs, cond, what):
+    """The ``mindspeed-ha status --json`` console entry with the job's environment (its key
+    and lease root: the CLI finds the leader in the lease directory, no address given),
+    again and again until ``cond(status)`` holds; the job's launchers must still run."""
+    exe = os.path.join(os.path.dirname(sys.executable), "mindspeed-ha")
+    while True:
+        for p in procs:
+            assert p.poll() is None, f"a launcher ended ({p.returncode}) while waiting for {what}"
+        p = subprocess.run([exe, "status", "--json", "--timeout", "120"], env=job.env, capture_output=True,
+                           text=True, timeout=180)
+        assert p.returncode in (0, operator.EXIT_UNREACHABLE), p.stdout + p.stderr
+        if p.returncode == 0 and cond(json.loads(p.stdout)["result"]):
+            return json.loads(p.stdout)["result"]
+
+
 def test_lost_node0_controller_fails_over_and_node0_rejoins(tmp_path, baseline):
     """Node 0 (its launcher with the controller and torchrun's store, and ranks 0 and 1) is
     lost at iteration K: node 1's launcher takes term 1 once the lease runs out and
     leads; ranks 2 and 3 follow it; a replacement node 0 launcher joins the successor
-    and its ranks rejoin from their replicas on node 1."""
+    and its ranks rejoin from their replicas on node 1. Meanwhile the operator's
+    ``status`` (the console entry, leader found in the lease directory) answers from the
+    successor: term 1, every rank healthy after the rejoin; rank 2 holds after iteration
+    ITERS - 1 (``fault=hold``) until the test has it, so the job is provably running."""
     reports = {n: str(tmp_path / f"report{n}.json") for n in (0, 1)}
     env = _failover_env(tmp_path)
+    release = str(tmp_path / "release")
     with TwoNodeJob(_two_node_args(), env=env) as job:
         lost = job.start(0, env={"MINDSPEED_HA_INJECT": f"rank=0,iteration={K},point=forward,fault=kill_node",
                                  "MINDSPEED_HA_REPORT": reports[0]})
-        n1 = job.start(1, env={"MINDSPEED_HA_REPORT": reports[1]})
-        assert job.wait(lost, 480) == -9, job.output(0)[-6000:]
-        replacement = job.start(0)
+        n1 = job.start(1, env={"MINDSPEED_HA_REPORT": reports[1], "MINDSPEED_HA_INJECT_RELEASE": release,
+                               "MINDSPEED_HA_INJECT": f"rank=2,iteration={ITERS - 1},point=between,fault=hold"})
+        try:
+            assert job.wait(lost, 480) == -9, job.output(0)[-6000:]
+            replacement = job.start(0)
+            s = _status_until(job, (n1, replacement), lambda s: s["by_state"]["healthy"] == [0, 1, 2, 3] and min(
+                r.get("iteration") or -1 for r in s["ranks"]) >= ITERS - 1, "every rank after the rejoin")
+        finally:
+            open(release, "w").close()
+        assert s["term"] == 1 and [r["rank"] for r in s["ranks"]] == [0, 1, 2, 3], s
+        assert [(r["mode"], r["iteration"]) for r in s["recoveries"]] == [("rejoin", K - 1)], s["recoveries"]
         c0, c1 = job.wait(replacement, 480), job.wait(n1, 60)
         log = job.output(0)[-6000:] + "\n----- node 1 -----\n" + job.output(1)[-8000:]
         assert (c0, c1) == (0, 0), log

@@ -64,7 +64,7 @@ def _drain(ctl: "Controller", now: float, d: Decision) -> None:
         info = st.ranks[r]
         info.stopped = False  # only a STOPPED that answers this round counts
         if until < 0:
-            info.pause_at = None
+            info.pause_at = info.paused_after = None
         ctl.server.send_to_rank(r, wire.Drain(d.reason, until, hold))
 
 
@@ -76,7 +76,7 @@ def _release(ctl: "Controller", now: float, d: Decision) -> None:
     for r in d.targets:
         ctl.server.send_to_rank(r, wire.Release(d.reason))
     for info in st.ranks.values():
-        info.pause_at = None
+        info.pause_at = info.paused_after = None
         info.stopped = False
 
 

@@ -164,6 +164,7 @@ def _stopped(ctl: "Controller", now: float, rank: int, info: RankInfo, body: Any
         # paused at its first-round limit before the target was known: it says so
         # again when DRAIN(target) reaches it, if the target is where it is
         log.debug("rank %d: paused after iteration %d (drain target %s)", rank, body.pause_at, st.drain_until)
+        info.paused_after = body.pause_at  # a graceful pause of ranks not started yet agrees on it
         return
     info.stopped = True
     info.status, info.iteration = OptimizerStatus(body.status), body.iteration

@@ -250,6 +250,7 @@ class RankInfo:
     verifies: bool = False  # answers VERIFY with an integrity report (REGISTER)
     integrity: Any = None  # integrity.IntegrityReport of the frozen state, once reported
     pause_at: Optional[int] = None  # graceful stop, first round: where the rank said it pauses (-1: not started)
+    paused_after: Optional[int] = None  # first round, not started: the iteration it paused after (STOPPED), K unknown
     fault_where: str = ""  # what raised the reported fault (wire.Fault.where; see StepPosition)
     fault_iteration: int = -1  # the iteration being computed when it raised
     fault_at: Optional[float] = None  # when its latest FAULT arrived (controller clock)

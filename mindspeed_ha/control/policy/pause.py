@@ -3,8 +3,10 @@
 The pause is the graceful stop's agreement without the save: RUNNING with a pause request
 (:func:`~.detect.running`) -> round 1, DRAIN(-1, hold)
 and every rank says after which iteration it will pause; K = :func:`~.drain.agree_pause`
-(one past the furthest rank's completed iteration: no rank undoes anything) -> DRAIN(K,
-hold) to all; round 2, every rank paused after K (STOPPED pause_at=K) -> PAUSED. Paused
+(one past the furthest rank's completed iteration: no rank undoes anything; when no rank
+has started one in this process, e.g. just after ``--load`` of iteration L, every rank
+holds at its first pause point, L, and K is L + 1) -> DRAIN(K, hold) to all; round 2,
+every rank paused after K (STOPPED pause_at=K) -> PAUSED. Paused
 ranks sit in their pause point between two iterations: communicators, device memory and
 the optimizer state stay as they are, heartbeats go on.
 
@@ -72,7 +74,18 @@ def pausing(now: float, state: ClusterState, config: HAConfig, gone: Mapping[int
             return _release(state, gone, f"{PAUSE_FAILED}: ranks {waiting} did not answer within {budget:g} s")
         k = agree_pause({r: state.ranks[r].pause_at for r in live})
         if k is None:
-            k = 1  # no rank started its first iteration: every rank pauses after the first one
+            # no rank started an iteration in this process (a job just started, or just
+            # loaded a checkpoint of iteration L: its first is L + 1, unknown here): every rank
+            # holds at its first pause point (limit 0: the training loop's start, after L or 0)
+            # and says where (STOPPED); K is the next iteration, as for a fresh job's 1
+            first = {r: state.ranks[r].paused_after for r in live}
+            behind = [r for r, k_r in first.items() if k_r is None]
+            if behind and elapsed < budget:
+                return noop(f"graceful pause: waiting for ranks {behind} to hold at their first pause point")
+            if behind:
+                return _release(state, gone, f"{PAUSE_FAILED}: ranks {behind} did not reach their first "
+                                f"pause point within {budget:g} s")
+            k = max(first.values()) + 1
         return Decision(ActionKind.PAUSE, f"graceful pause: every rank finishes iteration {k} and holds after it",
                         DrainPlan(k, hold=True), tuple(live))
     k = state.drain_until
