@@ -182,3 +182,22 @@ def test_launcher_repeated_sigterm_ends_workers_that_ignore_it(tmp_path, ha):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["runtime", "processor"])
+def test_a_rank_ending_with_os_exit_leaves_no_multiprocessing_temp_dir(tmp_path, how):
+    """A rank ends with ``os._exit`` (after a dying checkpoint; the processor's exit
+    handler), which skips multiprocessing's exit finalizer: the ``pymp-*`` directory that
+    Megatron's torch_dist save made for its manager (an AF_UNIX socket) stayed in /tmp, one
+    per rank and job. The exit paths now remove it (only this process's own)."""
+    call = ("from mindspeed_ha.runtime.exits import exit_now; exit_now(3)" if how == "runtime" else
+            "from mindspeed_ha.control.processor import default_exit_handler; default_exit_handler(3, 'test')")
+    code = ("import multiprocessing.util as u, sys; d = u.get_temp_dir(); print(d, flush=True); "
+            "open(d + '/listener-x', 'w').close(); " + call)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100,
+                       env=dict(os.environ, TMPDIR=str(tmp_path)))
+    path = r.stdout.split()[0]
+    assert r.returncode == 3, r.stderr[-2000:]
+    assert path.startswith(str(tmp_path)) and os.path.basename(path).startswith("pymp-"), path
+    assert not os.path.exists(path), os.listdir(path)

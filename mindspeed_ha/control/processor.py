@@ -72,6 +72,7 @@ from mindspeed_ha.control.policy import ActionKind
 from mindspeed_ha.control.protocol import RecoveryHooks, StepProtocol, StopRequest
 from mindspeed_ha.control.state import Layout, OptimizerStatus
 from mindspeed_ha.control.without_controller import Exchange, WithoutController
+from mindspeed_ha.mp_tempdir import release_mp_tempdir
 from mindspeed_ha.errors import ProcessorExited
 from mindspeed_ha.faults import EXIT_CONTROLLER_LOST, ControlPlaneError, FaultKind, classify, describe
 
@@ -90,6 +91,7 @@ def default_exit_handler(code: int, reason: str) -> None:
             h.flush()
         except Exception:  # noqa: BLE001 - best effort before _exit
             pass
+    release_mp_tempdir()  # what the skipped interpreter teardown would remove
     os._exit(code)
 
 

@@ -9,6 +9,8 @@ import sys
 import threading
 from typing import Callable
 
+from mindspeed_ha.mp_tempdir import release_mp_tempdir
+
 #: ``code``: 1 once an exception reached ``sys.excepthook``; ``exit``: the script's exit status
 _uncaught = {"code": 0}
 
@@ -42,6 +44,7 @@ def exit_now(code: int) -> None:
             stream.flush()
         except Exception:  # noqa: BLE001
             pass
+    release_mp_tempdir()  # what the skipped interpreter teardown would remove
     os._exit(code)
 
 
