@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import zmq
 
-from mindspeed_ha.control import job_events, wire
+from mindspeed_ha.control import job_events, snapshot, wire
 from mindspeed_ha.control.policy.pause import PAUSE_FAILED
 from mindspeed_ha.control.state import PauseRequest, Phase
 
@@ -214,21 +214,6 @@ VERBS: Dict[str, Callable[["Controller", float, wire.OperatorRequest], Optional[
 
 
 # ---------------------------------------------------------------------- status
-def rank_state(ctl: "Controller", rank: int, now: float) -> str:
-    """healthy / suspect (no frame for over two heartbeat intervals) / dead / restarting
-    (dead, its new process awaited: ``--enable-worker-reboot``) / starting (not registered)."""
-    st, info = ctl.state, ctl.state.ranks.get(rank)
-    if rank in st.rejoin_wait:
-        return "restarting"
-    if info is None:
-        return "dead" if rank in st.unregistered_exits else "starting"
-    if not info.alive:
-        return "dead"
-    if now - info.last_heartbeat > 2 * ctl.config.heartbeat_interval_s:
-        return "suspect"
-    return "healthy"
-
-
 def _recovery(rec: Dict[str, Any]) -> Dict[str, Any]:
     """One in-place recovery with its phase seconds (controller clock)."""
     marks = [("detect", "evidence_at", "stop_at"), ("observe", "stop_at", "abort_at"),
@@ -244,9 +229,9 @@ def _recovery(rec: Dict[str, Any]) -> Dict[str, Any]:
 def status(ctl: "Controller", now: float) -> Dict[str, Any]:
     """The job's status as the controller sees it (JSON-able; ``mindspeed-ha status``)."""
     st, cfg = ctl.state, ctl.config
-    ranks, by_state = [], {k: [] for k in ("healthy", "suspect", "dead", "restarting", "starting")}
+    ranks, by_state = [], {k: [] for k in snapshot.RANK_STATES}
     for r in range(st.world_size):
-        info, state = st.ranks.get(r), rank_state(ctl, r, now)
+        info, state = st.ranks.get(r), snapshot.rank_state_of(st, r, now, cfg.heartbeat_timeout_s)
         by_state[state].append(r)
         row: Dict[str, Any] = {"rank": r, "state": state}
         if info is not None:
@@ -276,4 +261,4 @@ def status(ctl: "Controller", now: float) -> Dict[str, Any]:
     }
 
 
-__all__ = ["DONE", "FAILED", "REFUSED", "OperatorDesk", "VERBS", "rank_state", "status"]
+__all__ = ["DONE", "FAILED", "REFUSED", "OperatorDesk", "VERBS", "status"]

@@ -37,6 +37,17 @@ def rank_state(info: RankInfo, st: ClusterState, now: float, heartbeat_timeout_s
     return "healthy"
 
 
+def rank_state_of(st: ClusterState, rank: int, now: float, heartbeat_timeout_s: float) -> str:
+    """One of :data:`RANK_STATES` for any rank of the job, registered or not (a rank that
+    died before registering is ``dead``)."""
+    info = st.ranks.get(rank)
+    if info is not None:
+        return rank_state(info, st, now, heartbeat_timeout_s)
+    if rank in st.rejoin_wait:
+        return "restarting"
+    return "dead" if rank in st.unregistered_exits else "unregistered"
+
+
 def term_of(ctl: "Controller") -> int:
     """The controller's failover term (0 without failover)."""
     lead = ctl.leadership
