@@ -83,6 +83,39 @@ def _private_corpus_cache(tmp_path_factory):
         os.environ["MINDSPEED_HA_CACHE"] = old
 
 
+HIDDEN = os.path.join(REPO, "tests", "_hidden")
+
+
+def _pythonpath_without(path: str) -> str:
+    return os.pathsep.join(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != path)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _jobs_without_modelopt():
+    """Every job a test launches runs with nvidia-modelopt hidden (``tests/_hidden`` first on
+    ``PYTHONPATH``: ``import modelopt`` raises ImportError), unless a test asks for
+    :func:`modelopt_visible`. megatron-core 0.12's PyPI package requires nvidia-modelopt,
+    and Megatron-LM's ``megatron/training/checkpointing.py`` imports
+    ``modelopt.torch.opt.plugins`` at start-up when it can (``has_nvidia_modelopt``): 3.2
+    CPU-seconds per rank here (5.1 with ``transformers`` installed, whose plugin it loads
+    too), more than the rest of Megatron-LM's imports, on every rank of every stock job. It
+    only acts on models that modelopt converted (none here), so no loss depends on it;
+    ``tests/test_pause_job.py`` runs with it visible, as users' jobs do."""
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HIDDEN, _pythonpath_without(HIDDEN)) if p)
+    yield
+    if old is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = old
+
+
+@pytest.fixture
+def modelopt_visible(monkeypatch):
+    """The jobs of this test see nvidia-modelopt where it is installed (as users' jobs do)."""
+    monkeypatch.setenv("PYTHONPATH", _pythonpath_without(HIDDEN))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _no_torch_compile_start_up():
     """Every job a test launches runs with ``TORCHDYNAMO_DISABLE=1`` (unless the caller's
