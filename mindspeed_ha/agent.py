@@ -98,10 +98,12 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.events import EventSource, record
 from torch.distributed.elastic.multiprocessing import Std, SubprocessContext, to_map
-from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler, get_subprocess_handler
+from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
 from mindspeed_ha import faults, spare
+from mindspeed_ha.launch import forked
+from mindspeed_ha.spare import BOOT_MODULE, boot_argv
 
 log = logging.getLogger("mindspeed_ha.agent")
 
@@ -110,7 +112,6 @@ ENV_INCARNATION = ha_env.INCARNATION
 #: ``1`` in the launcher's env: keep one warm spare process per node (see the module docstring)
 ENV_WARM_SPARES = ha_env.WARM_SPARES
 #: the module every worker of ``mindspeed-ha-run`` runs
-BOOT_MODULE = "mindspeed_ha.boot"
 #: restarts per rank when ``--max-restarts`` is not given (torchrun's default, 0, would make
 #: ``--enable-worker-reboot`` a no-op)
 DEFAULT_RESTARTS_PER_RANK = 3
@@ -165,20 +166,6 @@ def incarnation_path(path: str, incarnation: int) -> str:
         return path
     root, ext = os.path.splitext(path)
     return f"{root}.incarnation{incarnation}{ext}"
-
-
-def boot_argv(entrypoint: Any, args: tuple) -> Optional[List[str]]:
-    """What follows ``-m mindspeed_ha.boot`` in a worker's command line ``entrypoint args``,
-    or None when the worker is not ``python [-u] -m mindspeed_ha.boot ...`` (no spare can
-    become it)."""
-    if not isinstance(entrypoint, str):
-        return None
-    args = tuple(str(a) for a in args)
-    for flags in (("-u",), ()):
-        head = (*flags, "-m", BOOT_MODULE)
-        if args[:len(head)] == head and len(args) > len(head):
-            return list(args[len(head):])
-    return None
 
 
 class SpareHandler(SubprocessHandler):
@@ -395,9 +382,9 @@ class WorkerRebootAgent(LocalElasticAgent):
         handler = self._adopt_spare(worker_group, local_rank, env, stdout, stderr)
         warm = handler is not None
         if handler is None:
-            handler = get_subprocess_handler(entrypoint=pc.entrypoint, args=pc.args[local_rank], env=env,
-                                             stdout=stdout, stderr=stderr, local_rank_id=local_rank,
-                                             numa_options=worker_group.spec.numa_options)
+            handler = forked.start_handler(entrypoint=pc.entrypoint, args=pc.args[local_rank], env=env,
+                                           stdout=stdout, stderr=stderr, local_rank_id=local_rank,
+                                           numa_options=worker_group.spec.numa_options)
         pc.subprocess_handlers[local_rank] = handler
         pc.envs[local_rank], pc.stdouts[local_rank], pc.stderrs[local_rank] = env, stdout, stderr
         if local_rank in pc.error_files:

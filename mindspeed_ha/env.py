@@ -45,6 +45,10 @@ CONTROLLER_HOSTED = "MINDSPEED_HA_CONTROLLER_HOSTED"
 INCARNATION = "MINDSPEED_HA_INCARNATION"
 #: warm spares per node: pre-imported interpreters a restart takes over (0 or 1)
 WARM_SPARES = "MINDSPEED_HA_WARM_SPARES"
+#: "1": fork the workers of a node from one pre-imported process (0 or 1, default 0)
+FORKSERVER = "MINDSPEED_HA_FORKSERVER"
+#: comma-separated modules that process imports besides torch and megatron.core
+FORKSERVER_PRELOAD = "MINDSPEED_HA_FORKSERVER_PRELOAD"
 #: seconds the launcher grants the survivors to write the dying checkpoint ((0, 86400], default 600)
 DYING_GRACE_S = "MINDSPEED_HA_DYING_GRACE_S"
 #: path of the launcher's JSON report (outcome, recoveries, phase seconds); its directory must exist

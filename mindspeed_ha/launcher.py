@@ -434,6 +434,25 @@ def main(argv=None) -> int:
 def _launch(argv, targs, ns) -> int:
     """The job: plain torchrun without the HA flag, else the control plane and torchrun
     with the HA agent; the exit status."""
+    from mindspeed_ha.launch import forked
+
+    with forked.forked_workers(_forkserver_wanted()):
+        return _launch_job(argv, targs, ns)
+
+
+def _forkserver_wanted() -> bool:
+    """``MINDSPEED_HA_FORKSERVER=1`` (checked by ``check_env``) on a launcher that is a child
+    subreaper (a forked worker must become its child); a warning when it is not."""
+    if os.environ.get(ha_env.FORKSERVER, "").strip() != "1":
+        return False
+    if not proctree.is_subreaper():
+        log.warning("%s=1: this launcher is not a child subreaper (not Linux?): workers start as torchrun "
+                    "starts them", ha_env.FORKSERVER)
+        return False
+    return True
+
+
+def _launch_job(argv, targs, ns) -> int:
     if not getattr(ns, "enable_high_availability", False):
         from torch.distributed.run import run
 

@@ -38,8 +38,10 @@ import json
 import os
 import struct
 import sys
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
+#: the module a worker of ``mindspeed-ha-run`` runs (``python -u -m mindspeed_ha.boot SCRIPT ARGS``)
+BOOT_MODULE = "mindspeed_ha.boot"
 #: message format version
 VERSION = 1
 #: largest message body accepted, bytes (argv + env of one worker)
@@ -61,7 +63,7 @@ def encode(argv, env: Dict[str, str], stdout: str, stderr: str) -> bytes:
     return _HEADER.pack(len(body)) + body
 
 
-def _read_exact(fd: int, n: int) -> Optional[bytes]:
+def read_exact(fd: int, n: int) -> Optional[bytes]:
     """``n`` bytes from ``fd``, or None on EOF before them."""
     chunks, got = [], 0
     while got < n:
@@ -89,7 +91,9 @@ def decode(body: bytes) -> Dict[str, Any]:
     return msg
 
 
-def _preimport() -> None:
+def preimport() -> None:
+    """Import what every rank imports the same way (torch, torch.distributed, mindspeed_ha
+    and its post-import hooks, megatron.core when installed), not the user's script."""
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
 
@@ -103,6 +107,20 @@ def _preimport() -> None:
         pass
 
 
+def boot_argv(entrypoint: Any, args: tuple) -> Optional[List[str]]:
+    """What follows ``-m mindspeed_ha.boot`` in a worker's command line ``entrypoint args``,
+    or None when the worker is not ``python [-u] -m mindspeed_ha.boot ...`` (no spare can
+    become it)."""
+    if not isinstance(entrypoint, str):
+        return None
+    args = tuple(str(a) for a in args)
+    for flags in (("-u",), ()):
+        head = (*flags, "-m", BOOT_MODULE)
+        if args[:len(head)] == head and len(args) > len(head):
+            return list(args[len(head):])
+    return None
+
+
 def _redirect(fd: int, path: str, stream) -> None:
     if not path:
         return
@@ -113,7 +131,10 @@ def _redirect(fd: int, path: str, stream) -> None:
     stream.reconfigure(line_buffering=True)
 
 
-def _become(msg: Dict[str, Any]) -> None:
+def become(msg: Dict[str, Any]) -> None:
+    """This process becomes the worker of ``msg`` (:func:`decode`): its env, its log files on
+    fd 1 and 2, mindspeed-ha's import-time switches read again, ``sys.argv`` for
+    :func:`mindspeed_ha.boot.main`."""
     os.environ.clear()
     os.environ.update(msg["env"])
     _redirect(1, msg["stdout"], sys.stdout)
@@ -132,15 +153,15 @@ def main() -> None:
         sys.path.insert(0, args[1])
     elif args:
         raise SystemExit("usage: python -m mindspeed_ha.spare [--sys-path DIR]")
-    _preimport()
-    header = _read_exact(0, _HEADER.size)
+    preimport()
+    header = read_exact(0, _HEADER.size)
     if header is None:
         raise SystemExit(0)
     (size,) = _HEADER.unpack(header)
     if size > MAX_MESSAGE_BYTES:
         print(f"mindspeed_ha.spare: message of {size} bytes: at most {MAX_MESSAGE_BYTES}", file=sys.stderr)
         raise SystemExit(2)
-    body = _read_exact(0, size)
+    body = read_exact(0, size)
     if body is None:
         raise SystemExit(0)
     try:
@@ -150,7 +171,7 @@ def main() -> None:
         raise SystemExit(2)
     os.close(0)
     os.open(os.devnull, os.O_RDONLY)  # fd 0 again, as a worker's stdin would be
-    _become(msg)
+    become(msg)
     from mindspeed_ha import boot
 
     boot.main()

@@ -84,6 +84,7 @@ def _private_corpus_cache(tmp_path_factory):
 
 
 HIDDEN = os.path.join(REPO, "tests", "_hidden")
+FORKSERVER = "MINDSPEED_HA_FORKSERVER"
 
 
 def _pythonpath_without(path: str) -> str:
@@ -91,29 +92,39 @@ def _pythonpath_without(path: str) -> str:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _jobs_without_modelopt():
-    """Every job a test launches runs with nvidia-modelopt hidden (``tests/_hidden`` first on
-    ``PYTHONPATH``: ``import modelopt`` raises ImportError), unless a test asks for
-    :func:`modelopt_visible`. megatron-core 0.12's PyPI package requires nvidia-modelopt,
-    and Megatron-LM's ``megatron/training/checkpointing.py`` imports
-    ``modelopt.torch.opt.plugins`` at start-up when it can (``has_nvidia_modelopt``): 3.2
-    CPU-seconds per rank here (5.1 with ``transformers`` installed, whose plugin it loads
-    too), more than the rest of Megatron-LM's imports, on every rank of every stock job. It
-    only acts on models that modelopt converted (none here), so no loss depends on it;
-    ``tests/test_pause_job.py`` runs with it visible, as users' jobs do."""
-    old = os.environ.get("PYTHONPATH")
+def _job_environment():
+    """What every job a test launches runs with, unless the test asks for :func:`as_users_run`:
+
+    * nvidia-modelopt hidden (``tests/_hidden`` first on ``PYTHONPATH``: ``import modelopt``
+      raises ImportError). megatron-core 0.12's PyPI package requires it, and Megatron-LM's
+      ``megatron/training/checkpointing.py`` imports ``modelopt.torch.opt.plugins`` at
+      start-up when it can (``has_nvidia_modelopt``): 4.1 of the 8.0 CPU-seconds a stock
+      pretrain_gpt.py rank spends importing here (with ``transformers`` installed, whose
+      plugin it loads too). It only acts on models that modelopt converted (none here).
+    * ``MINDSPEED_HA_FORKSERVER=1``: ``mindspeed-ha-run`` forks the workers of a job from one
+      pre-imported process (:mod:`mindspeed_ha.forkserver`), so a 4-rank job imports torch
+      and megatron-core once instead of 4 times.
+
+    Tests that run as users run (both off): tests/test_pause_job.py and
+    ``test_flags_off_equals_ha_on_without_fault`` (whose HA-on run is compared bitwise with
+    baselines made with both on), the example script test."""
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", FORKSERVER)}
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HIDDEN, _pythonpath_without(HIDDEN)) if p)
+    os.environ.setdefault(FORKSERVER, "1")
     yield
-    if old is None:
-        os.environ.pop("PYTHONPATH", None)
-    else:
-        os.environ["PYTHONPATH"] = old
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 @pytest.fixture
-def modelopt_visible(monkeypatch):
-    """The jobs of this test see nvidia-modelopt where it is installed (as users' jobs do)."""
+def as_users_run(monkeypatch):
+    """The jobs of this test run as users' jobs do: nvidia-modelopt visible where it is
+    installed, workers started by torchrun (no fork server)."""
     monkeypatch.setenv("PYTHONPATH", _pythonpath_without(HIDDEN))
+    monkeypatch.delenv(FORKSERVER, raising=False)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -84,7 +84,8 @@ def _losses_and_norms(loss_log):
     return losses, {int(r["iteration"]): r["grad_norm"] for r in records if "lm loss" in r["loss"]}
 
 
-def test_pause_status_wrong_key_resume_max_a_kill_during_a_pause_then_stop_while_paused(tmp_path, megatron_lm_tarball):
+def test_pause_status_wrong_key_resume_max_a_kill_during_a_pause_then_stop_while_paused(tmp_path, megatron_lm_tarball,
+                                                                                        as_users_run):
     root = mlm.unpack(megatron_lm_tarball, str(tmp_path / "megatron_lm"))
     key = secrets.token_hex(32)
     save, loss_log = str(tmp_path / "ckpt"), str(tmp_path / "loss.jsonl")

@@ -75,7 +75,7 @@ def baselines(tree, real_data, tmp_path_factory):
     return out
 
 
-def test_flags_off_equals_ha_on_without_fault(tree, baselines, tmp_path):
+def test_flags_off_equals_ha_on_without_fault(tree, baselines, tmp_path, as_users_run):
     """HA off: no HA patch active, no runtime (so no processor, no controller port), and the
     losses of HA on without a fault, bit for bit."""
     off = baselines["pp2"]["report"]

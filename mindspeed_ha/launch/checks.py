@@ -82,6 +82,13 @@ def check_env() -> None:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     check_switch(ha_env.WARM_SPARES)
+    check_switch(ha_env.FORKSERVER)
+    from mindspeed_ha.forkserver import preload_names
+
+    try:
+        preload_names(os.environ.get(ha_env.FORKSERVER_PRELOAD))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     check_switch(ha_env.CPU_BACKEND)
     check_disabled()
     if os.environ.get(ha_env.INJECT):  # a bad test spec: say so once, before 4 tracebacks

@@ -50,6 +50,19 @@ def become_subreaper() -> bool:
         return False
 
 
+def is_subreaper() -> bool:
+    """Whether this process is a child subreaper (``PR_GET_CHILD_SUBREAPER``, linux/prctl.h:
+    37); False where ``prctl`` is missing."""
+    try:
+        import ctypes
+
+        flag = ctypes.c_int(0)
+        ok = ctypes.CDLL(None, use_errno=True).prctl(37, ctypes.byref(flag), 0, 0, 0) == 0
+        return ok and flag.value == 1
+    except (OSError, AttributeError):
+        return False
+
+
 def _freeze(root: psutil.Process) -> Dict[int, psutil.Process]:
     """Every descendant of ``root``, each SIGSTOPped (top down, until a walk finds no new one)."""
     found: Dict[int, psutil.Process] = {}

@@ -19,6 +19,8 @@ import sys
 import tarfile
 from typing import Dict, List, Mapping, Optional, Sequence
 
+from mindspeed_ha.env import FORKSERVER_PRELOAD
+
 from .harness import RunResult, flags_to_argv, launch, launcher_command
 
 
@@ -81,8 +83,11 @@ def stock_gpt_args(tp: int = 1, pp: int = 1, train_iters: int = 8, ckpt_format: 
 
 
 def stock_env(extra: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
-    """Environment for a CPU run: one thread per rank, no torch.compile start-up cost."""
-    env = {"OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    """Environment for a CPU run: one thread per rank, no torch.compile start-up cost, and
+    Megatron-LM's ``megatron.training`` among what a fork server preloads (when the
+    launcher's ``MINDSPEED_HA_FORKSERVER=1``, see :mod:`mindspeed_ha.forkserver`)."""
+    env = {"OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+           FORKSERVER_PRELOAD: "megatron.training"}
     env.update(extra or {})
     return env
 
