@@ -287,40 +287,50 @@ def fp16_baseline(tree):
     return {"losses": r.losses, "grad_norms": r.grad_norms}
 
 
-@pytest.mark.parametrize("point,fp16", [("backward", False), ("optimizer", False), ("backward", True)],
-                         ids=["backward", "optimizer", "backward-fp16"])
-def test_worker_restart_rejoins(tree, tmp_path, request, point, fp16):
-    """ARF on the stock script (--enable-worker-reboot): rank 3 (PP-last) SIGKILLed at backward;
-    the launcher restarts it alone, its start-up is replayed (the stock start-up's
-    collectives, the embedding all-reduce included), it rejoins and receives its state from a
-    replica; exit 0, the other PIDs unchanged, losses and grad norms bitwise equal.
-    ``optimizer``: killed inside the update (roll forward with rejoin): the new process
-    catches up step KILL_AT in the stock train_step and train() (the model-parallel
-    all-reduces after optimizer.step(), training_log: rank 3 prints the log line of
-    KILL_AT, its loss and grad norm those of the holder).
-    ``fp16``: --fp16 with a moving loss scale, killed in iteration 7: the new process also
-    receives the grad scaler's Python-int trackers (without them it backs off its scale a
-    step after its peers: the grad norm of 8 differs).
-    ``backward`` (fp32) runs as the example scripts and most users do: ``--load`` = ``--save``
-    (``torch_dist``) with a periodic checkpoint of 4 written before the kill: the restarted
-    process's start-up does not load it (the survivors' start-up found none), or its
-    collectives would differ from the record (``RejoinMismatch``, 3 restarts, exit 76)."""
-    kill_at = FP16_KILL_AT if fp16 else KILL_AT
+#: (id, fault schedule: (rank, iteration, point, incarnation) killed, fp16)
+ARF_CASES = [
+    ("backward-then-optimizer", ((3, KILL_AT, "backward", 0), (3, KILL_AT + 1, "optimizer", 1)), False),
+    ("backward-fp16", ((3, FP16_KILL_AT, "backward", 0),), True),
+]
+
+
+@pytest.mark.parametrize("kills,fp16", [c[1:] for c in ARF_CASES], ids=[c[0] for c in ARF_CASES])
+def test_worker_restart_rejoins(tree, tmp_path, request, kills, fp16):
+    """ARF on the stock script (--enable-worker-reboot): rank 3 (PP-last) SIGKILLed; the
+    launcher restarts it alone, its start-up is replayed (the stock start-up's collectives,
+    the embedding all-reduce included), it rejoins and receives its state from a replica;
+    exit 0, the other PIDs unchanged, losses and grad norms bitwise equal.
+    ``backward-then-optimizer``: killed at backward of KILL_AT, then its restarted process
+    killed inside the update of KILL_AT + 1 (roll forward with rejoin): the second new
+    process catches up that step in the stock train_step and train() (the model-parallel
+    all-reduces after optimizer.step(), training_log: rank 3 prints the log line of the step,
+    its loss and grad norm those of the holder). This job runs as the example scripts and most
+    users do: ``--load`` = ``--save`` (``torch_dist``) with a periodic checkpoint of 4 written
+    before the kills: a restarted process's start-up does not load it (the survivors'
+    start-up found none), or its collectives would differ from the record
+    (``RejoinMismatch``, 3 restarts, exit 76).
+    ``backward-fp16``: --fp16 with a moving loss scale, killed in iteration 7: the new process
+    also receives the grad scaler's Python-int trackers (without them it backs off its scale a
+    step after its peers: the grad norm of 8 differs)."""
     after, report = str(tmp_path / "after.jsonl"), str(tmp_path / "report.json")
     ckpt = str(tmp_path / "ckpt")
-    periodic = dict(fmt="torch_dist", save=ckpt, load=ckpt, save_interval=4) if point == "backward" and not fp16 else {}
+    periodic = {} if fp16 else dict(fmt="torch_dist", save=ckpt, load=ckpt, save_interval=4)
     args = _args("pp2", enable_worker_reboot=True, **(FP16 if fp16 else {}), **periodic)
-    r = _run(tree, args, env={"MINDSPEED_HA_INJECT": f"rank=3,iteration={kill_at},point={point},fault=kill",
-                              "MINDSPEED_HA_RECOVERY_LOG": after, "MINDSPEED_HA_REPORT": report})
+    spec = ";".join(f"rank={rank},iteration={k},point={point},fault=kill,incarnation={n}" for rank, k, point, n in kills)
+    r = _run(tree, args, env={"MINDSPEED_HA_INJECT": spec, "MINDSPEED_HA_RECOVERY_LOG": after,
+                              "MINDSPEED_HA_REPORT": report})
     assert r.returncode == 0, (r.stdout + r.stderr)[-8000:]
     with open(report) as f:
         rep = json.load(f)
-    assert [(e["rank"], e["incarnation"]) for e in rep["restarts"]] == [(3, 1)]
-    assert [rec["mode"] for rec in rep["recoveries"]] == ["forward" if point == "optimizer" else "rejoin"]
+    assert [(e["rank"], e["incarnation"]) for e in rep["restarts"]] == [(rank, n + 1) for rank, _, _, n in kills]
+    assert [rec["mode"] for rec in rep["recoveries"]] == [
+        "forward" if point == "optimizer" else "rejoin" for _, _, point, _ in kills]
     with open(after) as f:
         again = [json.loads(line) for line in f]
-    assert sorted(e["rank"] for e in again) == [0, 1, 2, 3] and {e["iteration"] for e in again} == {kill_at}
-    assert {e["pid"] for e in again if e["rank"] == 3} == {rep["restarts"][0]["pid"]}
+    assert sorted((e["iteration"], e["rank"]) for e in again) == sorted(
+        (k, rank) for _, k, _, _ in kills for rank in range(4)), again
+    for (rank, k, _, _), restart in zip(kills, rep["restarts"]):
+        assert {e["pid"] for e in again if e["rank"] == rank and e["iteration"] == k} == {restart["pid"]}
     base = request.getfixturevalue("fp16_baseline") if fp16 else request.getfixturevalue("baselines")["pp2"]
     assert r.losses == base["losses"]
     assert r.grad_norms == base["grad_norms"]
