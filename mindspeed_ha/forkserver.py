@@ -57,13 +57,26 @@ def preload_names(raw: Optional[str]) -> List[str]:
     return names
 
 
+#: threads that survive a fork by design: jemalloc's background purging thread (pyarrow's
+#: allocator, loaded with ``datasets`` / ``transformers``) is stopped by jemalloc's own
+#: ``pthread_atfork`` handlers and started again on demand in the child
+#: (jemalloc ``src/background_thread.c``, ``background_thread_postfork_child``)
+FORK_SAFE_THREADS = ("jemalloc_bg_thd",)
+
+
 def _threads() -> int:
+    """Threads of this process that a fork would leave half-copied (the main one included)."""
     try:
-        return len(os.listdir("/proc/self/task"))
+        others = []
+        for tid in os.listdir("/proc/self/task"):
+            if int(tid) != os.getpid():
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    others.append(f.read().strip())
     except OSError:  # no procfs: Python's own count (native threads unseen)
         import threading
 
         return threading.active_count()
+    return 1 + sum(1 for name in others if name not in FORK_SAFE_THREADS)
 
 
 def _read_request(fd: int) -> Optional[bytes]:
