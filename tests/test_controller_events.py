@@ -54,9 +54,11 @@ class _Clock:
         return self.t
 
 
-def _two_ranks_registered(cfg, clock, rejoins=True):
+def _two_ranks_registered(cfg, clock, rejoins=True, first=()):
+    """A controller with ranks 0 and 1 registered; ``first``: (ident, frame) it gets before."""
     ctl = Controller(cfg, 2, "127.0.0.1", 0, clock=clock)
     ctl._router = _Router()
+    ctl._router.inbox.extend(first)
     for r in range(2):
         codec = wire.Codec(KEY, wire.new_sender("rank", r))
         lay = Layout(dp_rank=r, dp_size=2, replica_count=2, instance_id=r)
@@ -211,9 +213,31 @@ def test_a_controller_stall_or_a_silent_job_ends_no_process():
             assert not ctl.arbiter.hung, "every rank silent is not one hung process"
 
 
+def test_a_hung_rank_of_another_node_is_ended_by_its_agent_and_awaited_to_rejoin():
+    """ARF for a hang on a node without the controller: its agent said AGENT_HELLO for the
+    rank, so the controller declares the silent rank hung and sends END_WORKER (rank, pid)
+    to that agent's connection, and awaits the new process (RECOVERING), as on its own node."""
+    import dataclasses
+
+    clock = _Clock()
+    cfg = dataclasses.replace(CFG, worker_reboot=True)
+    agent = wire.Codec(KEY, wire.new_sender("agent", 1))  # node 1's agent, before its worker starts
+    ctl = _two_ranks_registered(cfg, clock, first=[(b"a1", agent.encode(wire.AgentHello(1, [1], 4242, "node1", 1)))])
+    ctl.hosted_ranks = frozenset({0})
+    _silence(ctl, clock, cfg, silent=1)
+    st = ctl.state
+    assert st.phase is Phase.RECOVERING and 1 in st.rejoin_wait, [e.reason for e in ctl.events]
+    rx = wire.Codec(KEY, "x")
+    sent = [(parts[0], rx.decode(parts[-1]).body) for parts in ctl._router.sent if parts[0] == b"a1"]
+    ends = [(i, b) for i, b in sent if isinstance(b, wire.EndWorker)]
+    assert [(i, b.rank, b.pid) for i, b in ends] == [(b"a1", 1, 1001)], ends
+    assert "hung" in ends[0][1].detail
+
+
 def test_a_hung_rank_elsewhere_or_without_worker_reboot_keeps_the_dying_checkpoint_path():
-    """Without --enable-worker-reboot, or for a rank of another node's launcher (which is
-    not told to end it), silence still means the dying checkpoint (STOPPING)."""
+    """Without --enable-worker-reboot, or for a rank of another node whose agent never
+    spoke to this controller (no connection to send END_WORKER to), silence still means
+    the dying checkpoint (STOPPING)."""
     import dataclasses
 
     for cfg, hosted in ((CFG, {0, 1}), (dataclasses.replace(CFG, worker_reboot=True), {0})):

@@ -3,7 +3,9 @@ torchrun's static rendezvous, the controller in node 0's launcher, TP2 PP1 DP2 (
 ranks 2 and 3 have their replicas on node 0).
 
 * A worker of node 1 dies: node 1's own agent restarts it, asking the controller over its
-  authenticated link (``mindspeed_ha.control.agent_link``); it rejoins.
+  authenticated link (``mindspeed_ha.control.agent_link``); it rejoins. Then the other
+  worker of node 1 hangs (SIGSTOP): the controller declares it hung after the heartbeat
+  timeout and sends END_WORKER to node 1's agent, which SIGKILLs and restarts it (ARF).
 * Node 1 is lost (its launcher and both workers SIGKILLed at once, injector
   ``fault=kill_node``): node 0's workers wait; the same launcher command started again
   for node 1 (a replacement) learns from the controller that ranks 2 and 3 start as
@@ -54,12 +56,12 @@ def _first_pids(log: str):
     return out
 
 
-def _check_rejoined(job, report, restarted, baseline):
+def _check_rejoined(job, report, restarted, baseline, rejoined_at=(K - 1,)):
     rep = json.load(open(report))
     assert sorted((e["rank"], e["incarnation"]) for e in rep["restarts"]) == [(r, 1) for r in restarted], \
         rep["restarts"]
     recs = rep.get("recoveries") or []
-    assert len(recs) == 1 and recs[0]["mode"] == "rejoin" and recs[0]["iteration"] == K - 1, recs
+    assert [(r["mode"], r["iteration"]) for r in recs] == [("rejoin", k) for k in rejoined_at], recs
     log0 = job.output(0)
     first = _first_pids(log0)
     again = {int(r): int(p) for r, p in re.findall(r"rank (\d+) re-registered as a new process \(pid (\d+)", log0)}
@@ -70,15 +72,20 @@ def _check_rejoined(job, report, restarted, baseline):
 
 
 def test_worker_of_node1_restarted_by_its_own_agent(tmp_path, baseline):
+    """Rank 3 SIGKILLed at iteration K, then rank 2 hung (SIGSTOP) at K + 1: node 1's agent
+    restarts both, the hung one after the controller's END_WORKER (ARF, no dying checkpoint)."""
     report = str(tmp_path / "report.json")
-    with TwoNodeJob(_two_node_args(), env={"MINDSPEED_HA_INJECT": f"rank=3,iteration={K},point=backward,fault=kill",
-                                           "MINDSPEED_HA_REPORT": report}) as job:
+    inject = f"rank=3,iteration={K},point=backward,fault=kill;rank=2,iteration={K + 1},point=forward,fault=stop"
+    with TwoNodeJob(_two_node_args(), env={"MINDSPEED_HA_INJECT": inject, "MINDSPEED_HA_REPORT": report}) as job:
         n0, n1 = job.start(0), job.start(1)
         c1, c0 = job.wait(n1, 480), job.wait(n0, 60)
         log = job.output(0)[-6000:] + "\n----- node 1 -----\n" + job.output(1)[-6000:]
         assert (c0, c1) == (0, 0), log
         assert re.search(r"worker rank 3 \(pid \d+\) exited with -9: restarted alone", job.output(1)), log
-        _check_rejoined(job, report, [3], baseline)
+        assert re.search(r"worker rank 2 \(pid \d+\) is unresponsive \(no heartbeat .*hung.*\): SIGKILL",
+                         job.output(1)), log
+        assert re.search(r"worker rank 2 \(pid \d+\) exited with -9: restarted alone", job.output(1)), log
+        _check_rejoined(job, report, [2, 3], baseline, rejoined_at=(K - 1, K))
 
 
 def test_lost_node1_rejoins_through_a_replacement_launcher(tmp_path, baseline):
