@@ -247,3 +247,59 @@ def test_a_hung_rank_elsewhere_or_without_worker_reboot_keeps_the_dying_checkpoi
         _silence(ctl, clock, cfg, silent=1)
         assert ctl.state.phase is Phase.STOPPING, (cfg.worker_reboot, [e.reason for e in ctl.events])
         assert not ctl.state.rejoin_wait
+
+
+def test_another_node_s_agent_keeps_end_worker_and_ends_only_that_pid():
+    """The agent side of END_WORKER: the link keeps one that arrives while it waits for an
+    answer (RESTART_ANSWER here) and hands it over at the next monitor turn
+    (``AgentLink.end_requests``); the launcher SIGKILLs the worker of that rank only while
+    it still runs as that pid (``survivors.end_workers_asked_by_link``)."""
+    import dataclasses
+    import signal
+    import types
+
+    from mindspeed_ha.control.agent_link import AgentLink
+    from mindspeed_ha.launch import survivors
+
+    controller = wire.Codec(KEY, wire.new_sender("controller", 0))
+
+    class _Dealer:
+        def __init__(self, frames):
+            self.frames, self.sent = collections.deque(frames), []
+
+        def poll(self, timeout, flags):
+            return bool(self.frames)
+
+        def recv(self, copy=True):
+            return _Frame(self.frames.popleft())
+
+        def send(self, data, flags=0):
+            self.sent.append(data)
+
+    link = AgentLink(dataclasses.replace(CFG, worker_reboot=True), 1, timeout_s=1.0)
+    try:
+        link._sock = _Dealer([controller.encode(wire.EndWorker(2, 4242, "no heartbeat for 11.0 s: hung")),
+                              controller.encode(wire.RestartAnswer(3, 1, ""))])
+        assert link.restart_refused(3, -9) is None  # the answer it waited for
+        ends = link.end_requests()
+        assert [(e.rank, e.pid) for e in ends] == [(2, 4242)] and link.end_requests() == []
+    finally:
+        link._sock = None
+        link.close()
+
+    class _Handler:
+        def __init__(self, pid):
+            self.proc = types.SimpleNamespace(pid=pid, poll=lambda: None, wait=lambda t: 0)
+            self.signals = []
+
+        def close(self, death_sig):
+            self.signals.append(death_sig)
+
+    handlers = {0: _Handler(4242), 1: _Handler(5151)}
+    pcontext = types.SimpleNamespace(subprocess_handlers=handlers, envs={0: {"RANK": "2"}, 1: {"RANK": "3"}})
+    state = survivors.Survivors(None, 5.0, link=types.SimpleNamespace(end_requests=lambda: ends))
+    survivors.supervise(pcontext, state)
+    assert handlers[0].signals == [signal.SIGKILL] and handlers[1].signals == [] and state.killed == {4242}
+    ends = [wire.EndWorker(3, 9999, "hung")]  # an earlier process of rank 3: its pid is not the worker's now
+    survivors.supervise(pcontext, state)
+    assert handlers[1].signals == []
