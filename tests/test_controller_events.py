@@ -233,6 +233,25 @@ def test_a_hung_rank_of_another_node_is_ended_by_its_agent_and_awaited_to_rejoin
     assert [(i, b.rank, b.pid) for i, b in ends] == [(b"a1", 1, 1001)], ends
     assert "hung" in ends[0][1].detail
 
+    def end_workers():
+        return [b for parts in ctl._router.sent if parts[0] == b"a1"  # a fresh codec: no replay check across calls
+                for b in [wire.Codec(KEY, "x").decode(parts[-1]).body] if isinstance(b, wire.EndWorker)]
+
+    for _ in range(5):  # not ended yet: sent again every END_WORKER_RESEND_S (2 s)
+        clock.t += 0.5
+        ctl.state.ranks[0].last_heartbeat = clock.t
+        ctl._turn()
+    assert len(end_workers()) == 2, end_workers()
+    codec = wire.Codec(KEY, wire.new_sender("rank", 1))  # its new process registers: nothing left to end
+    lay = Layout(dp_rank=1, dp_size=2, replica_count=2, instance_id=1)
+    ctl._router.inbox.append((b"r1b", codec.encode(wire.Register(1, 2, 2001, "h", lay, "/save", "run", "updated", 1,
+                                                                 incarnation=1, rejoins=True))))
+    for _ in range(6):
+        clock.t += 0.5
+        ctl.state.ranks[0].last_heartbeat = clock.t
+        ctl._turn()
+    assert len(end_workers()) == 2, end_workers()
+
 
 def test_a_hung_rank_elsewhere_or_without_worker_reboot_keeps_the_dying_checkpoint_path():
     """Without --enable-worker-reboot, or for a rank of another node whose agent never

@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mindspeed_ha.control.controller")
 
+#: END_WORKER to another node's agent: seconds between two for the same hung process, and at most how many
+END_WORKER_RESEND_S = 2.0
+END_WORKER_SENDS = 5
 #: exit codes that are a verdict (75-79) or a clean end (0): their worker is never restarted
 _NOT_RESTARTED = frozenset({0, *range(75, 80)})
 
@@ -51,6 +54,7 @@ class RestartArbiter:
         #: global rank -> the connection of the other node's agent that last spoke for it
         #: (AGENT_HELLO, RESTART_QUERY, AGENT_REPORT): where END_WORKER goes
         self.agent_of: Dict[int, bytes] = {}
+        self._end_sent: Dict[int, Tuple[float, int]] = {}  # rank -> (last END_WORKER sent at, how many)
 
     def refused(self, rank: int) -> Optional[str]:
         """None while the agent may restart a dead ``rank``, else why not (see
@@ -128,14 +132,21 @@ class RestartArbiter:
             log.warning("rank %d (pid %d): %s", r, info.pid, why)
         return declared
 
-    def end_remote(self, ranks: List[int], remote: AbstractSet[int]) -> None:
-        """END_WORKER to the agent of each of ``ranks`` that another node hosts (``remote``,
-        :attr:`agent_of`): that launcher SIGKILLs the hung process and restarts it (ARF).
-        I/O thread."""
-        for r in ranks:
-            if r not in remote or r not in self.hung:
+    def end_remote(self, now: float, remote: AbstractSet[int]) -> None:
+        """END_WORKER to the agent of each hung rank (:attr:`hung`) that another node hosts
+        (``remote``, :attr:`agent_of`): that launcher SIGKILLs the hung process and restarts
+        it (ARF). Sent again every ``END_WORKER_RESEND_S``, at most ``END_WORKER_SENDS``
+        times, until a new process of the rank registered (the agent ends only that pid:
+        a repeat is harmless). I/O thread."""
+        st = self.ctl.state
+        for r, (pid, why) in sorted(self.hung.items()):
+            info = st.ranks.get(r)
+            if r not in remote or info is None or info.pid != pid or r in self.abandoned:
                 continue
-            pid, why = self.hung[r]
+            last, sent = self._end_sent.get(r, (None, 0))
+            if sent >= END_WORKER_SENDS or (last is not None and now - last < END_WORKER_RESEND_S):
+                continue
+            self._end_sent[r] = (now, sent + 1)
             try:
                 self.ctl.server.send(self.agent_of[r], wire.EndWorker(r, pid, why[:512]))
             except (zmq.ZMQError, wire.WireError) as exc:
