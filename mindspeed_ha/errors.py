@@ -65,6 +65,12 @@ class DeviceMemoryError(HAError):
     kind = FaultKind.UCE
 
 
+class UnrepairedDamage(DeviceMemoryError):
+    """This rank's state still holds the damage of a UCE: the in-place recovery that was to
+    repair it failed (raised ``from`` that failure, reported as a UCE so that the next plan,
+    e.g. a controller successor's, never takes this rank's state as a source)."""
+
+
 class CommunicationError(HAError):
     """Collective or point-to-point communication failed."""
 

@@ -54,9 +54,11 @@ class _Clock:
         return self.t
 
 
-def _two_ranks_registered(cfg, clock, rejoins=True):
+def _two_ranks_registered(cfg, clock, rejoins=True, first=()):
+    """A controller with ranks 0 and 1 registered; ``first``: (ident, frame) it gets before."""
     ctl = Controller(cfg, 2, "127.0.0.1", 0, clock=clock)
     ctl._router = _Router()
+    ctl._router.inbox.extend(first)
     for r in range(2):
         codec = wire.Codec(KEY, wire.new_sender("rank", r))
         lay = Layout(dp_rank=r, dp_size=2, replica_count=2, instance_id=r)
@@ -211,9 +213,50 @@ def test_a_controller_stall_or_a_silent_job_ends_no_process():
             assert not ctl.arbiter.hung, "every rank silent is not one hung process"
 
 
+def test_a_hung_rank_of_another_node_is_ended_by_its_agent_and_awaited_to_rejoin():
+    """ARF for a hang on a node without the controller: its agent said AGENT_HELLO for the
+    rank, so the controller declares the silent rank hung and sends END_WORKER (rank, pid)
+    to that agent's connection, and awaits the new process (RECOVERING), as on its own node."""
+    import dataclasses
+
+    clock = _Clock()
+    cfg = dataclasses.replace(CFG, worker_reboot=True)
+    agent = wire.Codec(KEY, wire.new_sender("agent", 1))  # node 1's agent, before its worker starts
+    ctl = _two_ranks_registered(cfg, clock, first=[(b"a1", agent.encode(wire.AgentHello(1, [1], 4242, "node1", 1)))])
+    ctl.hosted_ranks = frozenset({0})
+    _silence(ctl, clock, cfg, silent=1)
+    st = ctl.state
+    assert st.phase is Phase.RECOVERING and 1 in st.rejoin_wait, [e.reason for e in ctl.events]
+    rx = wire.Codec(KEY, "x")
+    sent = [(parts[0], rx.decode(parts[-1]).body) for parts in ctl._router.sent if parts[0] == b"a1"]
+    ends = [(i, b) for i, b in sent if isinstance(b, wire.EndWorker)]
+    assert [(i, b.rank, b.pid) for i, b in ends] == [(b"a1", 1, 1001)], ends
+    assert "hung" in ends[0][1].detail
+
+    def end_workers():
+        return [b for parts in ctl._router.sent if parts[0] == b"a1"  # a fresh codec: no replay check across calls
+                for b in [wire.Codec(KEY, "x").decode(parts[-1]).body] if isinstance(b, wire.EndWorker)]
+
+    for _ in range(5):  # not ended yet: sent again every END_WORKER_RESEND_S (2 s)
+        clock.t += 0.5
+        ctl.state.ranks[0].last_heartbeat = clock.t
+        ctl._turn()
+    assert len(end_workers()) == 2, end_workers()
+    codec = wire.Codec(KEY, wire.new_sender("rank", 1))  # its new process registers: nothing left to end
+    lay = Layout(dp_rank=1, dp_size=2, replica_count=2, instance_id=1)
+    ctl._router.inbox.append((b"r1b", codec.encode(wire.Register(1, 2, 2001, "h", lay, "/save", "run", "updated", 1,
+                                                                 incarnation=1, rejoins=True))))
+    for _ in range(6):
+        clock.t += 0.5
+        ctl.state.ranks[0].last_heartbeat = clock.t
+        ctl._turn()
+    assert len(end_workers()) == 2, end_workers()
+
+
 def test_a_hung_rank_elsewhere_or_without_worker_reboot_keeps_the_dying_checkpoint_path():
-    """Without --enable-worker-reboot, or for a rank of another node's launcher (which is
-    not told to end it), silence still means the dying checkpoint (STOPPING)."""
+    """Without --enable-worker-reboot, or for a rank of another node whose agent never
+    spoke to this controller (no connection to send END_WORKER to), silence still means
+    the dying checkpoint (STOPPING)."""
     import dataclasses
 
     for cfg, hosted in ((CFG, {0, 1}), (dataclasses.replace(CFG, worker_reboot=True), {0})):
@@ -223,3 +266,59 @@ def test_a_hung_rank_elsewhere_or_without_worker_reboot_keeps_the_dying_checkpoi
         _silence(ctl, clock, cfg, silent=1)
         assert ctl.state.phase is Phase.STOPPING, (cfg.worker_reboot, [e.reason for e in ctl.events])
         assert not ctl.state.rejoin_wait
+
+
+def test_another_node_s_agent_keeps_end_worker_and_ends_only_that_pid():
+    """The agent side of END_WORKER: the link keeps one that arrives while it waits for an
+    answer (RESTART_ANSWER here) and hands it over at the next monitor turn
+    (``AgentLink.end_requests``); the launcher SIGKILLs the worker of that rank only while
+    it still runs as that pid (``survivors.end_workers_asked_by_link``)."""
+    import dataclasses
+    import signal
+    import types
+
+    from mindspeed_ha.control.agent_link import AgentLink
+    from mindspeed_ha.launch import survivors
+
+    controller = wire.Codec(KEY, wire.new_sender("controller", 0))
+
+    class _Dealer:
+        def __init__(self, frames):
+            self.frames, self.sent = collections.deque(frames), []
+
+        def poll(self, timeout, flags):
+            return bool(self.frames)
+
+        def recv(self, copy=True):
+            return _Frame(self.frames.popleft())
+
+        def send(self, data, flags=0):
+            self.sent.append(data)
+
+    link = AgentLink(dataclasses.replace(CFG, worker_reboot=True), 1, timeout_s=1.0)
+    try:
+        link._sock = _Dealer([controller.encode(wire.EndWorker(2, 4242, "no heartbeat for 11.0 s: hung")),
+                              controller.encode(wire.RestartAnswer(3, 1, ""))])
+        assert link.restart_refused(3, -9) is None  # the answer it waited for
+        ends = link.end_requests()
+        assert [(e.rank, e.pid) for e in ends] == [(2, 4242)] and link.end_requests() == []
+    finally:
+        link._sock = None
+        link.close()
+
+    class _Handler:
+        def __init__(self, pid):
+            self.proc = types.SimpleNamespace(pid=pid, poll=lambda: None, wait=lambda t: 0)
+            self.signals = []
+
+        def close(self, death_sig):
+            self.signals.append(death_sig)
+
+    handlers = {0: _Handler(4242), 1: _Handler(5151)}
+    pcontext = types.SimpleNamespace(subprocess_handlers=handlers, envs={0: {"RANK": "2"}, 1: {"RANK": "3"}})
+    state = survivors.Survivors(None, 5.0, link=types.SimpleNamespace(end_requests=lambda: ends))
+    survivors.supervise(pcontext, state)
+    assert handlers[0].signals == [signal.SIGKILL] and handlers[1].signals == [] and state.killed == {4242}
+    ends = [wire.EndWorker(3, 9999, "hung")]  # an earlier process of rank 3: its pid is not the worker's now
+    survivors.supervise(pcontext, state)
+    assert handlers[1].signals == []

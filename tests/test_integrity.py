@@ -49,7 +49,7 @@ def test_shard_digest_sees_nan_and_a_flipped_bit_and_survives_the_file(tmp_path)
     from mindspeed_ha.checkpoint.formats.torch import atomic_torch_save
 
     good = integrity.shard_file_digest(_shard([1.0, 2.0, 3.0, 4.0]))
-    assert good[0] and len(good[1]) == 32 and not good[2]
+    assert good[0] and good[1].startswith("xxh3-128:") and len(good[1]) == 9 + 32 and not good[2]
     flipped = _shard([1.0, 2.0, 3.0, 4.0])
     flipped["buffers"][0]["dtypes"][(torch.float32, torch.float32)][0]["exp_avg"][:1].view(torch.int32) \
         .bitwise_xor_(1)
@@ -61,6 +61,32 @@ def test_shard_digest_sees_nan_and_a_flipped_bit_and_survives_the_file(tmp_path)
     path = str(tmp_path / "s.pt")
     atomic_torch_save(dict(_shard([1.0, 2.0, 3.0, 4.0]), iteration=3), path)
     assert integrity.shard_file_digest(torch.load(path, map_location="cpu", weights_only=False)) == good
+
+
+def test_a_saver_catches_one_changed_byte_and_refuses_a_digest_of_another_version():
+    """The saver's check (:func:`integrity.expect`) against the trusted digest: one byte
+    changed anywhere in a tensor fails it; a trusted digest of another algorithm (the
+    untagged blake2b-128 of versions before issue 21, or another tag) is refused with a
+    message naming it, never compared."""
+    import hashlib
+
+    import torch
+
+    from mindspeed_ha.checkpoint import integrity
+    from mindspeed_ha.errors import IntegrityError
+
+    trusted = integrity.shard_file_digest(_shard([1.0, 2.0, 3.0, 4.0]))[1]
+    integrity.expect("shard", integrity.shard_file_digest(_shard([1.0, 2.0, 3.0, 4.0])), trusted)
+    for at in range(16):  # every byte of one state tensor, the last one included
+        bad = _shard([1.0, 2.0, 3.0, 4.0])
+        raw = bad["buffers"][0]["dtypes"][(torch.float32, torch.float32)][0]["exp_avg_sq"].view(torch.uint8)
+        raw[at] ^= 0x10
+        with pytest.raises(IntegrityError, match="digest .* != trusted"):
+            integrity.expect("shard", integrity.shard_file_digest(bad), trusted)
+    old = hashlib.blake2b(b"any", digest_size=16).hexdigest()  # what a version before issue 21 sent
+    for foreign, algo in ((old, "untagged"), ("sha256:" + "0" * 64, "sha256")):
+        with pytest.raises(IntegrityError, match=f"algorithm {algo}.*not xxh3-128.*another mindspeed-ha version"):
+            integrity.expect("shard", integrity.shard_file_digest(_shard([1.0, 2.0, 3.0, 4.0])), foreign)
 
 
 def test_model_digest_covers_names_dtypes_and_bytes():

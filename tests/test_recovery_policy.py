@@ -317,6 +317,22 @@ def test_rejoin_refused_without_the_flag_a_replica_or_survivors_in_step():
     assert "never restarted" in plan_recovery(ranks, 4, 0, cfg).reason
 
 
+def test_a_survivor_still_damaged_by_a_uce_is_never_a_rejoin_source():
+    """Issue 21 item 8, the controller successor's view: TP2 DP2 N=2, node 0 (ranks 0, 1)
+    lost while rank 2's UCE was being repaired from rank 0; rank 2 reports the damage still
+    there (UCE), rank 3 the failed rebuild (network). Ranks 0 and 1 restarted: rank 1 gets
+    its state from rank 3, but rank 0's only holder is rank 2, damaged: no rejoin copies it
+    (the plan reloads the periodic checkpoint instead; before, the UCE was reported as a
+    network fault and rank 0 received rank 2's damaged parameters)."""
+    cfg = dataclasses.replace(CFG, worker_reboot=True)
+    ranks = _restarted(_restarted(parked(cluster(2, 1, 2, 2, it=5), {2: UCE, 3: NET}), 0), 1)
+    plan = plan_recovery(ranks, 4, 0, cfg)
+    assert plan.mode == "reload" and "rank 0 has no survivor with its state" in plan.reason, plan
+    ranks = _restarted(_restarted(parked(cluster(2, 1, 2, 2, it=5), {2: NET, 3: NET}), 0), 1)
+    plan = plan_recovery(ranks, 4, 0, cfg)  # the failed rebuild alone: rank 2's state is whole
+    assert plan.mode == "rejoin" and plan.repairs == {0: 2, 1: 3}, plan
+
+
 # (name, shape, dead rank, survivors whose update did not finish, expected repairs or NoRecovery text)
 REJOIN_FORWARD = [
     ("rank 0, TP1 PP2 DP2 N=2", (1, 2, 2, 2, True), 0, set(), {0: 1}),

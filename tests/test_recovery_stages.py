@@ -188,6 +188,42 @@ def test_a_failed_recovery_runs_again_with_the_controller_s_next_plan(monkeypatc
                                  "train_step")]
 
 
+def test_a_failed_repair_of_a_uce_is_reported_as_the_damage_still_there(monkeypatch):
+    """Issue 21 item 8: rank 2's UCE is to be repaired from its replica, but the rebuild
+    fails (the controller's node, with the store and the replica, is lost). The failure is
+    reported as the UCE it still is (UnrepairedDamage, classified UCE, from the failure),
+    so the successor's plan never takes this rank's state as a source (before: reported as
+    a network fault, and the successor's rejoin plan copied the damaged parameters to the
+    restarted ranks: exit 0, wrong losses). Once a recovery succeeds, the damage is gone."""
+    from mindspeed_ha.errors import UnrepairedDamage
+    from mindspeed_ha.faults import FaultKind, classify
+
+    ran = []
+    monkeypatch.setitem(stages.IN_PLACE, "rollback", (("rebuild", _store_lost_at_generation_1(ran)),))
+    processor = _Processor(_action(7), _action(9, generation=2, store="127.0.0.1:29999"))
+    kinds = []
+    report = processor.report_fault
+    processor.report_fault = lambda exc, *a, **k: (kinds.append(classify(exc)), report(exc, *a, **k))[1]
+    rt = _runtime(processor)
+    rt.rank = 2
+    action = rt.handle_fault(RuntimeError("CUDA error: uncorrectable ECC error encountered"))
+    assert rt.unrepaired is not None and "UCE in iteration 5" in rt.unrepaired
+    rt.recover(action)
+    assert ran == [1, 2] and processor.results == [(7, False), (9, True)]
+    assert kinds == [FaultKind.UCE, FaultKind.UCE], kinds
+    assert "rank 2: the UCE in iteration 5" in processor.faults[1][0] and "not repaired" in processor.faults[1][0]
+    assert "could not create 0.ha1" in processor.faults[1][0]
+    assert rt.unrepaired is None  # the second plan's recovery succeeded
+    # the answer is not a RETRY: the raised failure is the damage, from the rebuild's error
+    ran.clear()
+    processor = _Processor(_action(7), _action(11, kind="exit"))
+    rt = _runtime(processor)
+    rt.handle_fault(RuntimeError("CUDA error: uncorrectable ECC error encountered"))
+    with pytest.raises(UnrepairedDamage, match="not repaired: the recovery failed") as failure:
+        rt.recover(_action(7))
+    assert "could not create 0.ha1" in str(failure.value.__cause__)
+
+
 def test_a_failed_recovery_follows_an_exit_and_is_reported_once(monkeypatch):
     """Any answer but a RETRY (the dying checkpoint's EXIT, which normally ends the process
     first): the failure is raised; an outer guard that sees it gets the same answer without

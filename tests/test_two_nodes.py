@@ -3,11 +3,16 @@ torchrun's static rendezvous, the controller in node 0's launcher, TP2 PP1 DP2 (
 ranks 2 and 3 have their replicas on node 0).
 
 * A worker of node 1 dies: node 1's own agent restarts it, asking the controller over its
-  authenticated link (``mindspeed_ha.control.agent_link``); it rejoins.
+  authenticated link (``mindspeed_ha.control.agent_link``); it rejoins. Then the other
+  worker of node 1 hangs (SIGSTOP): the controller declares it hung after the heartbeat
+  timeout and sends END_WORKER to node 1's agent, which SIGKILLs and restarts it (ARF).
 * Node 1 is lost (its launcher and both workers SIGKILLed at once, injector
   ``fault=kill_node``): node 0's workers wait; the same launcher command started again
   for node 1 (a replacement) learns from the controller that ranks 2 and 3 start as
   incarnation 1, and they rejoin the survivors.
+* Node 0, the controller's, is lost in the middle of an in-place recovery (a UCE): node 1's
+  launcher takes over as controller; the survivors' failed recovery follows its plan and
+  node 0's replacement ranks rejoin.
 
 Standard of proof: both launchers exit 0, the survivors keep their PIDs, the controller's
 report lists exactly the restarts of the dead ranks and one rejoin recovery, and the
@@ -54,12 +59,12 @@ def _first_pids(log: str):
     return out
 
 
-def _check_rejoined(job, report, restarted, baseline):
+def _check_rejoined(job, report, restarted, baseline, rejoined_at=(K - 1,)):
     rep = json.load(open(report))
     assert sorted((e["rank"], e["incarnation"]) for e in rep["restarts"]) == [(r, 1) for r in restarted], \
         rep["restarts"]
     recs = rep.get("recoveries") or []
-    assert len(recs) == 1 and recs[0]["mode"] == "rejoin" and recs[0]["iteration"] == K - 1, recs
+    assert [(r["mode"], r["iteration"]) for r in recs] == [("rejoin", k) for k in rejoined_at], recs
     log0 = job.output(0)
     first = _first_pids(log0)
     again = {int(r): int(p) for r, p in re.findall(r"rank (\d+) re-registered as a new process \(pid (\d+)", log0)}
@@ -70,15 +75,20 @@ def _check_rejoined(job, report, restarted, baseline):
 
 
 def test_worker_of_node1_restarted_by_its_own_agent(tmp_path, baseline):
+    """Rank 3 SIGKILLed at iteration K, then rank 2 hung (SIGSTOP) at K + 1: node 1's agent
+    restarts both, the hung one after the controller's END_WORKER (ARF, no dying checkpoint)."""
     report = str(tmp_path / "report.json")
-    with TwoNodeJob(_two_node_args(), env={"MINDSPEED_HA_INJECT": f"rank=3,iteration={K},point=backward,fault=kill",
-                                           "MINDSPEED_HA_REPORT": report}) as job:
+    inject = f"rank=3,iteration={K},point=backward,fault=kill;rank=2,iteration={K + 1},point=forward,fault=stop"
+    with TwoNodeJob(_two_node_args(), env={"MINDSPEED_HA_INJECT": inject, "MINDSPEED_HA_REPORT": report}) as job:
         n0, n1 = job.start(0), job.start(1)
         c1, c0 = job.wait(n1, 480), job.wait(n0, 60)
         log = job.output(0)[-6000:] + "\n----- node 1 -----\n" + job.output(1)[-6000:]
         assert (c0, c1) == (0, 0), log
         assert re.search(r"worker rank 3 \(pid \d+\) exited with -9: restarted alone", job.output(1)), log
-        _check_rejoined(job, report, [3], baseline)
+        assert re.search(r"worker rank 2 \(pid \d+\) is unresponsive \(no heartbeat .*hung.*\): SIGKILL",
+                         job.output(1)), log
+        assert re.search(r"worker rank 2 \(pid \d+\) exited with -9: restarted alone", job.output(1)), log
+        _check_rejoined(job, report, [2, 3], baseline, rejoined_at=(K - 1, K))
 
 
 def test_lost_node1_rejoins_through_a_replacement_launcher(tmp_path, baseline):
@@ -117,17 +127,25 @@ def _status_until(job, procs, cond, what):
 
 def test_lost_node0_controller_fails_over_and_node0_rejoins(tmp_path, baseline):
     """Node 0 (its launcher with the controller and torchrun's store, and ranks 0 and 1) is
-    lost at iteration K: node 1's launcher takes term 1 once the lease runs out and
-    leads; ranks 2 and 3 follow it; a replacement node 0 launcher joins the successor
-    and its ranks rejoin from their replicas on node 1. Meanwhile the operator's
+    lost in the middle of an in-place recovery: rank 0 has a UCE at iteration K
+    (``--enable-hbmfault-repair``), and rank 1 kills its node inside the recovery, before
+    the group rebuild. Ranks 2 and 3 fail to rebuild on the dead store; node 1's launcher
+    takes term 1 once the lease runs out and leads; ranks 2 and 3 follow it, and their
+    failed recovery follows the successor's next plan (before: re-raised, exit 1, nothing
+    saved): a replacement node 0 launcher joins the successor and its ranks rejoin from
+    their replicas on node 1 (the rejoin plan, with the successor's store). (A UCE on a
+    rank of node 1 instead leaves its only healthy copy on the lost node: that rank
+    reports the damage still there, so no plan copies it; unit tests in
+    tests/test_recovery_stages.py.) Meanwhile the operator's
     ``status`` (the console entry, leader found in the lease directory) answers from the
     successor: term 1, every rank healthy after the rejoin; rank 2 holds after iteration
     ITERS - 1 (``fault=hold``) until the test has it, so the job is provably running."""
     reports = {n: str(tmp_path / f"report{n}.json") for n in (0, 1)}
     env = _failover_env(tmp_path)
     release = str(tmp_path / "release")
-    with TwoNodeJob(_two_node_args(), env=env) as job:
-        lost = job.start(0, env={"MINDSPEED_HA_INJECT": f"rank=0,iteration={K},point=forward,fault=kill_node",
+    with TwoNodeJob(_two_node_args() + ["--enable-hbmfault-repair"], env=env) as job:
+        lost = job.start(0, env={"MINDSPEED_HA_INJECT": f"rank=0,iteration={K},point=backward,fault=uce;"
+                                                        f"rank=1,iteration={K},point=recover,fault=kill_node",
                                  "MINDSPEED_HA_REPORT": reports[0]})
         n1 = job.start(1, env={"MINDSPEED_HA_REPORT": reports[1], "MINDSPEED_HA_INJECT_RELEASE": release,
                                "MINDSPEED_HA_INJECT": f"rank=2,iteration={ITERS - 1},point=between,fault=hold"})
@@ -139,16 +157,21 @@ def test_lost_node0_controller_fails_over_and_node0_rejoins(tmp_path, baseline):
         finally:
             open(release, "w").close()
         assert s["term"] == 1 and [r["rank"] for r in s["ranks"]] == [0, 1, 2, 3], s
-        assert [(r["mode"], r["iteration"]) for r in s["recoveries"]] == [("rejoin", K - 1)], s["recoveries"]
+        # the UCE's rollback, begun by the lost controller, never done; the successor's rejoin, done
+        assert [(r["mode"], r["iteration"], r["done"]) for r in s["recoveries"]] == [
+            ("rollback", K - 1, False), ("rejoin", K - 1, True)], s["recoveries"]
         c0, c1 = job.wait(replacement, 480), job.wait(n1, 60)
         log = job.output(0)[-6000:] + "\n----- node 1 -----\n" + job.output(1)[-8000:]
         assert (c0, c1) == (0, 0), log
         assert "this launcher (node 1) leads term 1" in job.output(1), log
         assert "ranks [0, 1] start as incarnations [1, 1] and rejoin it" in job.output(0), log
+        for r in (2, 3):  # the recovery failed on the lost store; the successor's plan was followed
+            assert re.search(rf"rank {r}: the recovery failed \(rebuild_process_groups: .*\); the controller's "
+                             r"next plan \(rejoin\) is carried out", job.output(1)), log
         rep = json.load(open(reports[1]))  # the successor's report
         assert sorted((e["rank"], e["incarnation"]) for e in rep["restarts"]) == [(0, 1), (1, 1)], rep["restarts"]
         recs = rep.get("recoveries") or []
-        assert [r["mode"] for r in recs] == ["rejoin"] and recs[0]["iteration"] == K - 1, recs
+        assert [(r["mode"], r["iteration"]) for r in recs] == [("rollback", K - 1), ("rejoin", K - 1)], recs
         assert job.losses() == baseline
 
 

@@ -4,7 +4,10 @@ bytes it writes against.
 
 XXH3-128 (xxhash, 16 bytes; ~25 GB/s on one core here against blake2b's 0.9 GB/s, so the
 savers' digest no longer bounds the dying checkpoint's write rate: docs/RESULTS.md) over
-names, dtypes, shapes and bytes in a fixed order, plus a count of non-finite values. Not
+names, dtypes, shapes and bytes in a fixed order, plus a count of non-finite values; the
+hex digest is tagged with its algorithm (``xxh3-128:<hex>``,
+:data:`mindspeed_ha.control.integrity.DIGEST_ALGORITHM`): a digest of another version
+(untagged blake2b-128 before issue 21) is refused with a message, never compared. Not
 a cryptographic hash: it detects corruption (NaN, bit flips, a changed state) among
 copies of the same job, it does not defend against an adversary choosing bytes. No
 collectives; read only after a fault, never per iteration.
@@ -19,7 +22,7 @@ import xxhash
 from mindspeed_ha.checkpoint.shards import STATE_KEYS, num_shards, shard_buckets, unwrap_distributed_optimizer
 from mindspeed_ha.checkpoint.state import DyingContext
 from mindspeed_ha.checkpoint.steps import gc_paused
-from mindspeed_ha.control.integrity import IntegrityReport
+from mindspeed_ha.control.integrity import IntegrityReport, foreign_digest, short_digest, tag_digest
 from mindspeed_ha.errors import IntegrityError
 from mindspeed_ha.integrations import megatron_lm as mlm
 
@@ -69,7 +72,7 @@ class Digest:
 
     def result(self) -> Tuple[bool, str, str]:
         """``(ok, hex digest, problems)``."""
-        return not self.problems, self._h.hexdigest(), "; ".join(self.problems[:5])
+        return not self.problems, tag_digest(self._h.hexdigest()), "; ".join(self.problems[:5])
 
 
 def _bucket_name(bucket) -> str:
@@ -192,9 +195,13 @@ def expect(what: str, got: Tuple[bool, str, str], trusted: str) -> None:
     """Check a digest ``got`` (``(ok, digest, problems)``) against the ``trusted`` one.
 
     Raises:
-        IntegrityError: not ok, or another digest (``what`` names the part).
+        IntegrityError: not ok, another digest (``what`` names the part), or a trusted
+            digest of another algorithm (another mindspeed-ha version computed it).
     """
+    foreign = foreign_digest(trusted)
+    if foreign is not None:
+        raise IntegrityError(f"{what}: the trusted {foreign}; nothing of this part is saved")
     ok, digest, problems = got
     if not ok or digest != trusted:
-        raise IntegrityError(f"{what}: digest {digest[:12]} != trusted {trusted[:12]}"
+        raise IntegrityError(f"{what}: digest {short_digest(digest)} != trusted {short_digest(trusted)}"
                              f"{f' ({problems})' if problems else ''}; the state changed after verification")

@@ -15,6 +15,8 @@ from the agent's monitor thread only (the launcher's main thread), request by re
 * :meth:`AgentLink.restart_refused`: a worker died; may the agent restart it?
 * :meth:`AgentLink.report_rank_restart` / :meth:`report_restart_abandoned` /
   :meth:`report_rank_exit`: what the agent did (no answer).
+* :meth:`AgentLink.end_requests`: the END_WORKER the controller sent unasked (a worker
+  of this node is hung: the agent SIGKILLs it and restarts it, ARF), read every monitor turn.
 
 A controller that does not answer within ``timeout_s`` refuses the restart (the job is
 then in the hands of the processors' own controller-loss handling).
@@ -64,6 +66,7 @@ class AgentLink:
         self.codec = wire.Codec(config.auth_key, wire.new_sender("agent", self.node_rank), config.max_message_bytes)
         keys = auth.derive_keys(config.auth_key)
         self._ids = itertools.count(1)
+        self._ends: List[wire.EndWorker] = []  # END_WORKER received, not yet taken
         self._ctx = zmq.Context()
         try:
             self._sock = self._ctx.socket(zmq.DEALER)
@@ -144,6 +147,12 @@ class AgentLink:
     def report_rank_exit(self, rank: int, exitcode: int) -> None:
         self._send(wire.AgentReport(int(rank), "exit", int(exitcode)))
 
+    def end_requests(self) -> List[wire.EndWorker]:
+        """The END_WORKER the controller sent since the last call (without waiting)."""
+        self._answer(wire.EndWorker, -1, 0.0)
+        out, self._ends = self._ends, []
+        return out
+
     # ------------------------------------------------------------------ transport
     def _send(self, body) -> None:
         self._follow()
@@ -153,15 +162,18 @@ class AgentLink:
             log.warning("agent link: %s not sent (the controller is not reachable)", type(body).__name__)
 
     def _answer(self, cls: type, qid: int, timeout_s: float):
-        """The first ``cls`` answer with ``query_id`` ``qid`` within ``timeout_s`` (others dropped)."""
+        """The first ``cls`` answer with ``query_id`` ``qid`` within ``timeout_s`` (END_WORKER
+        kept for :meth:`end_requests`, others dropped); ``timeout_s`` 0: what has arrived."""
         end = time.monotonic() + timeout_s
         while True:
             left = end - time.monotonic()
-            if left <= 0 or not self._sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+            if not self._sock.poll(max(0, int(left * 1000) + 1) if left > 0 else 0, zmq.POLLIN):
                 return None
             msg = self.codec.try_decode(self._sock.recv(copy=False).buffer, peer="controller",
                                         now=time.monotonic())
-            if msg is not None and isinstance(msg.body, cls) and msg.body.query_id == qid:
+            if msg is not None and isinstance(msg.body, wire.EndWorker):
+                self._ends.append(msg.body)
+            elif msg is not None and isinstance(msg.body, cls) and msg.body.query_id == qid:
                 return msg.body
 
 

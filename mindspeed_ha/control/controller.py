@@ -372,7 +372,9 @@ class Controller:
         if previous is not None and now - previous < self.config.heartbeat_timeout_s / 2:
             # not after a stall of the controller itself (its process frozen, swapped out):
             # then every rank would look silent, and ending them would lose the job
-            self.arbiter.note_hung(now, self.hosted_ranks)
+            remote = frozenset(self.arbiter.agent_of) - self.hosted_ranks
+            self.arbiter.note_hung(now, self.hosted_ranks | remote)
+            self.arbiter.end_remote(now, remote)
         for _ in range(MAX_DECISIONS_PER_STEP):
             d = decide(now, self.state, self.config)
             if d.action is ActionKind.NOOP and d.next_phase is None:

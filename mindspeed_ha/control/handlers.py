@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
 import zmq
 
 from mindspeed_ha.control import restarts, wire
-from mindspeed_ha.control.integrity import IntegrityReport
+from mindspeed_ha.control.integrity import IntegrityReport, short_digest
 from mindspeed_ha.control.state import OptimizerStatus, Phase, RankInfo
 from mindspeed_ha.faults import FaultKind
 
@@ -194,8 +194,8 @@ def _integrity(ctl: "Controller", now: float, rank: int, info: RankInfo, body: A
                                      body.model_digest, body.detail)
     log.log(logging.INFO if body.shard_ok and body.model_ok else logging.ERROR,
             "rank %d: integrity at iteration %d: shard %s %s, model %s %s%s", rank, body.iteration,
-            "ok" if body.shard_ok else "CORRUPT", body.shard_digest[:12],
-            "ok" if body.model_ok else "CORRUPT", body.model_digest[:12],
+            "ok" if body.shard_ok else "CORRUPT", short_digest(body.shard_digest),
+            "ok" if body.model_ok else "CORRUPT", short_digest(body.model_digest),
             f" ({body.detail})" if body.detail else "")
 
 

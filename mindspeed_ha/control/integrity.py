@@ -94,8 +94,35 @@ class Verdict:
         return not info.verifies or info.rank in self.clean
 
 
-def _short(digest: str) -> str:
-    return digest[:12] if digest else "-"
+#: the digest algorithm of this version; every digest is ``"<algorithm>:<hex>"``. Before
+#: issue 21 the digest was an untagged blake2b-128 (32 hex digits): such a digest, or one
+#: tagged with another algorithm, is refused by a saver (:func:`foreign_digest`; within one
+#: job every rank runs one version: the wire's schema version refuses the others)
+DIGEST_ALGORITHM = "xxh3-128"
+
+
+def tag_digest(hexdigest: str) -> str:
+    """``hexdigest`` of :data:`DIGEST_ALGORITHM`, tagged with its algorithm."""
+    return f"{DIGEST_ALGORITHM}:{hexdigest}"
+
+
+def foreign_digest(digest: str) -> Optional[str]:
+    """None if ``digest`` is empty (no such part) or of :data:`DIGEST_ALGORITHM`, else why
+    it cannot be compared: computed by another mindspeed-ha version (untagged: blake2b-128
+    of the versions before issue 21; tagged: another algorithm)."""
+    if not digest or digest.startswith(DIGEST_ALGORITHM + ":"):
+        return None
+    algo = digest.split(":", 1)[0] if ":" in digest else "untagged (blake2b-128, mindspeed-ha before issue 21)"
+    return (f"digest of algorithm {algo}, not {DIGEST_ALGORITHM}: computed by another mindspeed-ha version, "
+            "not comparable (run every rank on one version)")
+
+
+def short_digest(digest: str) -> str:
+    """The first 12 hex digits of ``digest`` (its algorithm tag left out), "-" if empty."""
+    return digest.split(":", 1)[-1][:12] if digest else "-"
+
+
+_short = short_digest
 
 
 def screen(k: int, at_k: Mapping[ShardKey, Sequence[RankInfo]]) -> Verdict:

@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mindspeed_ha.control.controller")
 
+#: END_WORKER to another node's agent: seconds between two for the same hung process, and at most how many
+END_WORKER_RESEND_S = 2.0
+END_WORKER_SENDS = 5
 #: exit codes that are a verdict (75-79) or a clean end (0): their worker is never restarted
 _NOT_RESTARTED = frozenset({0, *range(75, 80)})
 
@@ -48,6 +51,10 @@ class RestartArbiter:
         self.abandoned: Set[int] = set()  # ranks the agent will not restart again
         #: ranks declared hung for ARF (:meth:`note_hung`): rank -> (pid of the hung process, why)
         self.hung: Dict[int, Tuple[int, str]] = {}
+        #: global rank -> the connection of the other node's agent that last spoke for it
+        #: (AGENT_HELLO, RESTART_QUERY, AGENT_REPORT): where END_WORKER goes
+        self.agent_of: Dict[int, bytes] = {}
+        self._end_sent: Dict[int, Tuple[float, int]] = {}  # rank -> (last END_WORKER sent at, how many)
 
     def refused(self, rank: int) -> Optional[str]:
         """None while the agent may restart a dead ``rank``, else why not (see
@@ -90,24 +97,27 @@ class RestartArbiter:
                 st.rejoin_wait[rank] = at
                 log.info("rank %d: its agent may restart it: the new process is awaited to rejoin", rank)
 
-    def note_hung(self, now: float, hosted: AbstractSet[int]) -> None:
+    def note_hung(self, now: float, hosted: AbstractSet[int]) -> List[int]:
         """ARF for a hang: a rank of ``hosted`` (the workers of this controller's own
-        launcher, which can end them) whose heartbeats stopped for longer than
+        launcher and those of the other nodes' agents that spoke to this controller,
+        :attr:`agent_of`: the launchers that can end them) whose heartbeats stopped for longer than
         ``heartbeat_timeout_s`` (a SIGSTOPped process, a deadlock that holds every thread)
-        while it may be restarted is declared dead now: the launcher SIGKILLs that process
-        (:meth:`Controller.unresponsive_ranks`), its agent restarts it, and the policy waits
-        for the new process to rejoin (``rejoin_wait``) as after a crash, instead of taking
-        the dying checkpoint. Ranks of other nodes keep the silent-rank path (their agent
-        is not told to end a process), and so does a job whose every rank is silent; the
-        controller calls this only when its previous decision step is less than half a
-        heartbeat timeout old (after a stall of its own, every rank would look hung).
+        while it may be restarted is declared dead now: its launcher SIGKILLs that process
+        (this node: :meth:`Controller.unresponsive_ranks`; another node: END_WORKER over
+        its agent's link, :meth:`end_remote`), its agent restarts it,
+        and the policy waits for the new process to rejoin (``rejoin_wait``) as after a
+        crash, instead of taking the dying checkpoint. A job whose every rank is silent
+        keeps the silent-rank path; the controller calls this only when its previous
+        decision step is less than half a heartbeat timeout old (after a stall of its own,
+        every rank would look hung). Returns the ranks declared hung now.
         """
         ctl, st = self.ctl, self.ctl.state
+        declared: List[int] = []
         if not ctl.config.worker_reboot or not hosted:
-            return
+            return declared
         limit = ctl.config.heartbeat_timeout_s
         if not any(i.alive and now - i.last_heartbeat <= limit for i in st.ranks.values()):
-            return  # every rank silent: not one hung process (the silent-rank path decides)
+            return declared  # every rank silent: not one hung process (the silent-rank path decides)
         for r in sorted(hosted):
             info = st.ranks.get(r)
             if (info is None or not info.alive or info.exit_code is not None or now - info.last_heartbeat <= limit
@@ -118,7 +128,29 @@ class RestartArbiter:
             st.mark_dead(r, why, None, info.last_heartbeat)
             self.hung[r] = (info.pid, why)
             self.expect_rejoin(r, None, now)
+            declared.append(r)
             log.warning("rank %d (pid %d): %s", r, info.pid, why)
+        return declared
+
+    def end_remote(self, now: float, remote: AbstractSet[int]) -> None:
+        """END_WORKER to the agent of each hung rank (:attr:`hung`) that another node hosts
+        (``remote``, :attr:`agent_of`): that launcher SIGKILLs the hung process and restarts
+        it (ARF). Sent again every ``END_WORKER_RESEND_S``, at most ``END_WORKER_SENDS``
+        times, until a new process of the rank registered (the agent ends only that pid:
+        a repeat is harmless). I/O thread."""
+        st = self.ctl.state
+        for r, (pid, why) in sorted(self.hung.items()):
+            info = st.ranks.get(r)
+            if r not in remote or info is None or info.pid != pid or r in self.abandoned:
+                continue
+            last, sent = self._end_sent.get(r, (None, 0))
+            if sent >= END_WORKER_SENDS or (last is not None and now - last < END_WORKER_RESEND_S):
+                continue
+            self._end_sent[r] = (now, sent + 1)
+            try:
+                self.ctl.server.send(self.agent_of[r], wire.EndWorker(r, pid, why[:512]))
+            except (zmq.ZMQError, wire.WireError) as exc:
+                log.warning("rank %d: cannot ask its node's agent to end pid %d: %s", r, pid, exc)
 
     def hung_processes(self) -> Dict[int, Tuple[int, str]]:
         """rank -> (pid, why) of the hung processes still to be ended: a rank drops out once
@@ -233,6 +265,12 @@ def agent_message(ctl: "Controller", now: float, ident: bytes, msg: wire.Message
         ctl.codec.rejected["bad_body"] += 1
         return
     reply = handler(ctl, now, msg.body)
+    body = msg.body
+    ranks = list(body.ranks) if isinstance(body, wire.AgentHello) else [body.rank]
+    if not isinstance(body, wire.AgentHello) or reply.accepted:
+        for r in ranks:
+            if 0 <= r < ctl.world_size:
+                ctl.arbiter.agent_of[r] = ident
     if reply is not None:
         try:
             ctl.server.send(ident, reply)

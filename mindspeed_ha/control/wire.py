@@ -57,7 +57,8 @@ log = logging.getLogger(__name__)
 #: 7: GOODBYE_ACK: a rank closes its connection only once its GOODBYE was handled
 #: 8: the operator (``mindspeed-ha status|pause|resume|stop``): OPERATOR_REQUEST / OPERATOR_REPLY;
 #:    graceful pause: DRAIN.hold, RELEASE (lift the pause limit)
-SCHEMA_VERSION = 8
+#: 9: END_WORKER: the controller asks another node's agent to end a hung worker (ARF)
+SCHEMA_VERSION = 9
 TAG_BYTES = 32
 DEFAULT_MAX_BYTES = 1 << 20
 #: what CURVE adds to a frame on the wire (MESSAGE command, nonce, MAC: 33 bytes), rounded up
@@ -87,6 +88,7 @@ class MsgType(str, enum.Enum):
     RESTART_QUERY = "restart_query"
     RESTART_ANSWER = "restart_answer"
     AGENT_REPORT = "agent_report"
+    END_WORKER = "end_worker"
     OPERATOR_REQUEST = "operator_request"
     OPERATOR_REPLY = "operator_reply"
     RELEASE = "release"
@@ -345,6 +347,17 @@ class AgentReport:
     detail: str = ""
 
 
+@dataclasses.dataclass(frozen=True)
+class EndWorker:
+    """controller -> agent: the worker of ``rank`` running as ``pid`` is hung (no heartbeat
+    for longer than ``--ha-heartbeat-timeout``: ``detail``); SIGKILL it if that pid is still
+    the agent's worker of the rank, then treat its death as any other (restart it, ARF)."""
+
+    rank: int
+    pid: int
+    detail: str = ""
+
+
 # ------------------------------------------------ the operator (mindspeed-ha status | pause | resume | stop)
 #: the verbs an operator may send
 OPERATOR_VERBS = ("status", "pause", "resume", "stop")
@@ -401,6 +414,7 @@ BODY_TYPES: Dict[MsgType, Type[Any]] = {
     MsgType.RESTART_QUERY: RestartQuery,
     MsgType.RESTART_ANSWER: RestartAnswer,
     MsgType.AGENT_REPORT: AgentReport,
+    MsgType.END_WORKER: EndWorker,
     MsgType.OPERATOR_REQUEST: OperatorRequest,
     MsgType.OPERATOR_REPLY: OperatorReply,
     MsgType.RELEASE: Release,

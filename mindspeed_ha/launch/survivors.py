@@ -23,7 +23,7 @@ import signal
 import socket
 import subprocess
 import time
-from typing import Dict, List, Optional, Set
+from typing import Dict, List, Optional, Set, Tuple
 
 import wrapt
 
@@ -244,7 +244,20 @@ def end_unresponsive_workers(pcontext, state: Survivors) -> None:
     wait its 30 s before SIGKILL; end it now (its process group, as torchrun does) and
     let the next poll report its exit to the controller like any other death.
     """
-    hung = state.controller.unresponsive_ranks()
+    _end_workers(pcontext, state, state.controller.unresponsive_ranks())
+
+
+def end_workers_asked_by_link(pcontext, state: Survivors) -> None:
+    """On a node without the controller: SIGKILL the workers the controller declared hung
+    (END_WORKER over the agent's link, ``--enable-worker-reboot``); the agent's next poll
+    sees the death and restarts the worker like any crash (ARF)."""
+    ends = state.link.end_requests()
+    if ends:
+        _end_workers(pcontext, state, {e.rank: (e.pid, e.detail) for e in ends})
+
+
+def _end_workers(pcontext, state: Survivors, hung: Dict[int, Tuple[int, str]]) -> None:
+    """SIGKILL each worker of ``hung`` (rank -> (pid, why)) if that pid is still this launcher's worker of the rank."""
     if not hung:
         return
     for local_rank, handler in pcontext.subprocess_handlers.items():
@@ -277,6 +290,8 @@ def supervise(pcontext, state: Survivors) -> None:
     preemption_backstop(pcontext, state)
     if state.controller is not None:
         end_unresponsive_workers(pcontext, state)
+    elif state.link is not None:
+        end_workers_asked_by_link(pcontext, state)
 
 
 def _report_failures(pcontext, state: Survivors, failed: Dict[int, int], running: int) -> None:

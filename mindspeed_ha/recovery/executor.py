@@ -56,10 +56,25 @@ def next_plan(rt, failure: BaseException, where: str, modes: Optional[Tuple[str,
     mode is in ``modes`` (any mode if None): a new plan, e.g. a controller successor's with
     its rendezvous store after the controller's node was lost during this recovery.
 
+    A rank whose own state still holds a UCE's damage (``rt.unrepaired``: the recovery
+    that was to repair it failed) reports the failure as that UCE
+    (:class:`~mindspeed_ha.errors.UnrepairedDamage`, from ``failure``): the next plan
+    repairs or reloads it and never takes its state as a source (before, the failed
+    rebuild was reported as a network fault and a successor's rejoin plan copied the
+    damaged parameters to the restarted ranks: exit 0, wrong losses).
+
     Raises:
-        ``failure``: the answer is anything else (the dying checkpoint: its DUMP runs on the
-            action thread and its EXIT ends the process meanwhile; None: no controller).
+        ``failure`` (or the UnrepairedDamage raised from it): the answer is anything else
+            (the dying checkpoint: its DUMP runs on the action thread and its EXIT ends the
+            process meanwhile; None: no controller).
     """
+    damage = getattr(rt, "unrepaired", None)
+    if damage is not None:  # reported as the UCE it still is: no plan may take this rank's state as a source
+        from mindspeed_ha.errors import UnrepairedDamage
+
+        wrapped = UnrepairedDamage(f"rank {rt.rank}: {damage} not repaired: the recovery failed: {failure}")
+        wrapped.__cause__ = failure
+        failure = wrapped
     action = rt.handle_fault(failure, where=where, news=True)
     mode = (getattr(action, "params", None) or {}).get("mode")
     if getattr(action, "kind", None) != "retry" or (modes is not None and mode not in modes):
@@ -101,6 +116,7 @@ def recover(rt, action) -> Dict[str, float]:
     except Exception as exc:
         _failed(rt, action, exc, "in-place recovery")
         raise
+    rt.unrepaired = None  # repaired from a replica, or the whole state reloaded
     rt.mark_recovered()
     detail = dict(times, rank=rt.rank, iteration=plan.iteration, generation=plan.generation,
                   repaired=bool(c.repaired), mode=plan.mode)

@@ -8,6 +8,7 @@ import logging
 from mindspeed_ha.checkpoint import dying
 from mindspeed_ha.checkpoint.formats import checkpoint_format
 from mindspeed_ha.checkpoint.integrity import verify_state
+from mindspeed_ha.control.integrity import short_digest
 from mindspeed_ha.faults import EXIT_DYING_CHECKPOINT_SAVED
 
 log = logging.getLogger("mindspeed_ha.runtime")
@@ -36,8 +37,8 @@ def on_verify(rt, params: dict):
     report = verify_state(rt.ctx, k)
     rt.processor.report_integrity(report)
     verdict = "ok" if report.shard_ok and report.model_ok else f"CORRUPT ({report.detail})"
-    return True, (f"rank {rt.rank}: iteration {k} {verdict}, shard {report.shard_digest[:12] or '-'}, "
-                  f"model {report.model_digest[:12]}")
+    return True, (f"rank {rt.rank}: iteration {k} {verdict}, shard {short_digest(report.shard_digest)}, "
+                  f"model {short_digest(report.model_digest)}")
 
 
 def on_dump(rt, params: dict):

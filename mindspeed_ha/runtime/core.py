@@ -98,6 +98,9 @@ class HARuntime:
         self.step_stats: dict = {}
         self.events = EventRecorder(f"rank-{self.rank}")
         self.faults = FaultLedger()
+        #: what still damages this rank's state while a recovery meant to repair it has not
+        #: succeeded (a UCE: :func:`mindspeed_ha.recovery.executor.recover`), else None
+        self.unrepaired: Optional[str] = None
         self.fallback_group = None
         self.script_loader = None
         self._get_runtime = get_runtime or (lambda: self)
@@ -381,9 +384,11 @@ class HARuntime:
             iteration = self.completed if self.completed is not None else int(getattr(self.args, "iteration", 0) or 0)
             log.error("rank %d: fault during %s after iteration %s: %s", self.rank, _WHERE.get(where, where),
                       iteration, exc)
-        from mindspeed_ha.faults import classify, describe
+        from mindspeed_ha.faults import FaultKind, classify, describe
 
         report = FaultReport(describe(exc), classify(exc).value, iteration, where)
+        if report.kind == FaultKind.UCE.value and self.unrepaired is None:
+            self.unrepaired = f"the UCE in iteration {iteration} ({report.error[:200]})"
         self.faults.remember(exc, report)
         action = self.processor.report_fault(exc, iteration, where=where)
         self.faults.remember(exc, FaultReport(report.error, report.kind, iteration, where, True, action))
