@@ -37,9 +37,10 @@ STOCK_INIT_DATA_FLAGS = dict(
 #: --deterministic-mode asserts NCCL_ALGO is set (megatron/training/arguments.py l.876-883)
 STOCK_ENV = {"NCCL_ALGO": "Ring"}
 
-# (id, program, tp, pp, extra flags, iterations, replica counts run with HA on; None: the default, 2)
+# (id, program, tp, pp, extra flags, iterations, replica counts run with HA on; None: the default, 2).
+# DP4 fp32 without flags is the dp4-init-flags job's N=2 run with the flags at their defaults'
+# mechanics (and the overlap test's dp4-fp32 case): no job of its own.
 CASES = [
-    ("dp4-fp32", "trainer", 1, 1, [], 6, (None,)),
     ("pp2-dp2-bf16", "trainer", 1, 2, ["--bf16"], 6, (None,)),
     ("dp4-init-flags", "trainer", 1, 1, TRAINER_INIT_FLAGS, 8, (1, 2)),
     ("stock-tp2-dp2-init-data-flags", "stock", 2, 1, STOCK_INIT_DATA_FLAGS, 8, (1, 2)),
