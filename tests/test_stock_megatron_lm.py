@@ -160,18 +160,23 @@ def test_regular_save_resumes_bitwise_and_the_subtle_patches_are_needed(tree, ba
 
 #: CPU-backend patches of megatron/training and what breaks without each (the dataset-helper
 #: and fused-kernel patches are proven by the tree-hash test: without them Megatron builds
-#: inside the tree; cpu.dataloader_rng by the resume test above).
-NEEDED_AT_START = ["cpu.mlm_initialize", "cpu.mlm_init_distributed", "cpu.torch_device_count",
-                   "cpu.mlm_set_random_seed", "cpu.torch_set_device", "cpu.mlm_pretrain",
-                   "cpu.mlm_compile_dependencies"]
+#: inside the tree; cpu.dataloader_rng by the resume test above), with the world size where
+#: it breaks: one rank for all but the dependency build (a 1-rank job trains without it)
+NEEDED_AT_START = [("cpu.mlm_initialize", 1), ("cpu.mlm_init_distributed", 1), ("cpu.torch_device_count", 1),
+                   ("cpu.mlm_set_random_seed", 1), ("cpu.torch_set_device", 1), ("cpu.mlm_pretrain", 1),
+                   ("cpu.mlm_compile_dependencies", 4)]
 
 
-@pytest.mark.parametrize("patch", ["none"] + NEEDED_AT_START)
-def test_each_cpu_training_patch_is_needed(tree, patch):
+@pytest.mark.parametrize("patch,nproc", [("none", 1)] + NEEDED_AT_START, ids=["none"] + [p for p, _ in NEEDED_AT_START])
+def test_each_cpu_training_patch_is_needed(tree, patch, nproc):
     """Without the patch, stock pretrain_gpt.py cannot train two iterations on CPU (control:
-    with every patch it does, with the same arguments)."""
-    r = _run(tree, _args("pp2", ha=False, iters=2, lr_warmup_iters=0),
-             env={"MINDSPEED_HA_DISABLE_PATCHES": "" if patch == "none" else patch})  # unknown names are refused
+    with every patch it does, with the same arguments; on 4 ranks every other test of this
+    module shows it)."""
+    layout = {1: dict(tp=1, pp=1), 4: dict(tp=1, pp=2)}[nproc]
+    args = mlm.stock_gpt_args(train_iters=2, ckpt_format="torch", lr_warmup_iters=0, **layout)
+    r = mlm.launch_stock(tree["root"], args, nproc=nproc,
+                         env={"MINDSPEED_HA_DISABLE_PATCHES": "" if patch == "none" else patch})  # unknown names are refused
+    assert not r.timed_out, r.stderr[-4000:]
     if patch == "none":
         assert r.returncode == 0 and 2 in r.losses, r.stderr[-4000:]
     else:
