@@ -434,7 +434,14 @@ def main(argv=None) -> int:
 def _launch(argv, targs, ns) -> int:
     """The job: plain torchrun without the HA flag, else the control plane and torchrun
     with the HA agent; the exit status."""
-    if not getattr(ns, "enable_high_availability", False):
+    from mindspeed_ha.integrations.mindspeed_llm import ours
+
+    try:
+        ha = getattr(ns, "enable_high_availability", False) and ours()  # mindio_ttp chosen: plain torchrun
+    except ConfigError as exc:  # MINDSPEED_HA_PROVIDER
+        print(f"mindspeed-ha-run: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    if not ha:
         from torch.distributed.run import run
 
         run(targs)

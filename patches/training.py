@@ -144,6 +144,8 @@ def _clear_frames(exc: BaseException) -> None:
 
 
 def _guarded_call(rt, where: str, wrapped, args, kwargs):
+    if _activity and _activity[-1] == where:  # a second guard of the same call (two layers): one reports
+        return wrapped(*args, **kwargs)
     _activity.append(where)
     try:
         return wrapped(*args, **kwargs)
@@ -180,6 +182,8 @@ def _save_guard(wrapped, instance, args, kwargs):
 
     rt = get_runtime()
     if rt is None:
+        return wrapped(*args, **kwargs)
+    if _activity and _activity[-1] in ("save", "final_save"):  # a second guard of the same save
         return wrapped(*args, **kwargs)
     point = "save" if "train" in _activity else "final_save"
     iteration = _first_arg(args, kwargs, "iteration", 0)
