@@ -13,8 +13,9 @@ Two kinds of patch (see the project's ``shared/docs/CPU_BACKEND_FACTS.md`` for t
   makes ``Tensor.cuda()`` the identity and (optimizer scopes only) reports
   ``Tensor.type()`` with the ``torch.cuda.`` prefix so megatron picks its normal path.
 * **torch.cuda shims** (only where megatron calls ``torch.cuda.X()`` directly and no
-  megatron function can be wrapped more narrowly): ``current_device`` -> 0 (an index, as
-  torch answers; inside :class:`CpuDeviceMode` an index as ``device`` maps to CPU),
+  megatron function can be wrapped more narrowly): ``current_device`` -> 0 inside a
+  :class:`CpuDeviceMode` scope (an index, as torch answers; the scope maps an index as
+  ``device`` to CPU), the CPU device outside one,
   ``synchronize`` -> no-op, ``get_rng_state`` / ``set_rng_state`` / ``manual_seed`` ->
   the CPU default generator. They are registry patches on ``torch.cuda`` gated by this
   feature, so they act **only in CPU-only processes**; with CUDA/NPU present they pass
@@ -32,6 +33,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import threading
 
 from mindspeed_ha import env as ha_env
 
@@ -76,6 +78,14 @@ def _cpu_device_mode_cls():
             super().__init__()
             self.map_type = map_type
 
+        def __enter__(self):
+            _in_scope.depth = getattr(_in_scope, "depth", 0) + 1
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            _in_scope.depth -= 1
+            return super().__exit__(*exc)
+
         def __torch_function__(self, func, types, args=(), kwargs=None):
             if kwargs:
                 if _is_accelerator(kwargs.get("device")):
@@ -119,8 +129,18 @@ def _on_cpu_typed(wrapped, instance, args, kwargs):
 # --- torch.cuda shims (gated: CPU-only processes) -----------------------------------
 
 
+#: how many CpuDeviceMode scopes this thread is in
+_in_scope = threading.local()
+
+
 def _current_device(wrapped, instance, args, kwargs):
-    return 0  # an index, as torch documents (MindSpeed indexes generators with it); CpuDeviceMode maps it to CPU
+    """Inside a :class:`CpuDeviceMode` scope: 0, an index as torch documents (MindSpeed indexes
+    its generators with it; the scope maps ``device=0`` to CPU). Outside one (model builds
+    of tests and tools that run no Megatron ``pretrain``): the CPU device, which every
+    ``device=`` argument accepts."""
+    import torch
+
+    return 0 if getattr(_in_scope, "depth", 0) else torch.device("cpu")
 
 
 def _synchronize(wrapped, instance, args, kwargs):
@@ -179,7 +199,7 @@ _DOC_TYPE = "run on CPU; Tensor.type() answers torch.cuda.* so megatron keeps it
 PATCHES = [
     # torch.cuda shims, CPU-only processes.
     Patch("cpu.torch_current_device", "torch.cuda", "current_device", _current_device, FEATURE,
-          versions=None, doc="torch.cuda.current_device() -> 0, an int as torch's (CPU-only process)"),
+          versions=None, doc="torch.cuda.current_device() -> 0 in a CPU scope (an int, as torch's), else the cpu device"),
     Patch("cpu.torch_synchronize", "torch.cuda", "synchronize", _synchronize, FEATURE,
           versions=None, doc="torch.cuda.synchronize() -> no-op (CPU-only process)"),
     Patch("cpu.torch_get_rng_state", "torch.cuda", "get_rng_state", _get_rng_state, FEATURE,

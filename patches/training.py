@@ -391,6 +391,12 @@ PATCHES = [
         versions=None,
         doc="fault guard around mindspeed_ha.testing.trainer's periodic and final save_checkpoint",
     ),
+    # MindSpeed-LLM's pretrain_gpt.py calls its own pretrain, which calls its own train and
+    # save_checkpoint (from megatron.training.checkpointing), not megatron.training.training's
+    *[Patch(name=f"ha.guard.{what}.mindspeed_llm", module="mindspeed_llm.training.training", attribute=attr,
+            wrapper=wrapper, feature="ha", versions=None, doc=f"fault guard around MindSpeed-LLM's own {attr}")
+      for what, attr, wrapper in (("train", "train", _guard("train")), ("save_checkpoint", "save_checkpoint", _save_guard),
+                                  ("evaluate", "evaluate_and_print_results", _guard("eval")))],
     Patch(
         name="ha.helper_dies_with_rank",
         module="multiprocessing.managers",

@@ -28,7 +28,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-SHARED = os.path.join(REPO, "..", "shared", "third_party")
+SHARED = next((p for p in (os.path.join(REPO, d, 'shared', 'third_party') for d in ('..', os.path.join('..', '..'))) if os.path.isdir(p)), os.path.join(REPO, '..', 'shared', 'third_party'))
 SCRIPT = os.path.join(HERE, "pretrain_llama2_7b_ptd_mindspeed_llm.sh")
 NPU_DOUBLE = os.path.join(REPO, "tests", "npu_double")
 

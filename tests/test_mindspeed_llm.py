@@ -17,7 +17,8 @@ grad norms), and fault schedules (several faults in one job):
   reboot), TP1 PP2: a UCE recovered in place from the latest periodic checkpoint, then a
   killed rank restarted alone and reloaded in place; exit 0, bitwise. (A kill before any
   periodic checkpoint ends in 76 with "no periodic checkpoint yet": the path every
-  framework shares, tests/test_worker_restart.py ``..._no_checkpoint_...``.)
+  framework shares, tests/test_worker_restart.py
+  ``test_no_replica_without_a_periodic_checkpoint_takes_the_dying_checkpoint``.)
 * the master switch with replicas (+ UCE repair), TP2 PP1: a UCE and a network error
   recovered in place, then a kill: dying checkpoint (75, 0 steps lost), and MindSpeed-LLM's
   own ``--load`` resumes, bitwise.
@@ -98,26 +99,36 @@ def _report(prefix):
     return rows
 
 
-@pytest.fixture(scope="module")
-def baselines(trees, tmp_path_factory):
-    """One uninterrupted run per layout, every HA flag off (launcher and package in place)."""
-    out = {}
-    for layout in LAYOUTS:
-        report = str(tmp_path_factory.mktemp(f"report_{layout}") / "patches")
+class _Baselines(dict):
+    """One uninterrupted run per layout, every HA flag off (launcher and package in place),
+    run when a test first asks for its layout (``-m hog`` runs the TP1 PP2 one only)."""
+
+    def __init__(self, trees, tmp_path_factory):
+        super().__init__()
+        self.trees, self.tmp = trees, tmp_path_factory
+
+    def __missing__(self, layout):
+        report = str(self.tmp.mktemp(f"report_{layout}") / "patches")
         args = _without(script_args(layout), *msl.HA_FLAGS)
-        r = _run(trees, args, env={"MINDSPEED_HA_PATCH_REPORT": report})
+        r = _run(self.trees, args, env={"MINDSPEED_HA_PATCH_REPORT": report})
         assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
         assert sorted(r.losses) == list(range(1, ITERS + 1))
         assert sorted(r.grad_norms) == list(range(1, ITERS + 1))
-        out[layout] = {"losses": r.losses, "grad_norms": r.grad_norms, "report": _report(report),
-                       "log": r.stdout + r.stderr}
-    return out
+        self[layout] = {"losses": r.losses, "grad_norms": r.grad_norms, "report": _report(report),
+                        "log": r.stdout + r.stderr}
+        return self[layout]
+
+
+@pytest.fixture(scope="module")
+def baselines(trees, tmp_path_factory):
+    return _Baselines(trees, tmp_path_factory)
 
 
 def test_flags_off_no_ha_patch_active(baselines):
     """HA off: no HA patch active and no runtime on any rank (so no controller), and nobody
     claims the flags (the start-up line is printed only when they are given)."""
-    for layout, base in baselines.items():
+    for layout in LAYOUTS:
+        base = baselines[layout]
         assert sorted(base["report"]) == [0, 1, 2, 3], layout
         for rank, row in base["report"].items():
             assert not row["runtime"], (layout, rank)
