@@ -65,6 +65,9 @@ NODE_ADDR = "MINDSPEED_HA_NODE_ADDR"
 LOG = "MINDSPEED_HA_LOG"
 
 # ---------------------------------------------------------------- patches and checkpoints
+#: who acts on the four HA flags: ``mindspeed-ha`` (default) or ``mindio_ttp`` (MindSpeed-LLM's
+#: own high-availability feature; then mindspeed-ha leaves the flags alone). Never both.
+PROVIDER = "MINDSPEED_HA_PROVIDER"
 #: comma-separated patch names not to apply (each one ``mindspeed-ha patches`` lists)
 DISABLE_PATCHES = "MINDSPEED_HA_DISABLE_PATCHES"
 #: "0"/"1": force the CPU backend off/on (default: on without CUDA and NPU)

@@ -453,7 +453,14 @@ def _forkserver_wanted() -> bool:
 
 
 def _launch_job(argv, targs, ns) -> int:
-    if not getattr(ns, "enable_high_availability", False):
+    from mindspeed_ha.integrations.mindspeed_llm import ours
+
+    try:
+        ha = getattr(ns, "enable_high_availability", False) and ours()  # mindio_ttp chosen: plain torchrun
+    except ConfigError as exc:  # MINDSPEED_HA_PROVIDER
+        print(f"mindspeed-ha-run: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    if not ha:
         from torch.distributed.run import run
 
         run(targs)

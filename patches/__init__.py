@@ -6,7 +6,7 @@ Declaring a patch imports nothing heavy: wrappers import torch/megatron lazily.
 
 from .registry import Patch, active, enable, install, is_enabled, report  # noqa: F401
 
-_MODULES = ("cpu_backend", "cpu_training", "compat", "comm", "rejoin", "megatron_fixes", "arguments", "replica", "optimizer", "training", "megatron_state", "testing")
+_MODULES = ("cpu_backend", "cpu_training", "compat", "comm", "rejoin", "megatron_fixes", "arguments", "replica", "optimizer", "training", "megatron_state", "testing", "mindspeed_llm")
 
 
 def all_patches():

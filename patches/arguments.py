@@ -7,6 +7,10 @@ Megatron-shaped trainer (``mindspeed_ha.testing.trainer.arguments``): the user's
 friends (skipping any flag the framework already defines, e.g. MindSpeed-LLM's own
 copies, whichever of its wrappers and ours is outside). After parsing, the flags are
 validated (errors name the flag and the accepted range) and the features are switched on.
+Under MindSpeed-LLM the flags are ours unless ``MINDSPEED_HA_PROVIDER=mindio_ttp``
+(:mod:`mindspeed_ha.integrations.mindspeed_llm`): then none of our features is switched on;
+else ``args.enable_high_availability`` is turned off in Megatron's namespace once our
+runtime holds the config, so MindSpeed-LLM's own HA branches stay off, and rank 0 says so.
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ from __future__ import annotations
 from mindspeed_ha import env as ha_env
 import argparse
 import os
+import sys
+
+from mindspeed_ha.integrations.mindspeed_llm import ours as provider_ours, start_up_line
 
 from .registry import Patch, enable
 
@@ -63,6 +70,11 @@ def apply_ha_args(parsed) -> None:
     from mindspeed_ha.patches.registry import check_disabled
 
     check_disabled()
+    mindspeed_llm = "mindspeed_llm" in sys.modules
+    if not provider_ours():  # MINDSPEED_HA_PROVIDER=mindio_ttp: the flags are MindSpeed-LLM's alone
+        if mindspeed_llm and _ha_flag_set(parsed):
+            _say(start_up_line(parsed))
+        return
     config = HAConfig.from_args(parsed)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     validate_ha_args(
@@ -85,6 +97,20 @@ def apply_ha_args(parsed) -> None:
         features.append("testing")
     enable(*features)
     runtime.configure(config, parsed)
+    if mindspeed_llm:
+        # MindSpeed-LLM's training loop takes its own HA path (mindio_ttp) on this flag
+        # (mindspeed_llm/training/training.py pretrain/train); our runtime keeps the config
+        parsed.enable_high_availability = False
+        _say(start_up_line(parsed))
+
+
+def _ha_flag_set(parsed) -> bool:
+    return bool(getattr(parsed, "enable_high_availability", False))
+
+
+def _say(line: str) -> None:
+    if os.environ.get("RANK", "0") == "0":
+        print(line, flush=True)
 
 
 def _parse_args_wrapper(wrapped, instance, args, kwargs):

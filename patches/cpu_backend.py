@@ -1,7 +1,7 @@
 """CPU backend: megatron-core 0.12.1 (GPTModel, DDP, DistributedOptimizer, TP/PP/DP) on gloo.
 
 Feature ``cpu_backend``. :func:`autoenable` switches it on only in a process that has
-neither a CUDA device nor ``torch_npu`` (env ``MINDSPEED_HA_CPU_BACKEND=0|1``
+neither a CUDA device nor an NPU (``torch_npu.npu.is_available()``; env ``MINDSPEED_HA_CPU_BACKEND=0|1``
 overrides), so every patch below is a pass-through wherever an accelerator exists.
 
 Two kinds of patch (see the project's ``shared/docs/CPU_BACKEND_FACTS.md`` for the touch points):
@@ -13,7 +13,9 @@ Two kinds of patch (see the project's ``shared/docs/CPU_BACKEND_FACTS.md`` for t
   makes ``Tensor.cuda()`` the identity and (optimizer scopes only) reports
   ``Tensor.type()`` with the ``torch.cuda.`` prefix so megatron picks its normal path.
 * **torch.cuda shims** (only where megatron calls ``torch.cuda.X()`` directly and no
-  megatron function can be wrapped more narrowly): ``current_device`` -> CPU device,
+  megatron function can be wrapped more narrowly): ``current_device`` -> 0 inside a
+  :class:`CpuDeviceMode` scope (an index, as torch answers; the scope maps an index as
+  ``device`` to CPU), the CPU device outside one,
   ``synchronize`` -> no-op, ``get_rng_state`` / ``set_rng_state`` / ``manual_seed`` ->
   the CPU default generator. They are registry patches on ``torch.cuda`` gated by this
   feature, so they act **only in CPU-only processes**; with CUDA/NPU present they pass
@@ -31,6 +33,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import threading
 
 from mindspeed_ha import env as ha_env
 
@@ -54,7 +57,14 @@ def _cpu_device_mode_cls():
             _CUDA_TYPE_NAMES[dt] = f"torch.cuda.{name}"
 
     cpu = torch.device("cpu")
-    tensor_cuda, tensor_type = torch.Tensor.cuda, torch.Tensor.type
+    tensor_cuda, tensor_type, tensor_to = torch.Tensor.cuda, torch.Tensor.type, torch.Tensor.to
+
+    def _is_accelerator(dev) -> bool:
+        """``'cuda[:n]'``, a CUDA ``torch.device`` or a device index (what
+        ``torch.cuda.current_device()`` returns)."""
+        if dev is None or isinstance(dev, bool):
+            return False
+        return isinstance(dev, int) or str(dev).startswith("cuda")
 
     class CpuDeviceMode(TorchFunctionMode):
         """Map CUDA device requests to CPU for the calls made inside one megatron function.
@@ -68,15 +78,24 @@ def _cpu_device_mode_cls():
             super().__init__()
             self.map_type = map_type
 
+        def __enter__(self):
+            _in_scope.depth = getattr(_in_scope, "depth", 0) + 1
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            _in_scope.depth -= 1
+            return super().__exit__(*exc)
+
         def __torch_function__(self, func, types, args=(), kwargs=None):
             if kwargs:
-                dev = kwargs.get("device")
-                if dev is not None and (dev == "cuda" or str(dev).startswith("cuda")):
+                if _is_accelerator(kwargs.get("device")):
                     kwargs = dict(kwargs, device=cpu)
             else:
                 kwargs = {}
             if func is tensor_cuda:
                 return args[0]
+            if func is tensor_to and len(args) > 1 and _is_accelerator(args[1]):
+                args = (args[0], cpu) + tuple(args[2:])
             if self.map_type and func is tensor_type and len(args) == 1 and not kwargs:
                 return _CUDA_TYPE_NAMES.get(args[0].dtype) or func(*args)
             return func(*args, **kwargs)
@@ -89,7 +108,7 @@ _mode_cls = None
 
 def cpu_device_mode(map_type: bool = False):
     """A new ``CpuDeviceMode`` (a ``TorchFunctionMode``; enter it with ``with``): inside it,
-    ``device='cuda'`` maps to CPU and ``Tensor.cuda()`` is the identity; with ``map_type``
+    ``device='cuda'`` (or a device index) maps to CPU and ``Tensor.cuda()`` is the identity; with ``map_type``
     ``Tensor.type()`` also answers ``torch.cuda.*Tensor``. Imports torch on first use."""
     global _mode_cls
     if _mode_cls is None:
@@ -110,10 +129,18 @@ def _on_cpu_typed(wrapped, instance, args, kwargs):
 # --- torch.cuda shims (gated: CPU-only processes) -----------------------------------
 
 
+#: how many CpuDeviceMode scopes this thread is in
+_in_scope = threading.local()
+
+
 def _current_device(wrapped, instance, args, kwargs):
+    """Inside a :class:`CpuDeviceMode` scope: 0, an index as torch documents (MindSpeed indexes
+    its generators with it; the scope maps ``device=0`` to CPU). Outside one (model builds
+    of tests and tools that run no Megatron ``pretrain``): the CPU device, which every
+    ``device=`` argument accepts."""
     import torch
 
-    return torch.device("cpu")
+    return 0 if getattr(_in_scope, "depth", 0) else torch.device("cpu")
 
 
 def _synchronize(wrapped, instance, args, kwargs):
@@ -172,7 +199,7 @@ _DOC_TYPE = "run on CPU; Tensor.type() answers torch.cuda.* so megatron keeps it
 PATCHES = [
     # torch.cuda shims, CPU-only processes.
     Patch("cpu.torch_current_device", "torch.cuda", "current_device", _current_device, FEATURE,
-          versions=None, doc="torch.cuda.current_device() -> cpu device (CPU-only process)"),
+          versions=None, doc="torch.cuda.current_device() -> 0 in a CPU scope (an int, as torch's), else the cpu device"),
     Patch("cpu.torch_synchronize", "torch.cuda", "synchronize", _synchronize, FEATURE,
           versions=None, doc="torch.cuda.synchronize() -> no-op (CPU-only process)"),
     Patch("cpu.torch_get_rng_state", "torch.cuda", "get_rng_state", _get_rng_state, FEATURE,
@@ -229,18 +256,32 @@ PATCHES = [
 
 
 def wanted() -> bool:
-    """True when this process should run megatron on CPU (no CUDA device, no torch_npu).
+    """True when this process should run megatron on CPU (no CUDA device, no NPU).
 
-    ``MINDSPEED_HA_CPU_BACKEND=1`` forces it on, ``=0`` off.
+    An importable ``torch_npu`` alone is not an NPU: it is asked
+    (``torch_npu.npu.is_available()``), so a CPU stand-in of it (tests) or an install on a
+    machine without the device leaves the CPU backend on. ``MINDSPEED_HA_CPU_BACKEND=1``
+    forces it on, ``=0`` off.
     """
     env = os.environ.get(ENV_OVERRIDE, "").strip()
     if env in ("0", "1"):
         return env == "1"
-    if importlib.util.find_spec("torch_npu") is not None:
+    if importlib.util.find_spec("torch_npu") is not None and _npu_available():
         return False
     import torch
 
     return not torch.cuda.is_available()
+
+
+def _npu_available() -> bool:
+    """Whether ``torch_npu`` imports and reports a device (an import that fails: no NPU)."""
+    try:
+        import torch_npu
+
+        return bool(torch_npu.npu.is_available())
+    except Exception as exc:  # a broken install is not a device; the user's own import will say why
+        logging.getLogger(__name__).warning("torch_npu is installed but does not import (%s): no NPU", exc)
+        return False
 
 
 def autoenable() -> bool:

@@ -205,6 +205,8 @@ PATCHES = [
           versions=None, doc="torch.cuda.set_device() -> no-op (CPU-only process)"),
     Patch("cpu.mlm_pretrain", f"{_MT}.training", "pretrain", _pretrain_on_cpu, FEATURE,
           versions=None, doc="pretrain(): device='cuda' factories and .cuda() map to CPU"),
+    Patch("cpu.mindspeed_llm_pretrain", "mindspeed_llm.training.training", "pretrain", _pretrain_on_cpu, FEATURE,
+          versions=None, doc="MindSpeed-LLM's own pretrain(): device='cuda' factories and .cuda() map to CPU"),
     Patch("cpu.mlm_fused_kernels", "megatron.legacy.fused_kernels", "load", _no_fused_kernels,
           FEATURE, versions=None, doc="no nvcc build of fused kernels (and no build/ in the tree)"),
     Patch("cpu.dataset_helpers", "megatron.core.datasets.utils", "compile_helpers",

@@ -20,7 +20,7 @@ crash or silently compute the wrong thing, and passes every other call through:
 * ``DistributedOptimizer._set_main_param_and_optimizer_states`` raises KeyError
   ``'step'`` (torch AdamW keeps ``step`` in its state, the parameter file does not) and
   copies into leaf params outside ``no_grad``: the current ``step`` is kept, copy runs
-  under ``no_grad``.
+  under ``no_grad`` (also under MindSpeed's stand-in Apex FusedAdam, its own AdamW).
 * A ``torch_dist`` resume at another tensor-parallel size reads uninitialised memory
   (dist_checkpointing/strategies/resharding.py ``reformulate_single_nd_flattened_tensor``,
   its ``sh_ten_merge_fn``): a distributed-optimizer state (``fp32_param``, ``exp_avg``,
@@ -50,6 +50,22 @@ def _plain_adamw() -> bool:
     import sys
 
     return not getattr(sys.modules[_DO], "HAVE_APEX_OR_TE", True)
+
+
+def _no_real_apex_or_te() -> bool:
+    """True unless megatron's ``Adam`` is a real Apex or TransformerEngine FusedAdam.
+
+    MindSpeed registers a dummy ``apex.optimizers.FusedAdam`` (its own AdamW,
+    mindspeed/features_manager/megatron_basic/requirements_basic.py ``optimizer_selection``),
+    so ``HAVE_APEX_OR_TE`` is True with neither installed: the copy into the main params
+    on resume still needs ``no_grad``."""
+    import sys
+
+    mod = sys.modules[_DO]
+    if not getattr(mod, "HAVE_APEX_OR_TE", True):
+        return True
+    origin = getattr(getattr(mod, "Adam", None), "__module__", "") or ""
+    return not origin.startswith(("apex.", "transformer_engine."))
 
 
 def _quantize_param_shard(wrapped, instance, args, kwargs):
@@ -110,7 +126,7 @@ def _set_main_param_and_optimizer_states(wrapped, instance, args, kwargs):
 
     model_param = args[0] if args else kwargs["model_param"]
     tensors = args[1] if len(args) > 1 else kwargs["tensors"]
-    if (not _plain_adamw() or instance.ddp_config.use_custom_fsdp
+    if (not _no_real_apex_or_te() or instance.ddp_config.use_custom_fsdp
             or instance.config.use_precision_aware_optimizer):
         return wrapped(*args, **kwargs)
     group_index, group_order = instance.model_param_group_index_map[model_param]

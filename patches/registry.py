@@ -128,11 +128,28 @@ def enabled_features() -> List[str]:
     return sorted(_enabled)
 
 
+_version_said: Set[str] = set()
+
+
 def _megatron_core_version() -> Optional[str]:
+    """The version of the megatron-core that runs: the imported ``megatron.core``'s
+    ``__version__`` (a Megatron-LM tree on ``PYTHONPATH`` has no package metadata, or other
+    metadata than the installed package's), else the installed package's metadata.
+    Where they differ, or only the tree tells, one log line says which is used."""
     try:
-        return importlib.metadata.version("megatron-core")
+        installed = importlib.metadata.version("megatron-core")
     except importlib.metadata.PackageNotFoundError:
-        return None
+        installed = None
+    core = sys.modules.get("megatron.core")
+    imported = getattr(core, "__version__", None) if core is not None else None
+    if imported is not None and imported != installed:
+        where = os.path.dirname(getattr(core, "__file__", "") or "?")
+        note = f"megatron-core {imported} from {where} (installed package: {installed or 'none'})"
+        if note not in _version_said:
+            _version_said.add(note)
+            log.warning("version-gated patches checked against %s", note)
+        return imported
+    return installed
 
 
 def _version_tuple(v: str) -> Tuple[int, ...]:

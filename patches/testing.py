@@ -112,4 +112,7 @@ PATCHES = [
     Patch("testing.patch_report", "megatron.training.training", "pretrain", _report_after_pretrain,
           "testing", versions=None,
           doc=f"{ENV_PATCH_REPORT}: active patches and runtime per rank after pretrain()"),
+    Patch("testing.patch_report.mindspeed_llm", "mindspeed_llm.training.training", "pretrain", _report_after_pretrain,
+          "testing", versions=None,
+          doc=f"{ENV_PATCH_REPORT}: active patches and runtime per rank after MindSpeed-LLM's own pretrain()"),
 ]

@@ -144,6 +144,8 @@ def _clear_frames(exc: BaseException) -> None:
 
 
 def _guarded_call(rt, where: str, wrapped, args, kwargs):
+    if _activity and _activity[-1] == where:  # a second guard of the same call (two layers): one reports
+        return wrapped(*args, **kwargs)
     _activity.append(where)
     try:
         return wrapped(*args, **kwargs)
@@ -180,6 +182,8 @@ def _save_guard(wrapped, instance, args, kwargs):
 
     rt = get_runtime()
     if rt is None:
+        return wrapped(*args, **kwargs)
+    if _activity and _activity[-1] in ("save", "final_save"):  # a second guard of the same save
         return wrapped(*args, **kwargs)
     point = "save" if "train" in _activity else "final_save"
     iteration = _first_arg(args, kwargs, "iteration", 0)
@@ -387,6 +391,12 @@ PATCHES = [
         versions=None,
         doc="fault guard around mindspeed_ha.testing.trainer's periodic and final save_checkpoint",
     ),
+    # MindSpeed-LLM's pretrain_gpt.py calls its own pretrain, which calls its own train and
+    # save_checkpoint (from megatron.training.checkpointing), not megatron.training.training's
+    *[Patch(name=f"ha.guard.{what}.mindspeed_llm", module="mindspeed_llm.training.training", attribute=attr,
+            wrapper=wrapper, feature="ha", versions=None, doc=f"fault guard around MindSpeed-LLM's own {attr}")
+      for what, attr, wrapper in (("train", "train", _guard("train")), ("save_checkpoint", "save_checkpoint", _save_guard),
+                                  ("evaluate", "evaluate_and_print_results", _guard("eval")))],
     Patch(
         name="ha.helper_dies_with_rank",
         module="multiprocessing.managers",

@@ -6,12 +6,16 @@
 # TTP_ADDR and GLOO_SOCKET_IFNAME are exported, settings come from the environment, and the
 # optimizer/RNG state is loaded on resume (upstream's --no-load-optim/--no-load-rng are
 # dropped: they would discard what the dying checkpoint preserves).
-# Run it from the MindSpeed-LLM root (it starts that repository's pretrain_gpt.py).
+# Run it from the MindSpeed-LLM root (it starts that repository's pretrain_gpt.py), or set
+# MINDSPEED_LLM to that root.
 #
-# Checked here for shell syntax and flags only (tests/test_examples.py): there is no NPU
-# in CI. Note: MindSpeed-LLM 2.3.0 defines the same four flags itself
-# (mindspeed_llm/features_manager/high_availability/high_availability.py); mindspeed-ha
-# adds only the flags a framework lacks.
+# MindSpeed-LLM 2.3.0 defines the same four flags itself
+# (mindspeed_llm/features_manager/high_availability/high_availability.py, which needs
+# Huawei's mindio_ttp): with mindspeed-ha installed they are mindspeed-ha's and that
+# feature stays off (MINDSPEED_HA_PROVIDER=mindio_ttp leaves them to MindSpeed-LLM instead).
+#
+# Runs in CI on CPU (tests/test_mindspeed_llm.py: TINY=1 CPU=1, 4 gloo ranks, a UCE and a
+# killed rank recovered in place); on NPU it is untested until hardware is lent.
 #
 # Environment: NPUS_PER_NODE (8; 4 with TINY=1), NNODES, NODE_RANK, MASTER_ADDR,
 # MASTER_PORT, TP, PP, DATA_PATH (unset -> --mock-data), TOKENIZER_MODEL (unset ->
@@ -19,6 +23,9 @@
 # TTP_ADDR (the master node's IP), GLOO_SOCKET_IFNAME (its interface), LAUNCHER
 # (mindspeed-ha-run); TINY=1 keeps the architecture at a tiny size (4 layers, hidden 64,
 # ffn 172, 4 heads, seq 32, micro-batch 2, global batch 8; still on NPU, still bf16);
+# CPU=1 (with TINY=1) runs on CPU with gloo: MindSpeed's NPU fusions (fused RMSNorm, flash
+# attention, fused SwiGLU and RoPE) and sequence parallelism are off (needs a CPU stand-in of
+# torch_npu on PYTHONPATH, e.g. the project's tests/npu_double); LOG_DIR (./logs);
 # DRY_RUN=1 prints the command instead of running it. Extra arguments are appended.
 
 set -euo pipefail
@@ -27,6 +34,9 @@ export CUDA_DEVICE_MAX_CONNECTIONS=1
 export PYTORCH_NPU_ALLOC_CONF=expandable_segments:True
 
 TINY=${TINY:-0}
+CPU=${CPU:-0}
+MINDSPEED_LLM=${MINDSPEED_LLM:-.}
+LOG_DIR=${LOG_DIR:-logs}
 NPUS_PER_NODE=${NPUS_PER_NODE:-$([ "$TINY" = 1 ] && echo 4 || echo 8)}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-6000}
@@ -60,6 +70,17 @@ else
     TOKENIZER_ARGS="--tokenizer-type NullTokenizer --vocab-size ${VOCAB}"
 fi
 
+if [ "$CPU" = 1 ]; then
+    # no NPU: the fusions MindSpeed maps to NPU kernels are off, Megatron's too; gloo
+    SEQUENCE_PARALLEL=""; FUSED_RMSNORM=""; FLASH_ATTN=""
+    FUSED_SWIGLU_ROPE="--no-bias-swiglu-fusion --no-rope-fusion --no-bias-dropout-fusion --no-persist-layer-norm --transformer-impl local"
+    BACKEND=gloo
+else
+    SEQUENCE_PARALLEL="--sequence-parallel"; FUSED_RMSNORM="--use-fused-rmsnorm"; FLASH_ATTN="--use-flash-attn"
+    FUSED_SWIGLU_ROPE="--use-fused-swiglu --use-fused-rotary-pos-emb"
+    BACKEND=nccl
+fi
+
 DISTRIBUTED_ARGS="
     --nproc_per_node $NPUS_PER_NODE \
     --nnodes $NNODES \
@@ -75,7 +96,7 @@ GPT_ARGS="
     --use-mcore-models \
     --tensor-model-parallel-size ${TP} \
     --pipeline-model-parallel-size ${PP} \
-    --sequence-parallel \
+    ${SEQUENCE_PARALLEL} \
     --num-layers ${NUM_LAYERS} \
     --hidden-size ${HIDDEN} \
     --ffn-hidden-size ${FFN} \
@@ -96,9 +117,9 @@ GPT_ARGS="
     --hidden-dropout 0.0 \
     --position-embedding-type rope \
     --normalization RMSNorm \
-    --use-fused-rmsnorm \
+    ${FUSED_RMSNORM} \
     --swiglu \
-    --use-flash-attn \
+    ${FLASH_ATTN} \
     --no-masked-softmax-fusion \
     --attention-softmax-in-fp32 \
     --min-lr 1.25e-7 \
@@ -110,8 +131,7 @@ GPT_ARGS="
     --adam-beta2 0.95 \
     --no-gradient-accumulation-fusion \
     --use-distributed-optimizer \
-    --use-fused-swiglu \
-    --use-fused-rotary-pos-emb \
+    ${FUSED_SWIGLU_ROPE} \
     --overlap-grad-reduce \
     --bf16 \
     --enable-high-availability \
@@ -137,11 +157,11 @@ OUTPUT_ARGS="
     --ckpt-format ${CKPT_FORMAT}
 "
 
-CMD=($LAUNCHER $DISTRIBUTED_ARGS pretrain_gpt.py
+CMD=($LAUNCHER $DISTRIBUTED_ARGS "$MINDSPEED_LLM/pretrain_gpt.py"
     $GPT_ARGS
     $DATA_ARGS
     $OUTPUT_ARGS
-    --distributed-backend nccl
+    --distributed-backend $BACKEND
     --load "$CKPT_LOAD_DIR"
     --save "$CKPT_SAVE_DIR"
     "$@")
@@ -152,6 +172,6 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
     exit 0
 fi
 
-mkdir -p logs
+mkdir -p "$LOG_DIR"
 # Exit code 75: a dying checkpoint was saved; rerun to resume from it.
-"${CMD[@]}" 2>&1 | tee logs/train_llama2_7b.log
+"${CMD[@]}" 2>&1 | tee "$LOG_DIR/train_llama2_7b.log"

@@ -36,6 +36,18 @@ def megatron_lm_tarball() -> str:
 
 
 @pytest.fixture(scope="session")
+def mindspeed_llm_tarballs() -> dict:
+    """MindSpeed-LLM 2.3.0, MindSpeed 2.3.0_core_r0.12.1 and Megatron-LM core_v0.12.1, pinned and
+    unmodified: ``key -> path`` (keys of ``mindspeed_ha.testing.mindspeed_llm.TARBALLS``)."""
+    from mindspeed_ha.testing.mindspeed_llm import TARBALLS
+
+    paths = {k: shared_path("third_party", name) for k, name in TARBALLS.items()}
+    missing = [p for p in paths.values() if not os.path.exists(p)]
+    assert not missing, f"third-party tarballs not found: {missing}"
+    return paths
+
+
+@pytest.fixture(scope="session")
 def corpus_text_file() -> str:
     """A real text corpus (tinyshakespeare) for building an indexed dataset with Megatron-LM's tools."""
     path = shared_path("data", "tinyshakespeare.txt")

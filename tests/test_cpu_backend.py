@@ -35,7 +35,13 @@ def test_patches_applied_after_megatron_import():
 
 
 def test_torch_cuda_shims_only_when_enabled():
-    assert torch.cuda.current_device() == torch.device("cpu")
+    assert torch.cuda.current_device() == torch.device("cpu")  # outside a CPU scope: usable as device=
+    with cpu_backend.cpu_device_mode():  # inside: an index, as torch's (MindSpeed indexes generators with it)
+        idx = torch.cuda.current_device()
+        assert type(idx) is int and idx == 0
+        assert torch.empty(2, device=idx).device.type == "cpu"  # which the scope maps to CPU
+        assert torch.ones(2).to(idx).device.type == "cpu"
+        assert [10][idx] == 10
     torch.cuda.synchronize()  # no-op
     registry.disable("cpu_backend")
     try:

@@ -40,7 +40,7 @@ MINDSPEED_LLM_FLAGS = {"--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused
 SCRIPT_ENV = ("TINY", "BF16", "MEGATRON_LM", "DATA_PATH", "TOKENIZER_MODEL", "CKPT_DIR", "CKPT_FORMAT",
               "CKPT_SAVE_DIR", "CKPT_LOAD_DIR", "NPROC", "NPUS_PER_NODE", "NNODES", "NODE_RANK",
               "MASTER_ADDR", "MASTER_PORT", "TP", "PP", "TRAIN_ITERS", "SAVE_INTERVAL", "TTP_ADDR",
-              "GLOO_SOCKET_IFNAME", "LAUNCHER", "DRY_RUN", "NO_REPLICA", "LOG_DIR")
+              "GLOO_SOCKET_IFNAME", "LAUNCHER", "DRY_RUN", "NO_REPLICA", "LOG_DIR", "CPU", "MINDSPEED_LLM")
 
 # (name, script, env) of every dry run checked below.
 CASES = {

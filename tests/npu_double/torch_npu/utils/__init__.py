@@ -1,0 +1,2 @@
+def reset_thread_affinity(*args, **kwargs):
+    return None

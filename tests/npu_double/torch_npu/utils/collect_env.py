@@ -1,0 +1,2 @@
+def get_cann_version():
+    return "8.0.0"
