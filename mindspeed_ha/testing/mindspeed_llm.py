@@ -16,6 +16,8 @@ import os
 import tarfile
 from typing import Dict, Mapping, Optional, Sequence
 
+from mindspeed_ha.env import FORKSERVER_PRELOAD
+
 from . import megatron_lm as mlm
 from .harness import RunResult, launch as _launch, launcher_command
 
@@ -56,11 +58,13 @@ def unpack(tarballs: Mapping[str, str], dest: str) -> Dict[str, str]:
 
 def env(roots: Mapping[str, str], extra_path: Sequence[str] = (), extra: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
     """Environment of a run: ``PYTHONPATH`` = ``extra_path`` + MindSpeed + Megatron-LM + the
-    caller's ``PYTHONPATH``; one thread per rank."""
+    caller's ``PYTHONPATH``; one thread per rank; a fork server (``MINDSPEED_HA_FORKSERVER=1``)
+    preloads nothing of Megatron-LM's tree (MindSpeed patches it as the script imports it)."""
     path = [*extra_path, roots["mindspeed"], roots["megatron_lm"]]
     if os.environ.get("PYTHONPATH"):
         path.append(os.environ["PYTHONPATH"])
     out = mlm.stock_env({"PYTHONPATH": os.pathsep.join(path)})
+    out[FORKSERVER_PRELOAD] = ""  # megatron.training after MindSpeed's adaptor, as the script imports it
     out.update(extra or {})
     return out
 
