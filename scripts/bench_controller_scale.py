@@ -83,7 +83,7 @@ class Sim:
         self.v = wire.SCHEMA_VERSION
         self.backoff_cls = getattr(link_mod, "RegisterBackoff", None)
         self.ctx = zmq.Context(io_threads=1)
-        self.ctx.setsockopt(zmq.MAX_SOCKETS, len(ranks) + 64)
+        self.ctx.set(zmq.MAX_SOCKETS, len(ranks) + 64)
         keys = auth.derive_keys(key)
         ep = wire.endpoint("127.0.0.1", port)
         self.socks: Dict[int, Any] = {}
