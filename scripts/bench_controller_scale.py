@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import heapq
 import hmac
 import json
 import logging
@@ -103,10 +104,10 @@ class Sim:
         self.t0 = time.monotonic()
         self.registered: Dict[int, float] = {}
         self.reg_sent = {r: 0 for r in ranks}
-        self.next_reg: Dict[int, float] = {}
         self.backoff: Dict[int, Any] = {}
         self.phase = {r: random.random() * STEP_S for r in ranks}  # each rank's heartbeat offset
-        self.next_hb = {}
+        self.hb_due: List[Any] = []  # (when, rank) of the next heartbeat
+        self.reg_due: List[Any] = []  # (when, rank) of the next REGISTER
         self.it = {r: 0 for r in ranks}
         self.frozen: Dict[int, bool] = {r: False for r in ranks}
         self.exited: Dict[int, bool] = {r: False for r in ranks}
@@ -156,10 +157,10 @@ class Sim:
                                   "rejoins": False})
         if self.backoff_cls is not None:  # the processor's own schedule
             b = self.backoff.setdefault(r, self.backoff_cls())
-            self.next_reg[r] = now + b.next_delay()
+            heapq.heappush(self.reg_due, (now + b.next_delay(), r))
         else:  # before it existed: 0.1 s doubling to 2 s, whatever the connection
             b = self.backoff.get(r, 0.1)
-            self.next_reg[r] = now + b
+            heapq.heappush(self.reg_due, (now + b, r))
             self.backoff[r] = min(2 * b, 2.0)
 
     def status_body(self, r: int) -> Dict[str, Any]:
@@ -174,7 +175,7 @@ class Sim:
         if t == "registered":
             if body["accepted"] and r not in self.registered:
                 self.registered[r] = now
-                self.next_hb[r] = now + self.phase[r]
+                heapq.heappush(self.hb_due, (now + self.phase[r], r))
         elif t == "stop":
             self.stop_at.setdefault(r, now)
             self.frozen[r] = True
@@ -265,19 +266,19 @@ class Sim:
                     poller.unregister(self.socks[arg])
                 self.conn.send(self.command(cmd, arg))
             now = time.monotonic()
-            for r in self.ranks:
+            while self.reg_due and self.reg_due[0][0] <= now:
+                _, r = heapq.heappop(self.reg_due)
+                if r not in self.registered and r not in self.dead:
+                    self.register(r, now)
+            while self.hb_due and self.hb_due[0][0] <= now:
+                t, r = heapq.heappop(self.hb_due)
                 if r in self.dead or self.exited[r]:
                     continue
-                if r not in self.registered:
-                    if now >= self.next_reg[r]:
-                        self.register(r, now)
-                    continue
-                if now >= self.next_hb[r]:
-                    self.next_hb[r] += STEP_S
-                    if not self.frozen[r] and self.hold is None:
-                        self.it[r] += 1  # one step per second; its STATUS rides with the heartbeat flush
-                        self.send(r, "status", self.status_body(r))
-                    self.send(r, "heartbeat", {"rank": r, "iteration": self.it[r], "status": "updated"})
+                heapq.heappush(self.hb_due, (t + STEP_S, r))
+                if not self.frozen[r] and self.hold is None:
+                    self.it[r] += 1  # one step per second; its STATUS rides with the heartbeat flush
+                    self.send(r, "status", self.status_body(r))
+                self.send(r, "heartbeat", {"rank": r, "iteration": self.it[r], "status": "updated"})
             if self.slow_s:
                 time.sleep(self.slow_s)
         for s in self.socks.values():
@@ -376,6 +377,8 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log) -
     probe = Probe(ctl)
     ctl.start()
     out: Dict[str, Any] = {"ranks": n, "sims": sims, "slowed": slow, "load_before": os.getloadavg()[0]}
+    import mindspeed_ha
+    tree = os.path.dirname(os.path.dirname(os.path.abspath(mindspeed_ha.__file__)))  # the simulators use it too
     spawn = mp.get_context("spawn")
     pipes, procs = [], []
     per = [list(range(i, n, sims)) for i in range(sims)]
@@ -383,7 +386,7 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log) -
         for i in range(sims):
             a, b = spawn.Pipe()
             p = spawn.Process(target=sim_main, args=(b, i, per[i], n, ctl.port, key,
-                                                     slow_s if i < slow else 0.0, save_dir, os.getcwd()),
+                                                     slow_s if i < slow else 0.0, save_dir, tree),
                               daemon=True)
             p.start()
             pipes.append(a)

@@ -42,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
-from typing import Any, Dict, FrozenSet, List, Optional, Tuple
+from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Tuple
 
 from mindspeed_ha.faults import FaultKind, IllegalTransition
 
@@ -106,6 +106,22 @@ _STATUS_MOVES: Dict[OptimizerStatus, FrozenSet[OptimizerStatus]] = {
     OptimizerStatus.UPDATING: frozenset({OptimizerStatus.UPDATED, OptimizerStatus.UPDATING, OptimizerStatus.UNKNOWN}),
     OptimizerStatus.UPDATED: frozenset({OptimizerStatus.UPDATING, OptimizerStatus.UPDATED, OptimizerStatus.UNKNOWN}),
 }
+
+
+#: ranks a summary names in full; a longer list names its first ``SUMMARY_FIRST`` and counts the rest
+SUMMARY_LIMIT = 16
+SUMMARY_FIRST = 8
+
+
+def summarise_ranks(ranks: Iterable[int]) -> str:
+    """A list of ranks for a reason or a log line, bounded whatever the job's size: short
+    lists in full (``[1, 5]``), longer ones as their first ranks and a count
+    (``[0, 1, ..., 7, ... +4088 more (4096 ranks)]``). Keeps the order given."""
+    ranks = list(ranks)
+    if len(ranks) <= SUMMARY_LIMIT:
+        return str(ranks)
+    head = ", ".join(str(r) for r in ranks[:SUMMARY_FIRST])
+    return f"[{head}, ... +{len(ranks) - SUMMARY_FIRST} more ({len(ranks)} ranks)]"
 
 
 class RankState:

@@ -14,7 +14,7 @@ from mindspeed_ha.config import HAConfig
 from mindspeed_ha.control.policy.arf import worker_restart
 from mindspeed_ha.control.policy.decision import ActionKind, Decision, DrainPlan, StopPlan, live_targets, noop
 from mindspeed_ha.control.policy.recovery import in_place_possible
-from mindspeed_ha.control.state import ClusterState, Phase
+from mindspeed_ha.control.state import ClusterState, Phase, summarise_ranks
 from mindspeed_ha.faults import FaultKind
 
 #: (rank, kind, reason, evidence time on the controller's monotonic clock)
@@ -58,7 +58,7 @@ def detect_fault(now: float, state: ClusterState, config: HAConfig) -> Optional[
         return None
     at, r, kind, reason = min(found)
     if len(found) > 1:
-        reason += f" (+{len(found) - 1} more failed ranks: {sorted(f[1] for f in found if f[1] != r)})"
+        reason += f" (+{len(found) - 1} more failed ranks: {summarise_ranks(sorted(f[1] for f in found if f[1] != r))})"
     return r, kind, reason, at
 
 
