@@ -42,7 +42,6 @@ import os
 import random
 import resource
 import secrets
-import statistics
 import sys
 import tempfile
 import time
@@ -86,7 +85,6 @@ class Sim:
         self.ctx = zmq.Context(io_threads=1)
         self.ctx.set(zmq.MAX_SOCKETS, len(ranks) + 64)
         keys = auth.derive_keys(key)
-        ep = wire.endpoint("127.0.0.1", port)
         self.socks: Dict[int, Any] = {}
         self.rank_of: Dict[Any, int] = {}
         for r in ranks:
@@ -119,6 +117,7 @@ class Sim:
         self.exit_at: Dict[int, float] = {}
         self.rejected = 0
         self.sent = 0
+        self.hb_late = 0.0  # the most a heartbeat left after its time (this simulator's own lag), s
 
     # ---- frames
     def enc(self, r: int, mtype: str, body: Dict[str, Any]) -> bytes:
@@ -227,7 +226,8 @@ class Sim:
                     "stops": sum(1 for r in live if r in self.stop_at),
                     "last_stop": max((self.stop_at[r] for r in live if r in self.stop_at), default=None),
                     "retries": len(self.retry_at), "last_retry": max(self.retry_at.values(), default=None),
-                    "exits": len(self.exit_at), "rejected": self.rejected, "live": len(live), "sent": self.sent}
+                    "exits": len(self.exit_at), "rejected": self.rejected, "live": len(live), "sent": self.sent,
+                    "hb_late": self.hb_late}
         return None
 
     # ---- the loop
@@ -274,6 +274,7 @@ class Sim:
                 t, r = heapq.heappop(self.hb_due)
                 if r in self.dead or self.exited[r]:
                     continue
+                self.hb_late = max(self.hb_late, now - t)
                 heapq.heappush(self.hb_due, (t + STEP_S, r))
                 if not self.frozen[r] and self.hold is None:
                     self.it[r] += 1  # one step per second; its STATUS rides with the heartbeat flush
@@ -355,13 +356,24 @@ def cpu_s() -> float:
     return t.user + t.system
 
 
+def listen_overflows() -> int:
+    """The kernel's count of connections dropped because a listen queue was full (all ports)."""
+    with open("/proc/net/netstat") as f:
+        lines = f.read().splitlines()
+    for head, vals in zip(lines[::2], lines[1::2]):
+        if head.startswith("TcpExt:"):
+            return int(dict(zip(head.split(), vals.split()))["ListenOverflows"])
+    return 0
+
+
 def ask(pipes, cmd, arg=None):
     for p in pipes:
         p.send((cmd, arg))
     return [p.recv() for p in pipes]
 
 
-def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log) -> Dict[str, Any]:
+def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
+            profile: Optional[str] = None) -> Dict[str, Any]:
     from mindspeed_ha.config import HAConfig
     from mindspeed_ha.control.controller import Controller
     from mindspeed_ha.control.policy import ActionKind
@@ -374,6 +386,17 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log) -
                    stop_timeout_s=30.0, action_timeout_s=120.0, connect_timeout_s=60.0, save_dir=save_dir,
                    hbm_repair=True)
     ctl = Controller(cfg, n, "127.0.0.1", 0)
+    if profile:  # the controller thread under cProfile, written when it ends
+        import cProfile
+        run = ctl._run
+
+        def profiled_run():
+            prof = cProfile.Profile()
+            try:
+                prof.runcall(run)
+            finally:
+                prof.dump_stats(f"{profile}.{n}")
+        ctl._run = profiled_run
     probe = Probe(ctl)
     ctl.start()
     out: Dict[str, Any] = {"ranks": n, "sims": sims, "slowed": slow, "load_before": os.getloadavg()[0]}
@@ -391,6 +414,7 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log) -
             p.start()
             pipes.append(a)
             procs.append(p)
+        overflows = listen_overflows()
         starts = [p.recv()[1] for p in pipes]
         t0 = min(starts)
         # 1. registration
@@ -408,6 +432,9 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log) -
         out["unregistered_60s"] = n - regd
         out["register_frames"] = sum(r["register_sent"] for r in reps)
         out["register_max_per_rank"] = max(r["register_max"] for r in reps)
+        out["listen_overflows"] = listen_overflows() - overflows  # machine-wide counter
+        out["handshakes_failed"] = sum(ctl.transport_rejected.totals.values())
+        out["duplicate_registers"] = getattr(ctl, "duplicate_registers", None)
         log(f"N={n}: registered {regd}/{n} in {out['registration_s']} s, REGISTER frames "
             f"{out['register_frames']} (max {out['register_max_per_rank']} per rank)")
         if regd < n:
@@ -480,6 +507,7 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log) -
             silent = sum(1 for e in ctl.events if "heartbeat" in e.reason)
             longest_reason = max((len(e.reason) for e in ctl.events), default=0)
         out["false_deaths"] = len(false) + silent
+        out["sim_lag_max_s"] = max(r["hb_late"] for r in ask(pipes, "report"))
         out["longest_reason_chars"] = longest_reason
         log(f"N={n}: death -> STOP at {stops}/{n - 1} survivors in {out['death_stop_s']} s; -> exit "
             f"{out['exit_code']} in {out['death_commit_s']} s ({out['exit_reason']}); false deaths "
@@ -511,6 +539,7 @@ def main() -> None:
     ap.add_argument("--slow-s", type=float, default=0.25, help="sleep of a slowed simulator per loop turn, s")
     ap.add_argument("--steady-s", type=float, default=10.0, help="seconds of steady state measured")
     ap.add_argument("--log-file", default=os.devnull, help="the controller's log (INFO; default: discarded)")
+    ap.add_argument("--profile", default=None, help="write the controller thread's cProfile stats to PROFILE.<N>")
     ap.add_argument("--json", default=None, help="append the figures to this file (one JSON line per N)")
     ns = ap.parse_args()
     if not 1 <= ns.sims <= 64 or not 0 <= ns.slow <= ns.sims:
@@ -524,7 +553,7 @@ def main() -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     say = lambda s: print(time.strftime("%H:%M:%S"), s, flush=True)  # noqa: E731
     for n in ns.ranks:
-        res = one_run(n, ns.sims, ns.slow, ns.slow_s, ns.steady_s, say)
+        res = one_run(n, ns.sims, ns.slow, ns.slow_s, ns.steady_s, say, ns.profile)
         say(json.dumps(res))
         if ns.json:
             with open(ns.json, "a") as f:

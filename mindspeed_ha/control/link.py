@@ -4,8 +4,8 @@
   condition variable, and the wake pipe that wakes the I/O thread.
 * :class:`ControlLink`: owns the DEALER socket (a CURVE client, keys derived from the
   job's auth key, see :mod:`auth`), its socket monitor and the I/O thread ("heartbeat
-  thread"): registers (re-sent while unanswered: :class:`RegisterBackoff`, at once on a new connection), sends a HEARTBEAT every
-  ``heartbeat_interval_s``, drains the outbox, hands every message to the processor.
+  thread"): registers (re-sent while unanswered: :class:`RegisterBackoff`, and at once on
+  a new connection), sends a HEARTBEAT every ``heartbeat_interval_s``, drains the outbox, hands every message to the processor.
   ZeroMQ reconnects by itself (100 ms, backing off to 2 s).
 
 Controller loss: the DEALER sends ZeroMQ heartbeats (PING every ``heartbeat_interval_s``;

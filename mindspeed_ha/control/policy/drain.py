@@ -77,7 +77,8 @@ def draining(now: float, state: ClusterState, config: HAConfig, gone: Mapping[in
     if waiting and elapsed < budget:
         return noop(f"graceful stop: waiting for ranks {summarise_ranks(waiting)} to pause after iteration {k}")
     if waiting:
-        return _abandon(state, gone, f"ranks {summarise_ranks(waiting)} did not finish iteration {k} within {budget:g} s")
+        return _abandon(state, gone, f"ranks {summarise_ranks(waiting)} did not finish iteration {k} "
+                        f"within {budget:g} s")
     return after_stop(state, config, gone, dict(gone), elapsed)
 
 

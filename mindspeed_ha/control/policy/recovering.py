@@ -123,7 +123,8 @@ def _retry_results(now: float, state: ClusterState, config: HAConfig, gone: Mapp
     missing = [t for t in pending.targets if t not in pending.results]
     if not pending.complete:
         if now - pending.sent_at > config.action_timeout_s:
-            return fall_back(state, gone, now, f"ranks {summarise_ranks(missing)} did not recover within {config.action_timeout_s} s")
+            return fall_back(state, gone, now, f"ranks {summarise_ranks(missing)} did not recover within "
+                             f"{config.action_timeout_s} s")
         return noop(f"recovering: waiting for ranks {summarise_ranks(missing)}")
     plan = RecoveryPlan.from_params(pending.params)
     what = (f"goes on with iteration {plan.iteration} after its optimizer update" if plan.mode is RecoveryMode.FORWARD

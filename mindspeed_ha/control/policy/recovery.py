@@ -249,8 +249,8 @@ def _forward_situation(ranks: Mapping[int, RankInfo], in_update: Set[int]) -> Un
     outside = sorted(set(ranks) - set(in_update))
     if outside:
         r = outside[0]
-        return NoRecovery(f"ranks {summarise_ranks(sorted(in_update))} were stopped inside the optimizer update but rank {r} was "
-                          f"not ({ranks[r].fault_where or 'train_step'} of iteration {ranks[r].fault_iteration})")
+        return NoRecovery(f"ranks {summarise_ranks(sorted(in_update))} were stopped inside the optimizer update "
+                          f"but rank {r} was not ({ranks[r].fault_where or 'train_step'} of iteration {ranks[r].fault_iteration})")
     its = {i.fault_iteration for i in ranks.values()}
     if len(its) != 1:
         return NoRecovery(f"the ranks were stopped inside the optimizer updates of different iterations {sorted(its)}")

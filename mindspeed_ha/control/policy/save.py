@@ -147,8 +147,8 @@ def saving(now: float, state: ClusterState, config: HAConfig, gone: Mapping[int,
         missing = [t for t in pending.targets if t not in pending.results]
         if now - pending.sent_at > config.action_timeout_s:
             return exit_all(state, EXIT_FAULT_UNRECOVERABLE,
-                            f"{name} timed out after {config.action_timeout_s} s waiting for ranks {summarise_ranks(missing)}; "
-                            "nothing committed")
+                            f"{name} timed out after {config.action_timeout_s} s waiting for ranks "
+                            f"{summarise_ranks(missing)}; nothing committed")
         return noop(f"{name}: waiting for ranks {summarise_ranks(missing)}")
     order = DumpOrder(plan, pending.params.get("save_dir"))
     if state.phase is Phase.DUMPING:
@@ -171,8 +171,8 @@ def exiting(now: float, state: ClusterState, config: HAConfig, gone: Mapping[int
         return noop("every rank exited", Phase.DONE)
     sent = pending.sent_at if pending is not None else state.phase_since
     if now - sent > config.stop_timeout_s:
-        return noop(f"ranks {summarise_ranks(remaining)} did not exit within {config.stop_timeout_s} s; leaving them to the "
-                    "launcher", Phase.DONE)
+        return noop(f"ranks {summarise_ranks(remaining)} did not exit within {config.stop_timeout_s} s; leaving "
+                    "them to the launcher", Phase.DONE)
     return noop(f"waiting for ranks {summarise_ranks(remaining)} to exit")
 
 
