@@ -127,6 +127,13 @@ def _admit(ctl: "Controller", now: float, ident: bytes, fd: Optional[int], sende
     ctl.server.bind_fd(fd, body.rank)
     if ctl.first_register_at is None:
         ctl.first_register_at = now
+    if len(st.ranks) < ctl.world_size:
+        if st.registering_until is None and not st.recoveries:  # the job's start-up
+            st.registering_until = now + ctl.config.connect_timeout_s
+    elif st.registering_until is not None:  # the last one: silence counts from now on, for everyone
+        st.registering_until = None
+        for other in st.ranks.values():
+            other.last_heartbeat = max(other.last_heartbeat, now)
     ctl.failover.roster_dirty = True
     if not st.run_id:
         st.run_id = body.run_id

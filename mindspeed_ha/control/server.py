@@ -116,6 +116,13 @@ class ControlServer:
         self.limiter = limiter
         self.on_disconnect = on_disconnect
         self.backlog = max(MIN_BACKLOG, int(backlog))
+        #: libzmq I/O threads: one does every connection's CURVE handshake and frames; a
+        #: second from 1,024 ranks on (thousands of handshakes at once at start-up)
+        self.io_threads = 1 if backlog <= 1024 else 2
+        #: ``ZMQ_HANDSHAKE_IVL``: ``HANDSHAKE_DEADLINE_S``, plus 1 ms per rank over 1,024 (up
+        #: to 30 s): thousands of handshakes at once take the I/O threads that long, and a
+        #: handshake that misses it is made again from scratch
+        self.handshake_deadline_s = min(30.0, HANDSHAKE_DEADLINE_S + max(0, int(backlog) - 1024) / 1000)
         #: connections refused by libzmq before any frame (failed handshakes, ZAP denials), by reason
         self.transport_rejected = admission.RejectLog(log, "connection")
         self.ctx: Optional[zmq.Context] = None
@@ -140,7 +147,7 @@ class ControlServer:
     def open(self) -> None:
         """Create and bind the sockets and the wake pipe. Raises ConfigError if the port
         is in use; whatever was created is closed again before an error propagates."""
-        ctx = zmq.Context()
+        ctx = zmq.Context(io_threads=self.io_threads)
         router = monitor = zap = None
         wake: Tuple[int, ...] = ()
         try:
@@ -150,7 +157,7 @@ class ControlServer:
             auth.configure_server(router, self.keys)
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)
             router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-            router.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_DEADLINE_S * 1000))
+            router.setsockopt(zmq.HANDSHAKE_IVL, int(self.handshake_deadline_s * 1000))
             router.setsockopt(zmq.BACKLOG, self.backlog)
             raise_fd_limit()
             self._bind(router)

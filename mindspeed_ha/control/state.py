@@ -355,6 +355,15 @@ class ClusterState:
     #: ARF (--enable-worker-reboot): ranks whose process died and whose agent restarts it,
     #: with when the death was reported; the recovery waits for them to rejoin
     rejoin_wait: Dict[int, float] = dataclasses.field(default_factory=dict)
+    #: start-up: while not every rank registered, silence is no evidence until this time
+    #: (the first registration + ``connect_timeout_s``); None once all registered. A job's
+    #: thousands of connections being made keep the controller's I/O thread busy with their
+    #: handshakes, and a rank registered first waits for the others anyway
+    registering_until: Optional[float] = None
+
+    def silence_counts(self, now: float) -> bool:
+        """Whether a rank's heartbeat silence is evidence now (see ``registering_until``)."""
+        return self.registering_until is None or now > self.registering_until
 
     def set_phase(self, new: Phase, now: float, why: str = "") -> None:
         """Move the job to ``new`` or raise IllegalTransition (logged)."""

@@ -24,7 +24,7 @@ FaultEvidence = Tuple[int, FaultKind, str, float]
 def gone_ranks(now: float, state: ClusterState, config: HAConfig) -> Dict[int, str]:
     """Ranks that cannot take part any more, with the reason (dead, goodbye, silent)."""
     out: Dict[int, str] = {}
-    limit = config.heartbeat_timeout_s
+    limit = config.heartbeat_timeout_s if state.silence_counts(now) else float("inf")
     for r, info in state.ranks.items():  # O(N), no sort: this runs at every decision step
         if info.alive and info.exit_code is None and now - info.last_heartbeat <= limit:
             continue
@@ -32,7 +32,7 @@ def gone_ranks(now: float, state: ClusterState, config: HAConfig) -> Dict[int, s
             out[r] = info.dead_reason or f"exited with {info.exit_code}"
         elif info.exit_code is not None:
             out[r] = f"said goodbye ({info.exit_code})"
-        elif now - info.last_heartbeat > config.heartbeat_timeout_s:
+        elif now - info.last_heartbeat > limit:
             out[r] = f"no heartbeat for {now - info.last_heartbeat:.3f} s > {config.heartbeat_timeout_s} s"
     return dict(sorted(out.items()))
 
@@ -40,7 +40,7 @@ def gone_ranks(now: float, state: ClusterState, config: HAConfig) -> Dict[int, s
 def detect_fault(now: float, state: ClusterState, config: HAConfig) -> Optional[FaultEvidence]:
     """The earliest fault evidence: (rank, kind, reason, evidence time) or None."""
     found: List[Tuple[float, int, FaultKind, str]] = []
-    limit = config.heartbeat_timeout_s
+    limit = config.heartbeat_timeout_s if state.silence_counts(now) else float("inf")
     for r, info in state.ranks.items():  # O(N), no sort: min() below picks the earliest
         if info.fault is None and info.alive and info.exit_code is None and now - info.last_heartbeat <= limit:
             continue  # the common case: a healthy rank
@@ -53,7 +53,7 @@ def detect_fault(now: float, state: ClusterState, config: HAConfig) -> Optional[
             found.append((at, r, FaultKind.PROCESS, f"rank {r} died: {info.dead_reason}"))
         elif info.alive and info.exit_code not in (None, 0):
             found.append((at, r, FaultKind.PROCESS, f"rank {r} exits with {info.exit_code}"))
-        elif info.alive and info.exit_code is None and now - info.last_heartbeat > config.heartbeat_timeout_s:
+        elif info.alive and info.exit_code is None and now - info.last_heartbeat > limit:
             found.append((info.last_heartbeat, r, FaultKind.PROCESS,
                           f"rank {r} missed heartbeats for {now - info.last_heartbeat:.3f} s "
                           f"(> {config.heartbeat_timeout_s} s)"))
