@@ -327,10 +327,21 @@ class Probe:
             if self.on:
                 self.turns.append(time.perf_counter() - t)
 
+        from mindspeed_ha.control.policy import table
+
+        gone_ranks = table.gone_ranks
+        self.silent: set = set()  # every rank the policy ever took for silent
+
+        def watched_gone(*a, **k):
+            gone = gone_ranks(*a, **k)
+            self.silent.update(r for r, why in gone.items() if "heartbeat" in why)
+            return gone
+
         ctl.codec.try_decode = try_decode
         handlers.dispatch = timed_dispatch
+        table.gone_ranks = watched_gone
         ctl._turn = timed_turn
-        self._undo = lambda: setattr(handlers, "dispatch", dispatch)
+        self._undo = lambda: (setattr(handlers, "dispatch", dispatch), setattr(table, "gone_ranks", gone_ranks))
 
     def close(self):
         self._undo()
@@ -504,9 +515,10 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
             out["exit_reason"] = ctl.state.exit_reason[:200]
             false = sorted(r for r, i in ctl.state.ranks.items() if r != victim and not i.alive
                            and "goodbye" not in i.dead_reason)
-            silent = sum(1 for e in ctl.events if "heartbeat" in e.reason)
+            silent = sum(1 for e in ctl.events if "heartbeat" in e.reason)  # decisions that name a silence
             longest_reason = max((len(e.reason) for e in ctl.events), default=0)
-        out["false_deaths"] = len(false) + silent
+        out["false_deaths"] = len(set(false) | (probe.silent - {victim}))  # dead, or taken for silent
+        out["silence_decisions"] = silent
         out["sim_lag_max_s"] = max(r["hb_late"] for r in ask(pipes, "report"))
         out["longest_reason_chars"] = longest_reason
         log(f"N={n}: death -> STOP at {stops}/{n - 1} survivors in {out['death_stop_s']} s; -> exit "

@@ -119,10 +119,11 @@ class ControlServer:
         #: libzmq I/O threads: one does every connection's CURVE handshake and frames; a
         #: second from 1,024 ranks on (thousands of handshakes at once at start-up)
         self.io_threads = 1 if backlog <= 1024 else 2
-        #: ``ZMQ_HANDSHAKE_IVL``: ``HANDSHAKE_DEADLINE_S``, plus 1 ms per rank over 1,024 (up
-        #: to 30 s): thousands of handshakes at once take the I/O threads that long, and a
-        #: handshake that misses it is made again from scratch
-        self.handshake_deadline_s = min(30.0, HANDSHAKE_DEADLINE_S + max(0, int(backlog) - 1024) / 1000)
+        #: ``ZMQ_HANDSHAKE_IVL``: ``HANDSHAKE_DEADLINE_S``, plus 10 ms per rank over 1,024 (up
+        #: to libzmq's default of 30 s): thousands of handshakes at once (CURVE, and ZAP
+        #: answered by this thread) take that long on a loaded host, and a handshake that
+        #: misses the deadline is made again from scratch (4,096 ranks at 5 s: 7,153 failed)
+        self.handshake_deadline_s = min(30.0, HANDSHAKE_DEADLINE_S + max(0, int(backlog) - 1024) / 100)
         #: connections refused by libzmq before any frame (failed handshakes, ZAP denials), by reason
         self.transport_rejected = admission.RejectLog(log, "connection")
         self.ctx: Optional[zmq.Context] = None
