@@ -391,8 +391,8 @@ class Controller:
     def _decision_step(self, now: float) -> None:
         """The decision step of a turn: ``decide`` (chained), then the operator's replies.
 
-        While the job runs and only heartbeats and status reports arrived since the last
-        step (nothing any decision reads but silence, which is judged by the clock), it runs
+        While the job runs and only heartbeats, status reports and registrations arrived
+        since the last step (nothing any decision reads but silence, judged by the clock), it runs
         at most every ``tick_s``: each step reads every rank (O(N)), and at thousands of
         ranks one per batch of frames would cost more than the frames.
         """
@@ -440,8 +440,9 @@ def credit_busy(ctl: Controller, busy_s: float, now: float) -> None:
                     busy_s)
 
 
-#: the frames that change no decision while the job runs (silence is judged by the clock)
-ROUTINE = frozenset({wire.MsgType.HEARTBEAT, wire.MsgType.STATUS})
+#: the frames that change no decision while the job runs (silence is judged by the clock;
+#: a registration, thousands of them at a job's start, changes none either)
+ROUTINE = frozenset({wire.MsgType.HEARTBEAT, wire.MsgType.STATUS, wire.MsgType.REGISTER})
 
 
 def _discard(commands: "queue.SimpleQueue[Any]") -> None:
