@@ -102,7 +102,8 @@ class Controller:
         self.server = ControlServer(config.max_message_bytes, config.auth_key, self.bind_addr,
                                     config.controller_port if port is None else int(port), self.codec,
                                     lambda: self.clock(), limiter,
-                                    lambda rank, now: handlers.connection_closed(self, rank, now))
+                                    lambda rank, now: handlers.connection_closed(self, rank, now),
+                                    backlog=world_size)
         #: connections refused by libzmq before any frame (failed handshakes, ZAP denials), by reason
         self.transport_rejected = self.server.transport_rejected
         self.state = ClusterState(world_size=world_size, phase_since=clock())
@@ -137,6 +138,13 @@ class Controller:
         #: them (``[{"host", "pid"}]``; None: not reported; ``mindspeed-ha status``)
         self.spares: Optional[List[Dict[str, Any]]] = None
         self._last_decision_at: Optional[float] = None  # the previous decision step (controller clock)
+        #: something since the last decision step may change a decision (see :meth:`_turn`)
+        self._news = True
+        #: REGISTERs of a rank already registered by the same process, answered again (counter)
+        self.duplicate_registers = 0
+        #: seconds the I/O thread spent busy outside reading its socket beyond ``tick_s`` in a
+        #: turn, credited to every rank's liveness (see :func:`credit_busy`); total
+        self.busy_credited_s = 0.0
         #: the events file (--ha-events-file) and the metrics port (--ha-metrics-port), with start/stop
         self.observers = Observers(self)
 
@@ -357,17 +365,45 @@ class Controller:
             _discard(self._cmds)
             server.discard_input()
             return
+        began = self.clock()
+        if not self._cmds.empty():
+            self._news = True
         handlers.drain_commands(self, self._cmds)
         server.serve_zap()
+        closes = server.closes_reported
         server.drain_monitor(MAX_EVENTS_PER_TURN)
+        reading = self.clock()
         for now, ident, fd, msg in server.frames(MAX_FRAMES_PER_TURN):
+            if msg.type not in ROUTINE or self.state.phase is not Phase.RUNNING:
+                self._news = True
             handlers.dispatch(self, now, ident, fd, msg)
         server.flush_closed()  # after the frames: a rank's GOODBYE before its close
         now = self.clock()
+        busy = reading - began
+        if server.closes_reported != closes:
+            self._news = True
+        try:
+            self._decision_step(now)
+        finally:
+            end = self.clock()
+            credit_busy(self, busy + end - now, end)
+
+    def _decision_step(self, now: float) -> None:
+        """The decision step of a turn: ``decide`` (chained), then the operator's replies.
+
+        While the job runs and only heartbeats, status reports and registrations arrived
+        since the last step (nothing any decision reads but silence, judged by the clock), it runs
+        at most every ``tick_s``: each step reads every rank (O(N)), and at thousands of
+        ranks one per batch of frames would cost more than the frames.
+        """
         self.codec.reject_log.flush(now)
         self.transport_rejected.flush(now)
         if not self.failover.may_decide(now):
             return
+        if (not self._news and self.state.phase is Phase.RUNNING and self._last_decision_at is not None
+                and now - self._last_decision_at < self.tick_s):
+            return
+        self._news = False
         previous, self._last_decision_at = self._last_decision_at, now
         if previous is not None and now - previous < self.config.heartbeat_timeout_s / 2:
             # not after a stall of the controller itself (its process frozen, swapped out):
@@ -381,6 +417,34 @@ class Controller:
                 break
             effects.apply(self, now, d)
         self.operators.settle(self, now)
+
+
+def credit_busy(ctl: Controller, busy_s: float, now: float) -> None:
+    """Liveness is judged on what was received, not on how fast this thread read it.
+
+    ``busy_s``: the seconds of one turn of ``ctl`` spent on anything but reading the socket
+    (agent reports, ZAP, the monitor, the decision step and its fan-out). A heartbeat
+    sent meanwhile waited in the socket's queue: beyond ``tick_s`` (the loop's own
+    pace), that time is credited to every live rank's last heartbeat (never past
+    ``now``), so the controller never takes a rank for silent because it was itself
+    busy. A rank that is really gone is judged silent that much later. O(N), only
+    after such a turn.
+    """
+    excess = busy_s - ctl.tick_s
+    if excess <= 0:
+        return
+    ctl.busy_credited_s += excess
+    for info in ctl.state.ranks.values():
+        if info.alive:
+            info.last_heartbeat = min(now, info.last_heartbeat + excess)
+    if excess > ctl.config.heartbeat_interval_s:
+        log.warning("controller: busy for %.2f s outside reading its socket; credited to every rank's liveness",
+                    busy_s)
+
+
+#: the frames that change no decision while the job runs (silence is judged by the clock;
+#: a registration, thousands of them at a job's start, changes none either)
+ROUTINE = frozenset({wire.MsgType.HEARTBEAT, wire.MsgType.STATUS, wire.MsgType.REGISTER})
 
 
 def _discard(commands: "queue.SimpleQueue[Any]") -> None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable, Dict
 from mindspeed_ha.control import job_events, wire
 from mindspeed_ha.control.outcome import Event
 from mindspeed_ha.control.policy import ActionKind, Decision, DumpPlan
-from mindspeed_ha.control.state import PendingAction
+from mindspeed_ha.control.state import PendingAction, summarise_ranks
 from mindspeed_ha.faults import FaultKind
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ def apply(ctl: "Controller", now: float, d: Decision) -> None:
     job_events.on_decision(ctl, d, old, fault_before)
     fault = st.fault
     log.info("controller: phase %s -> %s, decision %s, targets %s, fault rank %s, iteration %s: %s",
-             old.value, st.phase.value, d.action.value, list(d.targets),
+             old.value, st.phase.value, d.action.value, summarise_ranks(d.targets),
              fault.rank if fault else None, iteration, d.reason)
 
 
@@ -65,7 +65,7 @@ def _drain(ctl: "Controller", now: float, d: Decision) -> None:
         info.stopped = False  # only a STOPPED that answers this round counts
         if until < 0:
             info.pause_at = info.paused_after = None
-        ctl.server.send_to_rank(r, wire.Drain(d.reason, until, hold))
+    ctl.server.send_to_ranks(d.targets, wire.Drain(d.reason, until, hold))
 
 
 def _release(ctl: "Controller", now: float, d: Decision) -> None:
@@ -73,8 +73,7 @@ def _release(ctl: "Controller", now: float, d: Decision) -> None:
     agreement is forgotten, so a later pause or stop starts afresh."""
     st = ctl.state
     st.drain_until, st.pause = None, None
-    for r in d.targets:
-        ctl.server.send_to_rank(r, wire.Release(d.reason))
+    ctl.server.send_to_ranks(d.targets, wire.Release(d.reason))
     for info in st.ranks.values():
         info.pause_at = info.paused_after = None
         info.stopped = False
@@ -91,7 +90,8 @@ def _stop_all(ctl: "Controller", now: float, d: Decision) -> None:
     for r in d.targets:
         st.ranks[r].stopped = False
         st.ranks[r].integrity = None  # a report describes the state frozen by this STOP only
-        ctl.server.send_to_rank(r, wire.Stop(d.reason, bool(d.params.get("recover")), not d.params.get("in_place")))
+    ctl.server.send_to_ranks(d.targets, wire.Stop(d.reason, bool(d.params.get("recover")),
+                                                  not d.params.get("in_place")))
 
 
 def _recovered(ctl: "Controller", now: float, d: Decision) -> None:
@@ -141,8 +141,11 @@ def _send_action(ctl: "Controller", now: float, d: Decision) -> None:
     params = dict(d.params)
     if d.action is ActionKind.RETRY and ctl.rebuild_store:
         params["store"] = ctl.rebuild_store  # the first generation's store died with node 0's agent
-    for r in d.targets:
-        ctl.server.send_to_rank(r, wire.Action(aid, d.action.value, params))
+    if d.action in PLAN_ACTIONS and st.plan is not None:  # each target gets its own part of the plan
+        for r, own in st.plan.params_by_rank(params.get("save_dir"), d.targets).items():
+            ctl.server.send_to_rank(r, wire.Action(aid, d.action.value, own))
+    else:  # the same params for every target: encoded once
+        ctl.server.send_to_ranks(d.targets, wire.Action(aid, d.action.value, params))
 
 
 def _note_dump(ctl: "Controller", now: float, d: Decision) -> None:
@@ -168,6 +171,9 @@ def _note_retry(ctl: "Controller", now: float, d: Decision) -> None:
     if ctl.lease is not None:
         ctl.failover.write_roster()  # a successor must count this generation, even if it never completes
 
+
+#: the dying checkpoint's actions: every target is sent only the entries of the plan that name it
+PLAN_ACTIONS = frozenset({ActionKind.DUMP, ActionKind.ASSEMBLE, ActionKind.COMMIT})
 
 #: action kind -> its effect; any other kind is an ACTION message (:func:`_send_action`)
 EFFECTS: Dict[ActionKind, Effect] = {

@@ -97,37 +97,48 @@ def register(ctl: "Controller", now: float, ident: bytes, fd: Optional[int], sen
 def _admit(ctl: "Controller", now: float, ident: bytes, fd: Optional[int], sender: str, body: wire.Register) -> None:
     st = ctl.state
     old = st.ranks.get(body.rank)
-    repeat = old is not None and old.sender == sender
-    if repeat:
-        info = old  # re-sent REGISTER (its REGISTERED crossed it or was lost): idempotent
-    else:
-        info = RankInfo(rank=body.rank, layout=body.layout, last_heartbeat=now, pid=body.pid,
-                        host=body.host, save_dir=body.save_dir, sender=sender)
-        try:
-            info.status = OptimizerStatus(body.status)
-        except ValueError:
-            info.status = OptimizerStatus.UNKNOWN
-        info.iteration = body.iteration
-        info.verifies = body.verifies
-        info.incarnation = body.incarnation
-        info.rejoins = body.rejoins
-        st.ranks[body.rank] = info
-        if old is not None:
-            log.warning("rank %d re-registered as a new process (pid %d)", body.rank, body.pid)
+    if old is not None and old.sender == sender:
+        # a re-sent REGISTER (its REGISTERED crossed it, or the connection was made again):
+        # answered again, nothing else changes (the roster is not rewritten, nothing logged)
+        old.last_heartbeat = now
+        if ctl.server.ident.get(body.rank) != ident:
+            ctl.server.ident[body.rank] = ident
+            ctl.server.rank_of_ident[ident] = body.rank
+        ctl.server.bind_fd(fd, body.rank)
+        ctl.duplicate_registers += 1
+        log.debug("rank %d: REGISTER repeated, answered again", body.rank)
+        return
+    info = RankInfo(rank=body.rank, layout=body.layout, last_heartbeat=now, pid=body.pid,
+                    host=body.host, save_dir=body.save_dir, sender=sender)
+    try:
+        info.status = OptimizerStatus(body.status)
+    except ValueError:
+        info.status = OptimizerStatus.UNKNOWN
+    info.iteration = body.iteration
+    info.verifies = body.verifies
+    info.incarnation = body.incarnation
+    info.rejoins = body.rejoins
+    st.ranks[body.rank] = info
+    if old is not None:
+        log.warning("rank %d re-registered as a new process (pid %d)", body.rank, body.pid)
     info.last_heartbeat = now
     ctl.server.ident[body.rank] = ident
     ctl.server.rank_of_ident[ident] = body.rank
     ctl.server.bind_fd(fd, body.rank)
     if ctl.first_register_at is None:
         ctl.first_register_at = now
+    if len(st.ranks) < ctl.world_size:
+        if st.registering_until is None and not st.recoveries:  # the job's start-up
+            st.registering_until = now + ctl.config.connect_timeout_s
+    elif st.registering_until is not None:  # the last one: silence counts from now on, for everyone
+        st.registering_until = None
+        for other in st.ranks.values():
+            other.last_heartbeat = max(other.last_heartbeat, now)
     ctl.failover.roster_dirty = True
     if not st.run_id:
         st.run_id = body.run_id
-    if repeat:
-        log.debug("rank %d: REGISTER repeated, answered again", body.rank)
-    else:
-        log.info("rank %d registered (pid %d on %s, layout %s); %d/%d ranks", body.rank, body.pid,
-                 body.host, body.layout, len(st.ranks), ctl.world_size)
+    log.info("rank %d registered (pid %d on %s, layout %s); %d/%d ranks", body.rank, body.pid,
+             body.host, body.layout, len(st.ranks), ctl.world_size)
 
 
 # ---------------------------------------------------------------------- a registered rank's messages

@@ -4,8 +4,8 @@
   condition variable, and the wake pipe that wakes the I/O thread.
 * :class:`ControlLink`: owns the DEALER socket (a CURVE client, keys derived from the
   job's auth key, see :mod:`auth`), its socket monitor and the I/O thread ("heartbeat
-  thread"): registers (re-sent with backoff until REGISTERED), sends a HEARTBEAT every
-  ``heartbeat_interval_s``, drains the outbox, hands every message to the processor.
+  thread"): registers (re-sent while unanswered: :class:`RegisterBackoff`, and at once on
+  a new connection), sends a HEARTBEAT every ``heartbeat_interval_s``, drains the outbox, hands every message to the processor.
   ZeroMQ reconnects by itself (100 ms, backing off to 2 s).
 
 Controller loss: the DEALER sends ZeroMQ heartbeats (PING every ``heartbeat_interval_s``;
@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import random
 import secrets
 import threading
 import time
@@ -42,6 +43,37 @@ CONNECTION_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 GOODBYE_LINGER_MS = 500
 #: seconds between two looks into the lease directory while the control connection is closed
 LEASE_POLL_S = 0.25
+
+
+class RegisterBackoff:
+    """When a rank sends REGISTER again while no REGISTERED came (one outstanding at a time).
+
+    A REGISTER is not lost on a working connection (ZeroMQ queues it until the connection
+    is made, TCP delivers it): a controller that has not answered is busy, and every copy
+    sent meanwhile is more work for it (thousands of ranks re-sending every 0.1 s were a
+    storm that kept a 4,096-rank job registering for 34 s). So the first re-send waits
+    ``first_s``, each next one twice as long up to ``max_s``, each delay drawn uniformly
+    from 0.5x to 1.5x so that the ranks of a job spread out. A new connection re-sends at
+    once (see ``ControlLink``): what was queued on the old one may be lost.
+
+    Args:
+        first_s: the first delay's mean, seconds.
+        max_s: the largest mean delay, seconds.
+        rng: uniform [0, 1) draws (tests pass their own).
+    """
+
+    def __init__(self, first_s: float = 1.0, max_s: float = 8.0, rng: Callable[[], float] = random.random):
+        self.first_s, self.max_s, self.rng = first_s, max_s, rng
+        self._mean = first_s
+
+    def next_delay(self) -> float:
+        """Seconds until the next re-send (and the mean doubles, up to ``max_s``)."""
+        delay = self._mean * (0.5 + self.rng())
+        self._mean = min(2 * self._mean, self.max_s)
+        return delay
+
+    def reset(self) -> None:
+        self._mean = self.first_s
 
 
 class Outbox:
@@ -154,6 +186,8 @@ class ControlLink:
                 self.addr, self.port, self._term = cur.host, cur.port, cur.term
         self.registered = threading.Event()
         self.register_attempts = 0  # REGISTER frames sent (I/O thread only)
+        self.handshakes = 0  # authenticated connections made so far (I/O thread only)
+        self._register_now = False  # a new connection while unregistered: re-send at once
         self.register_error: Optional[str] = None
         self.goodbye_acked = False  # the controller handled this rank's GOODBYE (I/O thread only)
         self._stop_io = threading.Event()
@@ -241,20 +275,28 @@ class ControlLink:
         if self._monitor is not None:
             poller.register(self._monitor, zmq.POLLIN)
         hb = self.config.heartbeat_interval_s
-        backoff = 0.1
+        backoff = RegisterBackoff()
         next_register = time.monotonic()
         next_hb = time.monotonic() + hb
+        was_registered = False
         try:
             while not self._stop_io.is_set():
                 now = time.monotonic()
                 lost = self.controller_lost_at is not None
-                if not lost and not self.registered.is_set() and now >= next_register:
+                registered = self.registered.is_set()
+                if was_registered and not registered:  # a new controller asks for it: at once
+                    next_register = now
+                    backoff.reset()
+                was_registered = registered
+                if self._register_now and not registered:
+                    next_register = now
+                self._register_now = False
+                if not lost and not registered and now >= next_register:
                     self.register_attempts += 1
                     log.debug("rank %d: REGISTER #%d to %s:%s", self.rank, self.register_attempts, self.addr,
                               self.port)
                     self.send(self._register_body())
-                    next_register = now + backoff
-                    backoff = min(backoff * 2, 2.0)
+                    next_register = now + backoff.next_delay()
                 if not lost and self.registered.is_set() and now >= next_hb:
                     st, it = self._proto.status()
                     self.send(wire.Heartbeat(self.rank, it, st.value))
@@ -301,6 +343,11 @@ class ControlLink:
             now = time.monotonic()
             if host_port(evt.get("endpoint", b"")) in self._left:
                 continue  # the connection to a previous leader
+            if evt["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.handshakes += 1
+                # the first connection carries the REGISTER queued before it; a later one
+                # may have lost what was queued on the one before: re-send now
+                self._register_now = self.handshakes > 1 and not self.registered.is_set()
             if evt["event"] == zmq.EVENT_DISCONNECTED:
                 if self.disconnected_at is None and self.registered.is_set() and self.controller_lost_at is None:
                     self.disconnected_at = now

@@ -31,13 +31,14 @@ import logging
 import os
 import resource
 import threading
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from mindspeed_ha import env as ha_env
 from mindspeed_ha.control import admission, auth, wire
+from mindspeed_ha.control.state import summarise_ranks
 from mindspeed_ha.errors import ConfigError
 
 #: the controller's roles log under one name (operators and tests filter on it)
@@ -47,8 +48,14 @@ log = logging.getLogger("mindspeed_ha.control.controller")
 MAX_FRAMES_PER_TURN = 256
 #: socket-monitor events handled per loop turn
 MAX_EVENTS_PER_TURN = 1024
-#: ZAP requests answered per loop turn
-MAX_ZAP_PER_TURN = 64
+#: ZAP requests answered per loop turn (one per connection's handshake: every rank of a
+#: large job connects at once, and a request left unanswered past ``HANDSHAKE_DEADLINE_S``
+#: fails the handshake, and the rank connects again); about 10 us each
+MAX_ZAP_PER_TURN = 1024
+#: the listen backlog of the controller's port: the job's ranks, at least ZeroMQ's default
+#: of 100 (the kernel caps it at ``net.core.somaxconn``); ZeroMQ's default alone overflows
+#: when thousands of ranks connect at once, and each refused SYN is retried after a second
+MIN_BACKLOG = 100
 #: monitor events libzmq may queue before its I/O thread waits for this one to read them
 #: (the default of 1000 lets a burst of failed connections stall every connection)
 MONITOR_HWM = 100_000
@@ -94,11 +101,12 @@ class ControlServer:
         clock: monotonic clock (seconds), read for every item handled.
         limiter: per-peer rate budgets, checked before a frame is authenticated.
         on_disconnect: ``(rank, now)`` when the connection of ``rank`` closed.
+        backlog: connections the port queues before they are accepted (the job's ranks).
     """
 
     def __init__(self, max_message_bytes: int, auth_key: bytes, bind_addr: str, port: int, codec: wire.Codec,
                  clock: Callable[[], float], limiter: admission.PeerLimiter,
-                 on_disconnect: Callable[[int, float], None]):
+                 on_disconnect: Callable[[int, float], None], backlog: int = MIN_BACKLOG):
         self.max_message_bytes = max_message_bytes
         self.keys = auth.derive_keys(auth_key)
         self.bind_addr = bind_addr
@@ -107,6 +115,15 @@ class ControlServer:
         self.clock = clock
         self.limiter = limiter
         self.on_disconnect = on_disconnect
+        self.backlog = max(MIN_BACKLOG, int(backlog))
+        #: libzmq I/O threads: one does every connection's CURVE handshake and frames; a
+        #: second from 1,024 ranks on (thousands of handshakes at once at start-up)
+        self.io_threads = 1 if backlog <= 1024 else 2
+        #: ``ZMQ_HANDSHAKE_IVL``: ``HANDSHAKE_DEADLINE_S``, plus 10 ms per rank over 1,024 (up
+        #: to libzmq's default of 30 s): thousands of handshakes at once (CURVE, and ZAP
+        #: answered by this thread) take that long on a loaded host, and a handshake that
+        #: misses the deadline is made again from scratch (4,096 ranks at 5 s: 7,153 failed)
+        self.handshake_deadline_s = min(30.0, HANDSHAKE_DEADLINE_S + max(0, int(backlog) - 1024) / 100)
         #: connections refused by libzmq before any frame (failed handshakes, ZAP denials), by reason
         self.transport_rejected = admission.RejectLog(log, "connection")
         self.ctx: Optional[zmq.Context] = None
@@ -124,12 +141,14 @@ class ControlServer:
         #: been read empty: a rank's last frames (its GOODBYE) are handled before its close
         self._closed: List[Tuple[int, float]] = []
         self._input_empty = False
+        #: closed connections reported to ``on_disconnect`` so far (a counter)
+        self.closes_reported = 0
 
     # ------------------------------------------------------------------ sockets
     def open(self) -> None:
         """Create and bind the sockets and the wake pipe. Raises ConfigError if the port
         is in use; whatever was created is closed again before an error propagates."""
-        ctx = zmq.Context()
+        ctx = zmq.Context(io_threads=self.io_threads)
         router = monitor = zap = None
         wake: Tuple[int, ...] = ()
         try:
@@ -139,7 +158,8 @@ class ControlServer:
             auth.configure_server(router, self.keys)
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)
             router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-            router.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_DEADLINE_S * 1000))
+            router.setsockopt(zmq.HANDSHAKE_IVL, int(self.handshake_deadline_s * 1000))
+            router.setsockopt(zmq.BACKLOG, self.backlog)
             raise_fd_limit()
             self._bind(router)
             monitor = self._monitor_socket(ctx, router)
@@ -289,6 +309,7 @@ class ControlServer:
     def _report_closed(self, closed: List[Tuple[int, float]]) -> None:
         for item in closed:
             self._closed.remove(item)
+            self.closes_reported += 1
             self.on_disconnect(*item)
 
     def frames(self, limit: int = MAX_FRAMES_PER_TURN) -> Iterator[Tuple[float, bytes, Optional[int], wire.Message]]:
@@ -341,6 +362,30 @@ class ControlServer:
         """Send ``body`` to connection ``ident`` now. Raises zmq.ZMQError (e.g. the peer is
         gone, its queue is full) or WireError (the body does not encode)."""
         self.router.send_multipart([ident, self.codec.encode(body)], zmq.NOBLOCK)
+
+    def send_to_ranks(self, ranks: Iterable[int], body: Any) -> int:
+        """Send the same ``body`` to every rank of ``ranks``: encoded once, the same frame to
+        each connection (a receiver checks ``seq`` per sender, and each sees this ``seq``
+        once). Returns how many sends succeeded; a failure is logged at a bounded rate."""
+        try:
+            frame = self.codec.encode(body)
+        except wire.WireError as exc:
+            log.warning("controller: cannot send %s: %s", type(body).__name__, exc)
+            return 0
+        sent, failed = 0, []
+        for rank in ranks:
+            ident = self.ident.get(rank)
+            if ident is None:
+                continue
+            try:
+                self.router.send_multipart([ident, frame], zmq.NOBLOCK)
+                sent += 1
+            except zmq.ZMQError as exc:
+                failed.append((rank, exc))
+        if failed:
+            log.warning("controller: cannot send %s to %s: %s", type(body).__name__,
+                        summarise_ranks([r for r, _ in failed]), failed[0][1])
+        return sent
 
     def send_to_rank(self, rank: int, body: Any) -> bool:
         """Send ``body`` to ``rank``'s connection; False (logged) if it has none or the send failed."""

@@ -42,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
-from typing import Any, Dict, FrozenSet, List, Optional, Tuple
+from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Tuple
 
 from mindspeed_ha.faults import FaultKind, IllegalTransition
 
@@ -106,6 +106,22 @@ _STATUS_MOVES: Dict[OptimizerStatus, FrozenSet[OptimizerStatus]] = {
     OptimizerStatus.UPDATING: frozenset({OptimizerStatus.UPDATED, OptimizerStatus.UPDATING, OptimizerStatus.UNKNOWN}),
     OptimizerStatus.UPDATED: frozenset({OptimizerStatus.UPDATING, OptimizerStatus.UPDATED, OptimizerStatus.UNKNOWN}),
 }
+
+
+#: ranks a summary names in full; a longer list names its first ``SUMMARY_FIRST`` and counts the rest
+SUMMARY_LIMIT = 16
+SUMMARY_FIRST = 8
+
+
+def summarise_ranks(ranks: Iterable[int]) -> str:
+    """A list of ranks for a reason or a log line, bounded whatever the job's size: short
+    lists in full (``[1, 5]``), longer ones as their first ranks and a count
+    (``[0, 1, ..., 7, ... +4088 more (4096 ranks)]``). Keeps the order given."""
+    ranks = list(ranks)
+    if len(ranks) <= SUMMARY_LIMIT:
+        return str(ranks)
+    head = ", ".join(str(r) for r in ranks[:SUMMARY_FIRST])
+    return f"[{head}, ... +{len(ranks) - SUMMARY_FIRST} more ({len(ranks)} ranks)]"
 
 
 class RankState:
@@ -339,6 +355,15 @@ class ClusterState:
     #: ARF (--enable-worker-reboot): ranks whose process died and whose agent restarts it,
     #: with when the death was reported; the recovery waits for them to rejoin
     rejoin_wait: Dict[int, float] = dataclasses.field(default_factory=dict)
+    #: start-up: while not every rank registered, silence is no evidence until this time
+    #: (the first registration + ``connect_timeout_s``); None once all registered. A job's
+    #: thousands of connections being made keep the controller's I/O thread busy with their
+    #: handshakes, and a rank registered first waits for the others anyway
+    registering_until: Optional[float] = None
+
+    def silence_counts(self, now: float) -> bool:
+        """Whether a rank's heartbeat silence is evidence now (see ``registering_until``)."""
+        return self.registering_until is None or now > self.registering_until
 
     def set_phase(self, new: Phase, now: float, why: str = "") -> None:
         """Move the job to ``new`` or raise IllegalTransition (logged)."""

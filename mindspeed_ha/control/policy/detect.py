@@ -14,7 +14,7 @@ from mindspeed_ha.config import HAConfig
 from mindspeed_ha.control.policy.arf import worker_restart
 from mindspeed_ha.control.policy.decision import ActionKind, Decision, DrainPlan, StopPlan, live_targets, noop
 from mindspeed_ha.control.policy.recovery import in_place_possible
-from mindspeed_ha.control.state import ClusterState, Phase
+from mindspeed_ha.control.state import ClusterState, Phase, summarise_ranks
 from mindspeed_ha.faults import FaultKind
 
 #: (rank, kind, reason, evidence time on the controller's monotonic clock)
@@ -24,20 +24,26 @@ FaultEvidence = Tuple[int, FaultKind, str, float]
 def gone_ranks(now: float, state: ClusterState, config: HAConfig) -> Dict[int, str]:
     """Ranks that cannot take part any more, with the reason (dead, goodbye, silent)."""
     out: Dict[int, str] = {}
-    for r, info in sorted(state.ranks.items()):
+    limit = config.heartbeat_timeout_s if state.silence_counts(now) else float("inf")
+    for r, info in state.ranks.items():  # O(N), no sort: this runs at every decision step
+        if info.alive and info.exit_code is None and now - info.last_heartbeat <= limit:
+            continue
         if not info.alive:
             out[r] = info.dead_reason or f"exited with {info.exit_code}"
         elif info.exit_code is not None:
             out[r] = f"said goodbye ({info.exit_code})"
-        elif now - info.last_heartbeat > config.heartbeat_timeout_s:
+        elif now - info.last_heartbeat > limit:
             out[r] = f"no heartbeat for {now - info.last_heartbeat:.3f} s > {config.heartbeat_timeout_s} s"
-    return out
+    return dict(sorted(out.items()))
 
 
 def detect_fault(now: float, state: ClusterState, config: HAConfig) -> Optional[FaultEvidence]:
     """The earliest fault evidence: (rank, kind, reason, evidence time) or None."""
     found: List[Tuple[float, int, FaultKind, str]] = []
-    for r, info in sorted(state.ranks.items()):
+    limit = config.heartbeat_timeout_s if state.silence_counts(now) else float("inf")
+    for r, info in state.ranks.items():  # O(N), no sort: min() below picks the earliest
+        if info.fault is None and info.alive and info.exit_code is None and now - info.last_heartbeat <= limit:
+            continue  # the common case: a healthy rank
         at = info.failed_at if info.failed_at is not None else info.last_heartbeat
         if info.fault is not None:
             found.append((at, r, info.fault, f"rank {r} reported {info.fault.value} fault in iteration "
@@ -47,7 +53,7 @@ def detect_fault(now: float, state: ClusterState, config: HAConfig) -> Optional[
             found.append((at, r, FaultKind.PROCESS, f"rank {r} died: {info.dead_reason}"))
         elif info.alive and info.exit_code not in (None, 0):
             found.append((at, r, FaultKind.PROCESS, f"rank {r} exits with {info.exit_code}"))
-        elif info.alive and info.exit_code is None and now - info.last_heartbeat > config.heartbeat_timeout_s:
+        elif info.alive and info.exit_code is None and now - info.last_heartbeat > limit:
             found.append((info.last_heartbeat, r, FaultKind.PROCESS,
                           f"rank {r} missed heartbeats for {now - info.last_heartbeat:.3f} s "
                           f"(> {config.heartbeat_timeout_s} s)"))
@@ -58,7 +64,8 @@ def detect_fault(now: float, state: ClusterState, config: HAConfig) -> Optional[
         return None
     at, r, kind, reason = min(found)
     if len(found) > 1:
-        reason += f" (+{len(found) - 1} more failed ranks: {sorted(f[1] for f in found if f[1] != r)})"
+        others = summarise_ranks(sorted(f[1] for f in found if f[1] != r))
+        reason += f" (+{len(found) - 1} more failed ranks: {others})"
     return r, kind, reason, at
 
 

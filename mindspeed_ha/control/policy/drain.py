@@ -18,7 +18,7 @@ from mindspeed_ha.control.policy.decision import (ActionKind, Decision, DrainPla
                                                   live_targets, noop)
 from mindspeed_ha.control.policy.detect import detect_fault, every_rank_finished, stop_for_fault
 from mindspeed_ha.control.policy.save import after_stop
-from mindspeed_ha.control.state import ClusterState, Phase
+from mindspeed_ha.control.state import ClusterState, Phase, summarise_ranks
 from mindspeed_ha.faults import EXIT_FAULT_UNRECOVERABLE, EXIT_NO_COMPLETE_DATA
 
 _NOTHING_TRAINED = ("graceful stop before any rank started its first iteration{}: nothing to save (a checkpoint "
@@ -75,9 +75,10 @@ def draining(now: float, state: ClusterState, config: HAConfig, gone: Mapping[in
     waiting = [r for r in live if not state.ranks[r].stopped]
     budget = drain_budget_s(config)
     if waiting and elapsed < budget:
-        return noop(f"graceful stop: waiting for ranks {waiting} to pause after iteration {k}")
+        return noop(f"graceful stop: waiting for ranks {summarise_ranks(waiting)} to pause after iteration {k}")
     if waiting:
-        return _abandon(state, gone, f"ranks {waiting} did not finish iteration {k} within {budget:g} s")
+        return _abandon(state, gone, f"ranks {summarise_ranks(waiting)} did not finish iteration {k} "
+                        f"within {budget:g} s")
     return after_stop(state, config, gone, dict(gone), elapsed)
 
 
@@ -88,12 +89,12 @@ def _announce_round(state: ClusterState, config: HAConfig, gone: Mapping[int, st
     waiting = [r for r in live if state.ranks[r].pause_at is None]
     unregistered = state.world_size - len(state.ranks)
     if (waiting or unregistered > 0) and elapsed < budget:
-        return noop(f"graceful stop: waiting for ranks {waiting} to say where they pause"
+        return noop(f"graceful stop: waiting for ranks {summarise_ranks(waiting)} to say where they pause"
                     + (f" and for {unregistered} ranks to register" if unregistered > 0 else ""))
     if waiting or unregistered > 0:
         if not any((state.ranks[r].pause_at or -1) >= 1 for r in live):
             return exit_all(state, EXIT_NO_COMPLETE_DATA, _NOTHING_TRAINED.format(" (ranks still starting)"))
-        return _abandon(state, gone, f"ranks {waiting} did not answer DRAIN within {budget:g} s")
+        return _abandon(state, gone, f"ranks {summarise_ranks(waiting)} did not answer DRAIN within {budget:g} s")
     k = agree_pause({r: state.ranks[r].pause_at for r in live})
     if k is None:
         return exit_all(state, EXIT_NO_COMPLETE_DATA, _NOTHING_TRAINED.format(""))

@@ -10,10 +10,10 @@ controller every rank runs it on the statuses all ranks exchanged.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 from mindspeed_ha.control import integrity
-from mindspeed_ha.control.state import OptimizerStatus, RankInfo
+from mindspeed_ha.control.state import OptimizerStatus, RankInfo, summarise_ranks
 from mindspeed_ha.faults import FaultKind
 
 ShardKey = Tuple[int, int, int]  # (tp_rank, pp_rank, shard_id)
@@ -78,6 +78,32 @@ class DumpPlan:
             shard_digests={(t, p, s): str(d) for t, p, s, d in params.get("shard_digests", ())},
             model_digests={(t, p): str(d) for t, p, d in params.get("model_digests", ())},
         )
+
+    def params_by_rank(self, save_dir: Optional[str], ranks: Iterable[int]) -> Dict[int, Dict[str, Any]]:
+        """The DUMP / ASSEMBLE / COMMIT params each of ``ranks`` is sent: the plan's common
+        part (iteration, ``save_dir``, committer, shards per instance, reason) and only the
+        entries that name that rank (the shards and models it saves, what it assembles, their
+        digests), so that a saver of a 16,384-rank job gets its own shard, not the 8,192 of
+        everyone. :meth:`from_params` of it gives the rank the same :meth:`roles` and the
+        same digests of its parts as the whole plan. O(plan + ranks)."""
+        mine: Dict[int, Dict[str, list]] = {r: {"shard_savers": [], "model_savers": [], "assemblers": [],
+                                                "shard_digests": [], "model_digests": []} for r in ranks}
+        for (t, p, s), r in sorted(self.shard_savers.items()):
+            if r in mine:
+                mine[r]["shard_savers"].append([t, p, s, r])
+                if (t, p, s) in self.shard_digests:
+                    mine[r]["shard_digests"].append([t, p, s, self.shard_digests[(t, p, s)]])
+        for (t, p), r in sorted(self.model_savers.items()):
+            if r in mine:
+                mine[r]["model_savers"].append([t, p, r])
+                if (t, p) in self.model_digests:
+                    mine[r]["model_digests"].append([t, p, self.model_digests[(t, p)]])
+        for (t, p), r in sorted(self.assemblers.items()):
+            if r in mine:
+                mine[r]["assemblers"].append([t, p, r])
+        common = {"iteration": self.iteration, "save_dir": save_dir, "committer": self.committer,
+                  "shards_per_instance": self.shards_per_instance, "reason": self.reason}
+        return {r: dict(common, **parts) for r, parts in mine.items()}
 
     def roles(self, rank: int) -> Dict[str, Any]:
         """What ``rank`` does: shards it saves, (tp,pp) models it saves/assembles, commit."""
@@ -265,7 +291,7 @@ def _plan(k: int, at_k: Dict[ShardKey, List[RankInfo]], n_shards: int,
         committer=committer,
         shards_per_instance=n_shards,
         reason=f"iteration {k}: every shard has a healthy holder UPDATED at {k}; "
-        f"{len(shard_savers)} shards saved by ranks {used} (instances preferred: {order}){checked}",
+        f"{len(shard_savers)} shards saved by ranks {summarise_ranks(used)} (instances preferred: {order}){checked}",
         shard_digests={key: trusted[("shard", key)] for key in shard_savers if ("shard", key) in trusted},
         model_digests={mk: trusted[("model", mk)] for mk in model_keys if ("model", mk) in trusted},
     )

@@ -15,7 +15,7 @@ from mindspeed_ha.config import HAConfig
 from mindspeed_ha.control.policy.arf import plan_rejoin
 from mindspeed_ha.control.policy.recovery import (REJOIN, NoRecovery, RecoveryMode, RecoveryPlan, absent,
                                                   in_place_possible, outside_step, retry_limit, situation, sources)
-from mindspeed_ha.control.state import RankInfo
+from mindspeed_ha.control.state import RankInfo, summarise_ranks
 from mindspeed_ha.faults import FaultKind
 
 
@@ -38,7 +38,7 @@ def plan_recovery(ranks: Mapping[int, RankInfo], world_size: int, fault_rank: in
     """
     missing = sorted(set(range(world_size)) - set(ranks))
     if missing:
-        return NoRecovery(f"ranks {missing} never registered")
+        return NoRecovery(f"ranks {summarise_ranks(missing)} never registered")
     rejoining = {r: i for r, i in ranks.items() if i.fault_where == REJOIN}
     if rejoining:
         return plan_rejoin(ranks, rejoining, fault_rank, config, history)

@@ -30,7 +30,7 @@ from mindspeed_ha.config import HAConfig
 from mindspeed_ha.control.policy.decision import ActionKind, Decision, DrainPlan, live_targets, noop
 from mindspeed_ha.control.policy.detect import detect_fault, every_rank_finished, stop_for_fault
 from mindspeed_ha.control.policy.drain import agree_pause
-from mindspeed_ha.control.state import ClusterState, Phase
+from mindspeed_ha.control.state import ClusterState, Phase, summarise_ranks
 
 #: reasons of the decisions that end a pause without RUNNING (the operator's reply quotes them)
 PAUSE_FAILED = "graceful pause failed"
@@ -69,9 +69,10 @@ def pausing(now: float, state: ClusterState, config: HAConfig, gone: Mapping[int
     if state.drain_until is None:
         waiting = [r for r in live if state.ranks[r].pause_at is None]
         if waiting and elapsed < budget:
-            return noop(f"graceful pause: waiting for ranks {waiting} to say where they pause")
+            return noop(f"graceful pause: waiting for ranks {summarise_ranks(waiting)} to say where they pause")
         if waiting:
-            return _release(state, gone, f"{PAUSE_FAILED}: ranks {waiting} did not answer within {budget:g} s")
+            return _release(state, gone, f"{PAUSE_FAILED}: ranks {summarise_ranks(waiting)} did not answer "
+                            f"within {budget:g} s")
         k = agree_pause({r: state.ranks[r].pause_at for r in live})
         if k is None:
             # no rank started an iteration in this process (a job just started, or just
@@ -81,20 +82,21 @@ def pausing(now: float, state: ClusterState, config: HAConfig, gone: Mapping[int
             first = {r: state.ranks[r].paused_after for r in live}
             behind = [r for r, k_r in first.items() if k_r is None]
             if behind and elapsed < budget:
-                return noop(f"graceful pause: waiting for ranks {behind} to hold at their first pause point")
+                return noop(f"graceful pause: waiting for ranks {summarise_ranks(behind)} to hold at their first "
+                            "pause point")
             if behind:
-                return _release(state, gone, f"{PAUSE_FAILED}: ranks {behind} did not reach their first "
-                                f"pause point within {budget:g} s")
+                return _release(state, gone, f"{PAUSE_FAILED}: ranks {summarise_ranks(behind)} did not reach "
+                                f"their first pause point within {budget:g} s")
             k = max(first.values()) + 1
         return Decision(ActionKind.PAUSE, f"graceful pause: every rank finishes iteration {k} and holds after it",
                         DrainPlan(k, hold=True), tuple(live))
     k = state.drain_until
     waiting = [r for r in live if not state.ranks[r].stopped]
     if waiting and elapsed < budget:
-        return noop(f"graceful pause: waiting for ranks {waiting} to pause after iteration {k}")
+        return noop(f"graceful pause: waiting for ranks {summarise_ranks(waiting)} to pause after iteration {k}")
     if waiting:
-        return _release(state, gone, f"{PAUSE_FAILED}: ranks {waiting} did not reach iteration {k} within "
-                        f"{budget:g} s")
+        return _release(state, gone, f"{PAUSE_FAILED}: ranks {summarise_ranks(waiting)} did not reach "
+                        f"iteration {k} within {budget:g} s")
     return noop(f"graceful pause: every rank holds after iteration {k}", Phase.PAUSED)
 
 

@@ -19,7 +19,8 @@ from mindspeed_ha.control.policy.decision import ActionKind, Decision, StopPlan,
 from mindspeed_ha.control.policy.in_place import plan_recovery
 from mindspeed_ha.control.policy.recovery import NoRecovery, RecoveryMode, RecoveryPlan
 from mindspeed_ha.control.policy.save import update_settle_s
-from mindspeed_ha.control.state import ClusterState, OptimizerStatus, PendingAction, Phase, RankInfo
+from mindspeed_ha.control.state import (ClusterState, OptimizerStatus, PendingAction, Phase, RankInfo,
+                                        summarise_ranks)
 from mindspeed_ha.faults import FaultKind
 
 
@@ -66,7 +67,7 @@ def _observe_round(now: float, state: ClusterState, config: HAConfig, live: List
     elapsed = now - state.phase_since
     waiting = [r for r in live if not state.ranks[r].stopped]
     if waiting and elapsed < config.stop_timeout_s:
-        return noop(f"recovering: waiting for STOPPED from ranks {waiting}")
+        return noop(f"recovering: waiting for STOPPED from ranks {summarise_ranks(waiting)}")
     at = {(state.ranks[r].status, state.ranks[r].iteration) for r in live}
     settled = len(at) == 1 and next(iter(at))[0] is OptimizerStatus.UPDATED
     # ... and every rank out of step k (its tail after the update cannot be re-run),
@@ -93,13 +94,13 @@ def _abort_round(now: float, state: ClusterState, config: HAConfig, gone: Mappin
     rejoin = state.rejoin_wait
     waiting = [r for r in live if state.ranks[r].fault is None or not state.ranks[r].stopped]
     if waiting and now - state.abort_sent_at < config.stop_timeout_s:
-        return noop(f"recovering: waiting for ranks {waiting} to leave their step")
+        return noop(f"recovering: waiting for ranks {summarise_ranks(waiting)} to leave their step")
     if waiting:
-        return fall_back(state, gone, now, f"ranks {waiting} did not leave their step within "
+        return fall_back(state, gone, now, f"ranks {summarise_ranks(waiting)} did not leave their step within "
                          f"{config.stop_timeout_s} s")
     starting = sorted(r for r in rejoin if not parked_to_rejoin(state, r, gone))
     if starting:  # bounded above (action_timeout_s from the death)
-        return noop(f"recovering: waiting for the restarted ranks {starting} to rejoin")
+        return noop(f"recovering: waiting for the restarted ranks {summarise_ranks(starting)} to rejoin")
     fault_rank = state.fault.rank if state.fault is not None else -1
     plan = plan_recovery(state.ranks, state.world_size, fault_rank, config, state.recoveries)
     if isinstance(plan, NoRecovery):
@@ -122,8 +123,9 @@ def _retry_results(now: float, state: ClusterState, config: HAConfig, gone: Mapp
     missing = [t for t in pending.targets if t not in pending.results]
     if not pending.complete:
         if now - pending.sent_at > config.action_timeout_s:
-            return fall_back(state, gone, now, f"ranks {missing} did not recover within {config.action_timeout_s} s")
-        return noop(f"recovering: waiting for ranks {missing}")
+            return fall_back(state, gone, now, f"ranks {summarise_ranks(missing)} did not recover within "
+                             f"{config.action_timeout_s} s")
+        return noop(f"recovering: waiting for ranks {summarise_ranks(missing)}")
     plan = RecoveryPlan.from_params(pending.params)
     what = (f"goes on with iteration {plan.iteration} after its optimizer update" if plan.mode is RecoveryMode.FORWARD
             else f"re-runs iteration {plan.iteration + 1}")

@@ -78,7 +78,8 @@ import dataclasses
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 from mindspeed_ha.config import HAConfig
-from mindspeed_ha.control.state import IN_STEP, IN_UPDATE, OptimizerStatus, RankInfo, StepPosition, WireEnum
+from mindspeed_ha.control.state import (IN_STEP, IN_UPDATE, OptimizerStatus, RankInfo, StepPosition, WireEnum,
+                                        summarise_ranks)
 from mindspeed_ha.faults import FaultKind
 
 #: fault_where of a restarted process (ARF) parked at its rejoin point
@@ -201,10 +202,10 @@ def absent(ranks: Mapping[int, RankInfo], parked: Mapping[int, RankInfo], why_go
     """NoRecovery if a rank of ``ranks`` is gone or one of ``parked`` did not leave its step."""
     gone = [r for r, i in sorted(ranks.items()) if not i.alive or i.exit_code is not None]
     if gone:
-        return NoRecovery(f"ranks {gone} are gone{why_gone}")
+        return NoRecovery(f"ranks {summarise_ranks(gone)} are gone{why_gone}")
     not_parked = [r for r, i in sorted(parked.items()) if i.fault is None or not i.stopped]
     if not_parked:
-        return NoRecovery(f"ranks {not_parked} did not leave their step")
+        return NoRecovery(f"ranks {summarise_ranks(not_parked)} did not leave their step")
     return None
 
 
@@ -248,8 +249,8 @@ def _forward_situation(ranks: Mapping[int, RankInfo], in_update: Set[int]) -> Un
     outside = sorted(set(ranks) - set(in_update))
     if outside:
         r = outside[0]
-        return NoRecovery(f"ranks {sorted(in_update)} were stopped inside the optimizer update but rank {r} was "
-                          f"not ({ranks[r].fault_where or 'train_step'} of iteration {ranks[r].fault_iteration})")
+        return NoRecovery(f"ranks {summarise_ranks(sorted(in_update))} were stopped inside the optimizer update "
+                          f"but rank {r} was not ({ranks[r].fault_where or 'train_step'} of iteration {ranks[r].fault_iteration})")
     its = {i.fault_iteration for i in ranks.values()}
     if len(its) != 1:
         return NoRecovery(f"the ranks were stopped inside the optimizer updates of different iterations {sorted(its)}")

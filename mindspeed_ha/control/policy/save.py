@@ -18,7 +18,7 @@ from mindspeed_ha.control.policy.decision import (ActionKind, Decision, VerifyPl
                                                   noop)
 from mindspeed_ha.control.policy.dying import (DumpOrder, DumpPlan, NoCompleteData, select_dying_checkpoint,
                                                usable)
-from mindspeed_ha.control.state import ClusterState, OptimizerStatus, Phase
+from mindspeed_ha.control.state import ClusterState, OptimizerStatus, Phase, summarise_ranks
 from mindspeed_ha.faults import (EXIT_DYING_CHECKPOINT_SAVED, EXIT_FAILED_BEFORE_TRAINING,
                                  EXIT_FAULT_UNRECOVERABLE, EXIT_NO_COMPLETE_DATA)
 
@@ -35,7 +35,7 @@ def stopping(now: float, state: ClusterState, config: HAConfig, gone: Mapping[in
     waiting = [r for r in live_targets(state, gone) if not state.ranks[r].stopped]
     elapsed = now - state.phase_since
     if waiting and elapsed < config.stop_timeout_s:
-        return noop(f"waiting for STOPPED from ranks {waiting}")
+        return noop(f"waiting for STOPPED from ranks {summarise_ranks(waiting)}")
     unavailable = dict(gone)
     for r in waiting:
         unavailable[r] = f"no STOPPED within {config.stop_timeout_s} s"
@@ -70,7 +70,7 @@ def after_stop(state: ClusterState, config: HAConfig, gone: Mapping[int, str], u
                       if info.verifies and usable(info, unavailable))
     if verifiers:
         return Decision(ActionKind.VERIFY, f"iteration {choice.iteration} is complete; verifying the "
-                        f"integrity of every usable copy (ranks {list(verifiers)})",
+                        f"integrity of every usable copy (ranks {summarise_ranks(verifiers)})",
                         VerifyPlan(tuple(sorted(unavailable.items()))), verifiers, Phase.VERIFYING)
     return Decision(ActionKind.DUMP, choice.reason, DumpOrder(choice, save_dir), choice.savers(), Phase.DUMPING)
 
@@ -98,7 +98,7 @@ def _settle_wait(state: ClusterState, unavailable: Mapping[int, str], choice: Un
         return None
     if isinstance(choice, DumpPlan) and best.iteration <= choice.iteration:
         return None
-    return noop(f"ranks {settling} are finishing the optimizer update of iteration "
+    return noop(f"ranks {summarise_ranks(settling)} are finishing the optimizer update of iteration "
                 f"{best.iteration}; waiting up to {update_settle_s(config)} s")
 
 
@@ -113,7 +113,7 @@ def verifying(now: float, state: ClusterState, config: HAConfig, gone: Mapping[i
         return exit_all(state, EXIT_FAULT_UNRECOVERABLE, "verifying without a pending action")
     waiting = [t for t in pending.targets if t not in pending.results and t not in gone]
     if waiting and now - pending.sent_at <= config.action_timeout_s:
-        return noop(f"verifying: waiting for ranks {waiting}")
+        return noop(f"verifying: waiting for ranks {summarise_ranks(waiting)}")
     unavailable = {int(r): str(why) for r, why in pending.params.get("unavailable", ())}
     unavailable.update(gone)
     for t in pending.targets:
@@ -147,9 +147,9 @@ def saving(now: float, state: ClusterState, config: HAConfig, gone: Mapping[int,
         missing = [t for t in pending.targets if t not in pending.results]
         if now - pending.sent_at > config.action_timeout_s:
             return exit_all(state, EXIT_FAULT_UNRECOVERABLE,
-                            f"{name} timed out after {config.action_timeout_s} s waiting for ranks {missing}; "
-                            "nothing committed")
-        return noop(f"{name}: waiting for ranks {missing}")
+                            f"{name} timed out after {config.action_timeout_s} s waiting for ranks "
+                            f"{summarise_ranks(missing)}; nothing committed")
+        return noop(f"{name}: waiting for ranks {summarise_ranks(missing)}")
     order = DumpOrder(plan, pending.params.get("save_dir"))
     if state.phase is Phase.DUMPING:
         return Decision(ActionKind.ASSEMBLE, f"all shards of iteration {plan.iteration} saved; assembling",
@@ -171,9 +171,9 @@ def exiting(now: float, state: ClusterState, config: HAConfig, gone: Mapping[int
         return noop("every rank exited", Phase.DONE)
     sent = pending.sent_at if pending is not None else state.phase_since
     if now - sent > config.stop_timeout_s:
-        return noop(f"ranks {remaining} did not exit within {config.stop_timeout_s} s; leaving them to the "
-                    "launcher", Phase.DONE)
-    return noop(f"waiting for ranks {remaining} to exit")
+        return noop(f"ranks {summarise_ranks(remaining)} did not exit within {config.stop_timeout_s} s; leaving "
+                    "them to the launcher", Phase.DONE)
+    return noop(f"waiting for ranks {summarise_ranks(remaining)} to exit")
 
 
 __all__ = ["NOTHING_COMPLETED", "after_stop", "exiting", "saving", "stopping", "update_settle_s", "verifying"]

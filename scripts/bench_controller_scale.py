@@ -1,0 +1,581 @@
+#!/usr/bin/env python
+"""The control plane at scale: the real controller, thousands of simulated ranks.
+
+The controller (:class:`mindspeed_ha.control.controller.Controller`) runs in this process
+on its real socket (CURVE, ZAP, msgpack, HMAC, the wire schema of ``control/wire.py``).
+The ranks are simulated in ``--sims`` OS processes: one ZeroMQ DEALER per rank, each a
+CURVE client with its own sender name and ``seq``, speaking the real frames (REGISTER,
+HEARTBEAT, STATUS, FAULT, STOPPED, ACTION_RESULT, GOODBYE), re-sending REGISTER on the
+processor's schedule (``link.RegisterBackoff`` when present). The simulated savers write
+nothing: they answer DUMP / ASSEMBLE / COMMIT ok.
+
+Per N (``--ranks 1024 4096 16384``), on one controller:
+
+1. registration: seconds from the simulators' start to the last REGISTERED; REGISTER
+   frames sent (total, most by one rank); ranks not registered within 60 s;
+2. steady state at 1 step/s (``--steady-s``): one HEARTBEAT + one STATUS per rank per
+   second; controller process CPU (cores, all its threads) and RSS, p50/p99 of one frame's
+   handling (decode + dispatch), the longest loop turn;
+3. UCE (``--enable-hbmfault-repair``): FAULT(uce) of one rank -> the RETRY plan at every
+   rank (the observe and abort rounds in between), then RESUME;
+4. death: one rank's connection closed -> STOP at every survivor; -> the dying checkpoint
+   decided and committed (EXIT 75);
+5. false deaths: ranks the controller took for dead (or silent) other than the killed one.
+
+``--slow 2`` slows two of the simulator processes (each sleeps ``--slow-s`` between its
+loop turns, nice 10): their ranks' frames arrive late and in bursts. Figures are
+wall-clock on a shared machine: note the load average printed with them.
+
+    PYTHONPATH=$PWD python scripts/bench_controller_scale.py --ranks 1024 4096 [--slow 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import heapq
+import hmac
+import json
+import logging
+import multiprocessing as mp
+import os
+import random
+import resource
+import secrets
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Optional
+
+import msgpack
+import zmq
+
+LAYOUT_TP, LAYOUT_PP, REPLICAS = 8, 2, 2
+STEP_S = 1.0
+
+
+def layout_of(rank: int, world: int) -> Dict[str, int]:
+    """Megatron's order (tp fastest, then dp, then pp); distributed optimizer, 2 replicas."""
+    tp, pp = LAYOUT_TP, LAYOUT_PP
+    while world % (tp * pp * REPLICAS):
+        tp = max(1, tp // 2)
+        pp = 1
+    dp = world // (tp * pp)
+    spi = max(1, dp // REPLICAS)
+    tp_rank, dp_rank, pp_rank = rank % tp, (rank // tp) % dp, rank // (tp * dp)
+    return {"tp_rank": tp_rank, "pp_rank": pp_rank, "dp_rank": dp_rank, "cp_rank": 0, "tp_size": tp,
+            "pp_size": pp, "dp_size": dp, "replica_count": REPLICAS, "instance_id": dp_rank // spi,
+            "shard_id": dp_rank % spi, "cp_size": 1}
+
+
+# ---------------------------------------------------------------------- the simulated ranks
+class Sim:
+    """The ranks of one simulator process."""
+
+    def __init__(self, conn, sim_id: int, ranks: List[int], world: int, port: int, key: bytes, slow_s: float,
+                 save_dir: str):
+        from mindspeed_ha.control import auth, wire
+        from mindspeed_ha.control import link as link_mod
+
+        self.wire = wire
+        self.conn, self.sim_id, self.ranks, self.world, self.key = conn, sim_id, ranks, world, key
+        self.slow_s, self.save_dir = slow_s, save_dir
+        self.v = wire.SCHEMA_VERSION
+        self.backoff_cls = getattr(link_mod, "RegisterBackoff", None)
+        self.ctx = zmq.Context(io_threads=1)
+        self.ctx.set(zmq.MAX_SOCKETS, len(ranks) + 64)
+        keys = auth.derive_keys(key)
+        self.socks: Dict[int, Any] = {}
+        self.rank_of: Dict[Any, int] = {}
+        for r in ranks:
+            s = self.ctx.socket(zmq.DEALER)
+            wire.configure_socket(s, 1 << 20)
+            auth.configure_client(s, keys)
+            s.setsockopt(zmq.ROUTING_ID, f"r{r}-{secrets.token_hex(4)}".encode())
+            s.setsockopt(zmq.RECONNECT_IVL, 100)
+            s.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+            self.socks[r] = s
+            self.rank_of[s] = r
+        self.sender = {r: wire.new_sender("processor", r) for r in ranks}
+        self.seq = {r: 0 for r in ranks}
+        self.last_in = {r: 0 for r in ranks}
+        self.t0 = time.monotonic()
+        self.registered: Dict[int, float] = {}
+        self.reg_sent = {r: 0 for r in ranks}
+        self.backoff: Dict[int, Any] = {}
+        self.phase = {r: random.random() * STEP_S for r in ranks}  # each rank's heartbeat offset
+        self.hb_due: List[Any] = []  # (when, rank) of the next heartbeat
+        self.reg_due: List[Any] = []  # (when, rank) of the next REGISTER
+        self.it = {r: 0 for r in ranks}
+        self.frozen: Dict[int, bool] = {r: False for r in ranks}
+        self.exited: Dict[int, bool] = {r: False for r in ranks}
+        self.dead: set = set()
+        self.uce_rank: Optional[int] = None
+        self.hold: Optional[int] = None
+        self.stop_at: Dict[int, float] = {}
+        self.retry_at: Dict[int, float] = {}
+        self.exit_at: Dict[int, float] = {}
+        self.rejected = 0
+        self.sent = 0
+        self.hb_late = 0.0  # the most a heartbeat left after its time (this simulator's own lag), s
+
+    # ---- frames
+    def enc(self, r: int, mtype: str, body: Dict[str, Any]) -> bytes:
+        self.seq[r] += 1
+        env = msgpack.packb({"v": self.v, "type": mtype, "seq": self.seq[r], "sender": self.sender[r],
+                             "body": body}, use_bin_type=True)
+        return hmac.new(self.key, env, hashlib.sha256).digest() + env
+
+    def send(self, r: int, mtype: str, body: Dict[str, Any]) -> None:
+        if r in self.dead:
+            return
+        try:
+            self.socks[r].send(self.enc(r, mtype, body), zmq.NOBLOCK)
+            self.sent += 1
+        except zmq.Again:
+            pass
+
+    def dec(self, r: int, frame: bytes) -> Optional[Dict[str, Any]]:
+        tag, env = frame[:32], frame[32:]
+        if not hmac.compare_digest(tag, hmac.new(self.key, env, hashlib.sha256).digest()):
+            self.rejected += 1
+            return None
+        m = msgpack.unpackb(env, raw=False, strict_map_key=False)
+        if m.get("v") != self.v or m["seq"] <= self.last_in[r]:
+            self.rejected += 1
+            return None
+        self.last_in[r] = m["seq"]
+        return m
+
+    # ---- protocol
+    def register(self, r: int, now: float) -> None:
+        self.reg_sent[r] += 1
+        self.send(r, "register", {"rank": r, "world_size": self.world, "pid": os.getpid(), "host": "sim",
+                                  "layout": layout_of(r, self.world), "save_dir": self.save_dir, "run_id": "bench",
+                                  "status": "updated", "iteration": 0, "verifies": False, "incarnation": 0,
+                                  "rejoins": False})
+        if self.backoff_cls is not None:  # the processor's own schedule
+            b = self.backoff.setdefault(r, self.backoff_cls())
+            heapq.heappush(self.reg_due, (now + b.next_delay(), r))
+        else:  # before it existed: 0.1 s doubling to 2 s, whatever the connection
+            b = self.backoff.get(r, 0.1)
+            heapq.heappush(self.reg_due, (now + b, r))
+            self.backoff[r] = min(2 * b, 2.0)
+
+    def status_body(self, r: int) -> Dict[str, Any]:
+        return {"rank": r, "status": "updated", "iteration": self.it[r], "step": self.it[r] + 1}
+
+    def stopped(self, r: int) -> None:
+        self.send(r, "stopped", {"rank": r, "status": "updated", "iteration": self.it[r], "pause_at": -1,
+                                 "step": self.it[r] + 1})
+
+    def handle(self, r: int, m: Dict[str, Any], now: float) -> None:
+        t, body = m["type"], m["body"]
+        if t == "registered":
+            if body["accepted"] and r not in self.registered:
+                self.registered[r] = now
+                heapq.heappush(self.hb_due, (now + self.phase[r], r))
+        elif t == "stop":
+            self.stop_at.setdefault(r, now)
+            self.frozen[r] = True
+            self.stopped(r)
+            if body.get("recover"):  # parked in the fault handler
+                kind = "uce" if r == self.uce_rank else "aborted"
+                self.send(r, "fault", {"rank": r, "iteration": self.it[r] + 1, "kind": kind, "message": kind,
+                                       "status": "updated", "where": "train_step"})
+        elif t == "action":
+            kind = body["kind"]
+            if kind == "retry":
+                self.retry_at.setdefault(r, now)
+                self.frozen[r] = False
+                self.hold = None
+            elif kind == "exit":
+                self.exit_at.setdefault(r, now)
+                self.exited[r] = True
+                self.send(r, "goodbye", {"rank": r, "exit_code": int(body["params"].get("code", 0))})
+                return
+            self.send(r, "action_result", {"action_id": body["action_id"], "rank": r, "ok": True,
+                                           "detail": f"simulated {kind}"})
+
+    # ---- commands from the bench
+    def command(self, cmd: str, arg: Any) -> Any:
+        now = time.monotonic()
+        if cmd == "hold":  # every rank at iteration arg, and no further (the faulty step is the next one)
+            self.hold = arg
+            for r in self.ranks:
+                self.it[r] = arg
+            self.stop_at.clear()
+            self.retry_at.clear()
+            return now
+        if cmd == "uce":
+            self.uce_rank = arg
+            if arg in self.socks:
+                self.send(arg, "fault", {"rank": arg, "iteration": self.it[arg] + 1, "kind": "uce",
+                                         "message": "simulated UCE", "status": "updated", "where": "train_step"})
+            return now
+        if cmd == "kill":
+            if arg in self.socks:
+                self.socks[arg].close(linger=0)
+                self.dead.add(arg)
+            return time.monotonic()
+        if cmd == "report":
+            live = [r for r in self.ranks if r not in self.dead]
+            regs = list(self.registered.values())
+            return {"registered": len(self.registered), "last_registered": max(regs) if regs else None,
+                    "register_sent": sum(self.reg_sent.values()), "register_max": max(self.reg_sent.values()),
+                    "stops": sum(1 for r in live if r in self.stop_at),
+                    "last_stop": max((self.stop_at[r] for r in live if r in self.stop_at), default=None),
+                    "retries": len(self.retry_at), "last_retry": max(self.retry_at.values(), default=None),
+                    "exits": len(self.exit_at), "rejected": self.rejected, "live": len(live), "sent": self.sent,
+                    "hb_late": self.hb_late}
+        return None
+
+    # ---- the loop
+    def run(self) -> None:
+        if self.slow_s:
+            os.nice(10)
+        now = time.monotonic()
+        for r in self.ranks:
+            self.socks[r].connect(self.wire.endpoint("127.0.0.1", self.port))
+            self.register(r, now)
+        poller = zmq.Poller()
+        for s in self.socks.values():
+            poller.register(s, zmq.POLLIN)
+        poller.register(self.conn.fileno(), zmq.POLLIN)
+        self.conn.send(("started", now))
+        while True:
+            events = poller.poll(20)
+            now = time.monotonic()
+            for s, _ in events:
+                if not isinstance(s, zmq.Socket):
+                    continue
+                r = self.rank_of[s]
+                for _ in range(64):
+                    try:
+                        frame = s.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    m = self.dec(r, frame)
+                    if m is not None:
+                        self.handle(r, m, now)
+            if self.conn.poll():
+                cmd, arg = self.conn.recv()
+                if cmd == "quit":
+                    break
+                if cmd == "kill" and arg in self.socks:
+                    poller.unregister(self.socks[arg])
+                self.conn.send(self.command(cmd, arg))
+            now = time.monotonic()
+            while self.reg_due and self.reg_due[0][0] <= now:
+                _, r = heapq.heappop(self.reg_due)
+                if r not in self.registered and r not in self.dead:
+                    self.register(r, now)
+            while self.hb_due and self.hb_due[0][0] <= now:
+                t, r = heapq.heappop(self.hb_due)
+                if r in self.dead or self.exited[r]:
+                    continue
+                self.hb_late = max(self.hb_late, now - t)
+                heapq.heappush(self.hb_due, (t + STEP_S, r))
+                if not self.frozen[r] and self.hold is None:
+                    self.it[r] += 1  # one step per second; its STATUS rides with the heartbeat flush
+                    self.send(r, "status", self.status_body(r))
+                self.send(r, "heartbeat", {"rank": r, "iteration": self.it[r], "status": "updated"})
+            if self.slow_s:
+                time.sleep(self.slow_s)
+        for s in self.socks.values():
+            if not s.closed:
+                s.close(linger=0)
+        self.ctx.term()
+
+
+def sim_main(conn, sim_id, ranks, world, port, key, slow_s, save_dir, pythonpath):
+    sys.path.insert(0, pythonpath)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    sim = Sim(conn, sim_id, ranks, world, port, key, slow_s, save_dir)
+    sim.port = port
+    sim.run()
+
+
+# ---------------------------------------------------------------------- the bench
+class Probe:
+    """Frame handling times and turn lengths of the controller (wrapping its calls)."""
+
+    def __init__(self, ctl):
+        from mindspeed_ha.control import handlers
+
+        self.frames: List[float] = []
+        self.turns: List[float] = []
+        self.on = False
+        codec_decode = ctl.codec.try_decode
+        dispatch = handlers.dispatch
+        turn = ctl._turn
+        start = [0.0]
+
+        def try_decode(*a, **k):
+            start[0] = time.perf_counter()
+            return codec_decode(*a, **k)
+
+        def timed_dispatch(*a, **k):
+            dispatch(*a, **k)
+            if self.on:
+                self.frames.append(time.perf_counter() - start[0])
+
+        def timed_turn():
+            t = time.perf_counter()
+            turn()
+            if self.on:
+                self.turns.append(time.perf_counter() - t)
+
+        from mindspeed_ha.control.policy import table
+
+        gone_ranks = table.gone_ranks
+        self.silent: set = set()  # every rank the policy ever took for silent
+
+        def watched_gone(*a, **k):
+            gone = gone_ranks(*a, **k)
+            self.silent.update(r for r, why in gone.items() if "heartbeat" in why)
+            return gone
+
+        ctl.codec.try_decode = try_decode
+        handlers.dispatch = timed_dispatch
+        table.gone_ranks = watched_gone
+        ctl._turn = timed_turn
+        self._undo = lambda: (setattr(handlers, "dispatch", dispatch), setattr(table, "gone_ranks", gone_ranks))
+
+    def close(self):
+        self._undo()
+
+
+def pct(xs: List[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def listen_overflows() -> int:
+    """The kernel's count of connections dropped because a listen queue was full (all ports)."""
+    with open("/proc/net/netstat") as f:
+        lines = f.read().splitlines()
+    for head, vals in zip(lines[::2], lines[1::2]):
+        if head.startswith("TcpExt:"):
+            return int(dict(zip(head.split(), vals.split()))["ListenOverflows"])
+    return 0
+
+
+def ask(pipes, cmd, arg=None):
+    for p in pipes:
+        p.send((cmd, arg))
+    return [p.recv() for p in pipes]
+
+
+def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
+            profile: Optional[str] = None, register_wait: float = 60.0) -> Dict[str, Any]:
+    from mindspeed_ha.config import HAConfig
+    from mindspeed_ha.control.controller import Controller
+    from mindspeed_ha.control.policy import ActionKind
+    from mindspeed_ha.control.state import Phase
+
+    key = secrets.token_bytes(32)
+    save_dir = tempfile.mkdtemp(prefix="bench-scale-")
+    cfg = HAConfig(enabled=True, distributed_optimizer=True, replica_count=REPLICAS, auth_key=key,
+                   controller_addr="127.0.0.1", heartbeat_interval_s=1.0, heartbeat_timeout_s=10.0,
+                   stop_timeout_s=30.0, action_timeout_s=120.0, connect_timeout_s=60.0, save_dir=save_dir,
+                   hbm_repair=True)
+    ctl = Controller(cfg, n, "127.0.0.1", 0)
+    if profile:  # the controller thread under cProfile, written when it ends
+        import cProfile
+        run = ctl._run
+
+        def profiled_run():
+            prof = cProfile.Profile()
+            try:
+                prof.runcall(run)
+            finally:
+                prof.dump_stats(f"{profile}.{n}")
+        ctl._run = profiled_run
+    probe = Probe(ctl)
+    ctl.start()
+    out: Dict[str, Any] = {"ranks": n, "sims": sims, "slowed": slow, "load_before": os.getloadavg()[0]}
+    import mindspeed_ha
+    tree = os.path.dirname(os.path.dirname(os.path.abspath(mindspeed_ha.__file__)))  # the simulators use it too
+    spawn = mp.get_context("spawn")
+    pipes, procs = [], []
+    per = [list(range(i, n, sims)) for i in range(sims)]
+    try:
+        for i in range(sims):
+            a, b = spawn.Pipe()
+            p = spawn.Process(target=sim_main, args=(b, i, per[i], n, ctl.port, key,
+                                                     slow_s if i < slow else 0.0, save_dir, tree),
+                              daemon=True)
+            p.start()
+            pipes.append(a)
+            procs.append(p)
+        overflows = listen_overflows()
+        starts = [p.recv()[1] for p in pipes]
+        t0 = min(starts)
+        # 1. registration (the processor gives up after 60 s; the bench waits up to --register-wait)
+        registered_60 = None
+        while time.monotonic() < t0 + max(60.0, register_wait):
+            with ctl._lock:
+                k = len(ctl.state.ranks)
+            if registered_60 is None and time.monotonic() >= t0 + 60.0:
+                registered_60 = k
+            if k >= n:
+                break
+            time.sleep(0.2)
+        time.sleep(0.5)
+        reps = ask(pipes, "report")
+        regd = sum(r["registered"] for r in reps)
+        out["registration_s"] = (max(r["last_registered"] or t0 for r in reps) - t0) if regd == n else None
+        out["unregistered_60s"] = n - (registered_60 if registered_60 is not None else regd)
+        out["register_frames"] = sum(r["register_sent"] for r in reps)
+        out["register_max_per_rank"] = max(r["register_max"] for r in reps)
+        out["listen_overflows"] = listen_overflows() - overflows  # machine-wide counter
+        out["handshakes_failed"] = sum(ctl.transport_rejected.totals.values())
+        out["duplicate_registers"] = getattr(ctl, "duplicate_registers", None)
+        log(f"N={n}: registered {regd}/{n} in {out['registration_s']} s, REGISTER frames "
+            f"{out['register_frames']} (max {out['register_max_per_rank']} per rank)")
+        if regd < n:
+            return out
+        # 2. steady state
+        time.sleep(2.0)
+        probe.on = True
+        c0, w0 = cpu_s(), time.monotonic()
+        time.sleep(steady_s)
+        c1, w1 = cpu_s(), time.monotonic()
+        probe.on = False
+        out["controller_cores"] = (c1 - c0) / (w1 - w0)
+        out["rss_mb"] = rss_mb()
+        out["frame_p50_us"] = pct(probe.frames, 0.5) * 1e6
+        out["frame_p99_us"] = pct(probe.frames, 0.99) * 1e6
+        out["frames_per_s"] = len(probe.frames) / (w1 - w0)
+        out["turn_max_ms"] = max(probe.turns, default=0.0) * 1e3
+        out["turn_p99_ms"] = pct(probe.turns, 0.99) * 1e3
+        log(f"N={n}: steady {out['controller_cores']:.2f} cores, {out['frames_per_s']:.0f} frames/s, "
+            f"p50 {out['frame_p50_us']:.0f} us, p99 {out['frame_p99_us']:.0f} us, turns max "
+            f"{out['turn_max_ms']:.1f} ms, RSS {out['rss_mb']:.0f} MB")
+        # 3. UCE -> RETRY at every rank
+        with ctl._lock:
+            k = max(i.iteration for i in ctl.state.ranks.values()) + 1
+        ask(pipes, "hold", k)
+        time.sleep(1.5)  # the held status reaches the controller with the next heartbeats
+        uce_rank = n // 2 + 3
+        t_uce = min(ask(pipes, "uce", uce_rank))
+        deadline = time.monotonic() + 60.0
+        while time.monotonic() < deadline:
+            reps = ask(pipes, "report")
+            if sum(r["retries"] for r in reps) >= n:
+                break
+            time.sleep(0.2)
+        retried = sum(r["retries"] for r in reps)
+        out["uce_retry_s"] = (max(r["last_retry"] for r in reps if r["last_retry"]) - t_uce) if retried == n else None
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline and ctl.phase is not Phase.RUNNING:
+            time.sleep(0.1)
+        with ctl._lock:
+            out["uce_outcome"] = ctl.events[-1].reason[:160] if ctl.events else ""
+            out["uce_recovered"] = bool(ctl.state.recoveries and ctl.state.recoveries[-1].get("done_at"))
+        log(f"N={n}: UCE -> RETRY at {retried}/{n} ranks in {out['uce_retry_s']} s; recovered "
+            f"{out['uce_recovered']}: {out['uce_outcome']}")
+        time.sleep(3.0)
+        # 4. death -> STOP at every survivor, -> dying checkpoint committed
+        with ctl._lock:
+            k = max(i.iteration for i in ctl.state.ranks.values()) + 1
+        ask(pipes, "hold", k)
+        time.sleep(1.5)
+        victim = n // 3 + 1
+        t_kill = min(ask(pipes, "kill", victim))
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline:
+            reps = ask(pipes, "report")
+            if sum(r["stops"] for r in reps) >= n - 1:
+                break
+            time.sleep(0.2)
+        stops = sum(r["stops"] for r in reps)
+        out["death_stop_s"] = (max(r["last_stop"] for r in reps if r["last_stop"]) - t_kill) if stops == n - 1 \
+            else None
+        done = ctl.wait_done(240.0)
+        with ctl._lock:
+            committed = [e for e in ctl.events if e.action is ActionKind.EXIT]
+            out["exit_code"] = ctl.state.exit_code
+            out["death_commit_s"] = (committed[0].t - t_kill) if committed and ctl.state.exit_code == 75 else None
+            out["exit_reason"] = ctl.state.exit_reason[:200]
+            false = sorted(r for r, i in ctl.state.ranks.items() if r != victim and not i.alive
+                           and "goodbye" not in i.dead_reason)
+            silent = sum(1 for e in ctl.events if "heartbeat" in e.reason)  # decisions that name a silence
+            longest_reason = max((len(e.reason) for e in ctl.events), default=0)
+        out["false_deaths"] = len(set(false) | (probe.silent - {victim}))  # dead, or taken for silent
+        out["silence_decisions"] = silent
+        out["sim_lag_max_s"] = max(r["hb_late"] for r in ask(pipes, "report"))
+        out["longest_reason_chars"] = longest_reason
+        log(f"N={n}: death -> STOP at {stops}/{n - 1} survivors in {out['death_stop_s']} s; -> exit "
+            f"{out['exit_code']} in {out['death_commit_s']} s ({out['exit_reason']}); false deaths "
+            f"{out['false_deaths']}; done {done is not None}")
+        out["load_after"] = os.getloadavg()[0]
+        return out
+    finally:
+        for p in pipes:
+            try:
+                p.send(("quit", None))
+            except OSError:
+                pass
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        ctl.stop()
+        probe.close()
+        import shutil
+        shutil.rmtree(save_dir, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--sims", type=int, default=4, help="simulator processes (default 4)")
+    ap.add_argument("--slow", type=int, default=0, help="how many simulator processes are slowed (default 0)")
+    ap.add_argument("--slow-s", type=float, default=0.25, help="sleep of a slowed simulator per loop turn, s")
+    ap.add_argument("--steady-s", type=float, default=10.0, help="seconds of steady state measured")
+    ap.add_argument("--log-file", default=os.devnull, help="the controller's log (INFO; default: discarded)")
+    ap.add_argument("--register-wait", type=float, default=60.0,
+                    help="seconds the bench waits for every rank to register before it gives up (>= 60; the "
+                         "processors' own timeout is 60 s: later ones are counted as unregistered_60s)")
+    ap.add_argument("--profile", default=None, help="write the controller thread's cProfile stats to PROFILE.<N>")
+    ap.add_argument("--json", default=None, help="append the figures to this file (one JSON line per N)")
+    ns = ap.parse_args()
+    if not 1 <= ns.sims <= 64 or not 0 <= ns.slow <= ns.sims:
+        ap.error(f"--sims={ns.sims} must be 1..64 and --slow={ns.slow} 0..--sims")
+    if any(n < ns.sims for n in ns.ranks):
+        ap.error("--ranks: each N must be >= --sims")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    # the controller's log at INFO, as a job runs it (its cost counts), to --log-file
+    logging.basicConfig(level=logging.INFO, filename=ns.log_file,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    say = lambda s: print(time.strftime("%H:%M:%S"), s, flush=True)  # noqa: E731
+    for n in ns.ranks:
+        res = one_run(n, ns.sims, ns.slow, ns.slow_s, ns.steady_s, say, ns.profile, ns.register_wait)
+        say(json.dumps(res))
+        if ns.json:
+            with open(ns.json, "a") as f:
+                f.write(json.dumps(res) + "\n")
+
+
+if __name__ == "__main__":
+    main()

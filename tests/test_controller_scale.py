@@ -1,0 +1,193 @@
+"""The controller with 1,024 simulated ranks: no false death, the dying checkpoint committed.
+
+In-process and deterministic: the real :class:`Controller` (its handlers, policy and
+effects, the real wire frames: msgpack, HMAC, per-sender ``seq``) is driven turn by turn
+(``Controller._turn``) on a fake clock, its ROUTER replaced by a stand-in that reads the
+connections fairly and, like a loaded controller, costs ``SEND_S`` of the clock per frame
+sent once every rank registered: one fan-out to 1,023 survivors takes 20 s, twice the heartbeat timeout. The
+simulated ranks (layout TP 8, PP 2, DP 64, two optimizer replicas: 512 shards) send a
+HEARTBEAT and a STATUS each second, answer STOP with STOPPED and every action ok (the
+savers write nothing). CURVE and real sockets are the benchmark's
+(``scripts/bench_controller_scale.py``); no latency is asserted here.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import zmq
+
+from mindspeed_ha.config import HAConfig
+from mindspeed_ha.control import wire
+from mindspeed_ha.control.controller import Controller
+from mindspeed_ha.control.policy import ActionKind
+from mindspeed_ha.control.state import Layout, Phase
+from mindspeed_ha.faults import EXIT_DYING_CHECKPOINT_SAVED
+
+KEY = b"s" * 32
+WORLD = 1024
+TP, PP, REPLICAS = 8, 2, 2
+DP = WORLD // (TP * PP)
+SEND_S = 0.02  # clock seconds per frame the controller sends (a slow fan-out)
+TICK_S = 0.05
+CFG = HAConfig(enabled=True, distributed_optimizer=True, replica_count=REPLICAS, auth_key=KEY,
+               controller_addr="127.0.0.1", heartbeat_interval_s=1.0, heartbeat_timeout_s=10.0, stop_timeout_s=30.0,
+               action_timeout_s=600.0, connect_timeout_s=60.0, save_dir=None)
+
+
+def layout(rank):
+    spi = DP // REPLICAS
+    tp, dp, pp = rank % TP, (rank // TP) % DP, rank // (TP * DP)
+    return Layout(tp_rank=tp, pp_rank=pp, dp_rank=dp, tp_size=TP, pp_size=PP, dp_size=DP, replica_count=REPLICAS,
+                  instance_id=dp // spi, shard_id=dp % spi)
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+class SlowRouter:
+    """The ROUTER's stand-in: fair reads (one frame per connection in turn), and every
+    frame sent costs ``send_s`` of the clock."""
+
+    def __init__(self, clock):
+        self.clock = clock
+        self.send_s = 0.0  # SEND_S once every rank registered: the fan-outs are slow
+        self.queues = collections.OrderedDict()
+        self.sent = []
+
+    def push(self, ident, data):
+        self.queues.setdefault(ident, collections.deque()).append(data)
+
+    def recv_multipart(self, flags=0, copy=True):
+        while self.queues:
+            ident, q = next(iter(self.queues.items()))
+            if not q:
+                del self.queues[ident]
+                continue
+            self.queues.move_to_end(ident)
+            return [_Frame(ident), _Frame(q.popleft())]
+        raise zmq.Again()
+
+    def send_multipart(self, parts, flags=0):
+        self.clock.t += self.send_s
+        self.sent.append((bytes(parts[0]), bytes(parts[1])))
+
+
+class _Frame:
+    def __init__(self, data):
+        self.bytes = data
+        self.buffer = memoryview(data)
+
+    def get(self, option):
+        raise zmq.ZMQError(zmq.EINVAL)
+
+
+class Ranks:
+    """The simulated ranks: their codecs, iteration, and answers to what the controller sent."""
+
+    def __init__(self, router, clock):
+        self.router, self.clock = router, clock
+        self.out = {r: wire.Codec(KEY, wire.new_sender("processor", r)) for r in range(WORLD)}
+        self.inn = {r: wire.Codec(KEY, f"rx-{r}") for r in range(WORLD)}
+        self.ident = {r: b"r%d" % r for r in range(WORLD)}
+        self.rank_of = {v: k for k, v in self.ident.items()}
+        self.dead = set()
+        self.iteration = 5
+        self.frozen = False
+        self.next_beat = {r: clock.t + (r % 100) / 100 for r in range(WORLD)}
+        self.read = 0
+        self.received = collections.defaultdict(list)  # message type -> [(rank, body)]
+        self.frames = collections.defaultdict(set)  # message type -> distinct frames
+
+    def send(self, r, body):
+        if r not in self.dead:
+            self.router.push(self.ident[r], self.out[r].encode(body))
+
+    def beat(self):
+        """Each live rank whose second is up: STATUS and HEARTBEAT (its next one in a second)."""
+        now = self.clock.t
+        for r in range(WORLD):
+            if r in self.dead or self.next_beat[r] > now:
+                continue
+            self.next_beat[r] = max(self.next_beat[r] + 1.0, now)  # a stalled controller's clock jump: one
+            self.send(r, wire.Status(r, "updated", self.iteration, self.iteration + 1))
+            self.send(r, wire.Heartbeat(r, self.iteration, "updated"))
+
+    def answer(self):
+        """Read what the controller sent since last time and answer it as a processor would."""
+        sent, self.read = self.router.sent[self.read:], len(self.router.sent)
+        for ident, frame in sent:
+            r = self.rank_of[ident]
+            msg = self.inn[r].decode(frame)
+            self.received[msg.type].append((r, msg.body))
+            self.frames[msg.type].add(frame)
+            if msg.type is wire.MsgType.STOP:
+                self.frozen = True
+                self.send(r, wire.Stopped(r, "updated", self.iteration, -1, self.iteration + 1))
+            elif msg.type is wire.MsgType.ACTION and msg.body.kind == ActionKind.EXIT.value:
+                self.send(r, wire.Goodbye(r, int(msg.body.params["code"])))
+            elif msg.type is wire.MsgType.ACTION:
+                self.send(r, wire.ActionResult(msg.body.action_id, r, True, f"simulated {msg.body.kind}"))
+
+
+def run(ctl, ranks, clock, until, max_turns):
+    for _ in range(max_turns):
+        if until():
+            return True
+        if not ranks.frozen:
+            ranks.beat()
+        ctl._turn()
+        ranks.answer()
+        clock.t += TICK_S
+    return until()
+
+
+def test_1024_ranks_one_death_no_false_death_and_the_dying_checkpoint_committed():
+    clock = Clock()
+    ctl = Controller(CFG, WORLD, "127.0.0.1", 0, tick_s=TICK_S, clock=clock)  # never started: no socket
+    router = SlowRouter(clock)
+    ctl._router = router
+    ranks = Ranks(router, clock)
+    for r in range(WORLD):
+        body = wire.Register(r, WORLD, 10_000 + r, "node", layout(r), "/save", "run", "updated", ranks.iteration)
+        ranks.send(r, body)
+        if r % 4 == 0:
+            ranks.send(r, body)  # re-sent before the answer came: answered again, nothing else
+    assert run(ctl, ranks, clock, lambda: len(ctl.state.ranks) == WORLD and not any(router.queues.values()), 100)
+    assert ctl.duplicate_registers == WORLD // 4
+    assert len(ranks.received[wire.MsgType.REGISTERED]) == WORLD + WORLD // 4
+    router.send_s = SEND_S
+
+    # steady state: three seconds of heartbeats and status, no decision but NOOP
+    t_end = clock.t + 3.0
+    run(ctl, ranks, clock, lambda: clock.t >= t_end, 1000)
+    assert not ctl.events
+
+    victim = 517
+    ranks.dead.add(victim)
+    ctl.report_rank_exit(victim, -9)
+    assert run(ctl, ranks, clock, lambda: ctl.state.phase is Phase.DONE, 2000), ctl.events[-3:]
+
+    out = ctl.outcome()
+    assert out.exit_code == EXIT_DYING_CHECKPOINT_SAVED, out.reason
+    assert out.fault_rank == victim and out.iteration == ranks.iteration
+    # no false death: every survivor answered STOP, none taken for silent or dead
+    assert not [r for r, i in ctl.state.ranks.items() if r != victim and "goodbye" not in i.dead_reason
+                and not i.alive], [ctl.state.ranks[r].dead_reason for r in ctl.state.ranks if r != victim][:3]
+    assert not [e.reason for e in ctl.events if "heartbeat" in e.reason]
+    assert len({r for r, _ in ranks.received[wire.MsgType.STOP]}) == WORLD - 1
+    assert ctl.busy_credited_s >= SEND_S * (WORLD - 1) - 1  # the slow fan-outs were credited
+    # one STOP frame for every survivor (encoded once); each saver got only its own part of the plan
+    assert len(ranks.frames[wire.MsgType.STOP]) == 1
+    dumps = [(r, b) for r, b in ranks.received[wire.MsgType.ACTION] if b.kind == ActionKind.DUMP.value]
+    assert sorted(r for r, _ in dumps) == list(out.plan.savers())
+    assert len(out.plan.shard_savers) == TP * PP * (DP // REPLICAS)
+    for r, body in dumps:
+        assert [s[3] for s in body.params["shard_savers"]] == [r]
+    # reasons stay short whatever the size of the job
+    assert max(len(e.reason) for e in ctl.events) < 1000
