@@ -433,13 +433,8 @@ class WorkerRebootAgent(LocalElasticAgent):
             self.warm_spares = False
             self._end_spare(spare_handler)
             return None
-        for path in (stdout, stderr):  # created (emptied) here, as torch's handler opens them
-            if path and path != os.devnull:
-                open(path, "w").close()
-        full_env = os.environ.copy()  # what torch's SubprocessHandler gives a worker
-        full_env.update(env)
         try:
-            spare_handler.adopt(local_rank, spare.encode(argv, full_env, stdout, stderr))
+            spare_handler.adopt(local_rank, spare.worker_message(argv, env, stdout, stderr))
         except OSError as exc:
             log.warning("warm spare (pid %d) could not be told (%s): restarting the worker cold; no more spares",
                         spare_handler.proc.pid, exc)

@@ -89,11 +89,6 @@ def _read_request(fd: int) -> Optional[bytes]:
     return spare.read_exact(fd, size)
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    while data:
-        data = data[os.write(fd, data):]
-
-
 def _fork_worker(body: bytes, req_fd: int, reply_fd: int) -> Optional[Dict[str, Any]]:
     """Fork the worker of ``body``: its message in the worker, None in the server."""
     msg = spare.decode(body)
@@ -112,7 +107,7 @@ def _fork_worker(body: bytes, req_fd: int, reply_fd: int) -> Optional[Dict[str, 
             os.read(go_r, 1)  # the server reaped the middle process: our parent is the launcher
             os.close(go_r)
             return msg
-        _write_all(pid_w, _PID.pack(worker))
+        spare.write_all(pid_w, _PID.pack(worker))
         os._exit(0)
     os.close(go_r)
     os.close(pid_w)
@@ -120,8 +115,8 @@ def _fork_worker(body: bytes, req_fd: int, reply_fd: int) -> Optional[Dict[str, 
     os.close(pid_r)
     os.waitpid(middle, 0)
     worker = _PID.unpack(raw)[0] if raw else -1
-    _write_all(reply_fd, _PID.pack(worker))
-    _write_all(go_w, b"g")
+    spare.write_all(reply_fd, _PID.pack(worker))
+    spare.write_all(go_w, b"g")
     os.close(go_w)
     return None
 
@@ -135,7 +130,7 @@ def serve(req_fd: int, reply_fd: int) -> Dict[str, Any]:
         if _threads() != 1:
             print(f"mindspeed_ha.forkserver: {_threads()} threads after the imports: not forking "
                   "(the launcher starts this worker as torchrun does)", file=sys.stderr, flush=True)
-            _write_all(reply_fd, _PID.pack(-1))
+            spare.write_all(reply_fd, _PID.pack(-1))
             continue
         msg = _fork_worker(body, req_fd, reply_fd)
         if msg is not None:

@@ -63,6 +63,29 @@ def encode(argv, env: Dict[str, str], stdout: str, stderr: str) -> bytes:
     return _HEADER.pack(len(body)) + body
 
 
+def worker_message(argv, env: Dict[str, str], stdout: str, stderr: str) -> bytes:
+    """:func:`encode` for the worker a spare or the fork server becomes: the log files are
+    created (emptied) here, as torch's ``SubprocessHandler`` opens them, and the env is the
+    caller's plus the worker's part (what that handler gives a worker).
+
+    Raises:
+        ValueError: the message is too large (:func:`encode`).
+        OSError: a log file cannot be created.
+    """
+    for path in (stdout, stderr):
+        if path and path != os.devnull:
+            open(path, "w").close()
+    full_env = os.environ.copy()
+    full_env.update(env)
+    return encode(argv, full_env, stdout or "", stderr or "")
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """Every byte of ``data`` to ``fd`` (a pipe may take less per write)."""
+    while data:
+        data = data[os.write(fd, data):]
+
+
 def read_exact(fd: int, n: int) -> Optional[bytes]:
     """``n`` bytes from ``fd``, or None on EOF before them."""
     chunks, got = [], 0

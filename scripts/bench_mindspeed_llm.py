@@ -20,7 +20,6 @@ and reports side by side from the same machine in one run:
 import argparse
 import os
 import shlex
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,8 @@ REPO = os.path.dirname(HERE)
 SHARED = next((p for p in (os.path.join(REPO, d, 'shared', 'third_party') for d in ('..', os.path.join('..', '..'))) if os.path.isdir(p)), os.path.join(REPO, '..', 'shared', 'third_party'))
 SCRIPT = os.path.join(HERE, "pretrain_llama2_7b_ptd_mindspeed_llm.sh")
 NPU_DOUBLE = os.path.join(REPO, "tests", "npu_double")
+sys.path.insert(0, HERE)
+from bench_stock import compare_pairs, print_comparison  # noqa: E402  (the same pairs and table)
 
 
 def script_args(tp, pp, iters):
@@ -81,24 +82,9 @@ def main():
         on = script_args(ns.tp, ns.pp, ns.iters) + ["--ha-controller-port", "0"]
         off = [a for a in on if a not in ha_flags][:-2]
         _one(roots, [a for a in script_args(ns.tp, ns.pp, 2) if a not in ha_flags], env)  # warm-up, not counted
-        first, step, losses = {"off": [], "on": []}, {"off": [], "on": []}, {}
-        for pair in range(ns.pairs):
-            for mode in ("off", "on"):
-                t_first, rows, losses[mode] = _one(roots, on if mode == "on" else off, env)
-                deltas = [b["time"] - a["time"] for a, b in zip(rows, rows[1:]) if a["iteration"] >= ns.warmup]
-                first[mode].append(t_first)
-                step[mode].append(statistics.median(deltas))
-                print(f"pair {pair + 1}: HA {mode:3}  first iteration after {t_first:6.2f} s, "
-                      f"median {step[mode][-1] * 1e3:7.2f} ms/iteration", flush=True)
-    f_off, f_on = statistics.median(first["off"]), statistics.median(first["on"])
-    s_off, s_on = statistics.median(step["off"]), statistics.median(step["on"])
-    print(f"\nMindSpeed-LLM pretrain_gpt.py, TP{ns.tp} PP{ns.pp} DP{4 // (ns.tp * ns.pp)}, 4 gloo ranks, bf16, "
-          f"{ns.iters} iterations x {ns.pairs} pairs (HA on: the guide's four flags)")
-    print(f"{'':24} {'HA off':>10} {'HA on':>10} {'on/off':>8}")
-    print(f"{'time to iteration 1 (s)':24} {f_off:10.2f} {f_on:10.2f} {f_on / f_off:8.3f}")
-    print(f"{'ms per iteration':24} {s_off * 1e3:10.2f} {s_on * 1e3:10.2f} {s_on / s_off:8.3f}")
-    print(f"losses bitwise identical: {losses['on'] == losses['off']}")
-
+        results = compare_pairs(lambda mode: _one(roots, on if mode == "on" else off, env), ns.pairs, ns.warmup)
+    print_comparison(f"MindSpeed-LLM pretrain_gpt.py, TP{ns.tp} PP{ns.pp} DP{4 // (ns.tp * ns.pp)}, 4 gloo ranks, "
+                     f"bf16, {ns.iters} iterations x {ns.pairs} pairs (HA on: the guide's four flags)", *results)
 
 if __name__ == "__main__":
     main()

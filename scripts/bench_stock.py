@@ -40,6 +40,35 @@ def _one(root, args, env):
     return first, rows, r.losses
 
 
+def compare_pairs(run, pairs, warmup):
+    """``run(mode)`` -> ``(seconds to iteration 1, the logging rank's records, losses)`` for
+    ``mode`` "off" then "on", ``pairs`` times; returns ``(first, step, losses)``: per mode the
+    seconds to iteration 1, the median seconds per iteration after ``warmup``, the losses."""
+    first = {"off": [], "on": []}
+    step = {"off": [], "on": []}
+    losses = {}
+    for pair in range(pairs):
+        for mode in ("off", "on"):
+            t_first, rows, losses[mode] = run(mode)
+            deltas = [b["time"] - a["time"] for a, b in zip(rows, rows[1:]) if a["iteration"] >= warmup]
+            first[mode].append(t_first)
+            step[mode].append(statistics.median(deltas))
+            print(f"pair {pair + 1}: HA {mode:3}  first iteration after {t_first:6.2f} s, "
+                  f"median {step[mode][-1] * 1e3:7.2f} ms/iteration", flush=True)
+    return first, step, losses
+
+
+def print_comparison(title, first, step, losses):
+    """The HA off / on table of :func:`compare_pairs`' results (medians over the pairs)."""
+    f_off, f_on = statistics.median(first["off"]), statistics.median(first["on"])
+    s_off, s_on = statistics.median(step["off"]), statistics.median(step["on"])
+    print(f"\n{title}")
+    print(f"{'':24} {'HA off':>10} {'HA on':>10} {'on/off':>8}")
+    print(f"{'time to iteration 1 (s)':24} {f_off:10.2f} {f_on:10.2f} {f_on / f_off:8.3f}")
+    print(f"{'ms per iteration':24} {s_off * 1e3:10.2f} {s_on * 1e3:10.2f} {s_on / s_off:8.3f}")
+    print(f"losses bitwise identical: {losses['on'] == losses['off']}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--megatron-lm", help="an existing Megatron-LM core_v0.12.1 checkout")
@@ -60,25 +89,10 @@ def main():
         # Warm-up run, not counted: builds Megatron's dataset helpers into the cache and
         # warms the page cache, so both modes start from the same state.
         _one(root, mlm.stock_gpt_args(tp=ns.tp, pp=ns.pp, train_iters=4), env)
-        first = {"off": [], "on": []}
-        step = {"off": [], "on": []}
-        losses = {}
-        for pair in range(ns.pairs):
-            for mode in ("off", "on"):
-                t_first, rows, losses[mode] = _one(root, base + (ha if mode == "on" else []), env)
-                deltas = [b["time"] - a["time"] for a, b in zip(rows, rows[1:]) if a["iteration"] >= ns.warmup]
-                first[mode].append(t_first)
-                step[mode].append(statistics.median(deltas))
-                print(f"pair {pair + 1}: HA {mode:3}  first iteration after {t_first:6.2f} s, "
-                      f"median {step[mode][-1] * 1e3:7.2f} ms/iteration", flush=True)
-    f_off, f_on = statistics.median(first["off"]), statistics.median(first["on"])
-    s_off, s_on = statistics.median(step["off"]), statistics.median(step["on"])
-    print(f"\nstock pretrain_gpt.py, TP{ns.tp} PP{ns.pp} DP{4 // (ns.tp * ns.pp)}, 4 gloo ranks, "
-          f"{ns.iters} iterations x {ns.pairs} pairs (HA on: 2 optimizer replicas)")
-    print(f"{'':24} {'HA off':>10} {'HA on':>10} {'on/off':>8}")
-    print(f"{'time to iteration 1 (s)':24} {f_off:10.2f} {f_on:10.2f} {f_on / f_off:8.3f}")
-    print(f"{'ms per iteration':24} {s_off * 1e3:10.2f} {s_on * 1e3:10.2f} {s_on / s_off:8.3f}")
-    print(f"losses bitwise identical: {losses['on'] == losses['off']}")
+        results = compare_pairs(lambda mode: _one(root, base + (ha if mode == "on" else []), env), ns.pairs,
+                                ns.warmup)
+    print_comparison(f"stock pretrain_gpt.py, TP{ns.tp} PP{ns.pp} DP{4 // (ns.tp * ns.pp)}, 4 gloo ranks, "
+                     f"{ns.iters} iterations x {ns.pairs} pairs (HA on: 2 optimizer replicas)", *results)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ grad norms), and fault schedules (several faults in one job):
 * flags off: no HA patch active, MindSpeed-LLM's own HA feature off; the faulty jobs equal it.
 """
 
-import glob
 import json
 import os
 import shlex
@@ -37,7 +36,7 @@ import pytest
 from mindspeed_ha import faults
 from mindspeed_ha.testing import megatron_lm as mlm
 from mindspeed_ha.testing import mindspeed_llm as msl
-from mindspeed_ha.testing.harness import read_jsonl, read_rank_loss_logs
+from mindspeed_ha.testing.harness import read_jsonl, read_patch_reports, read_rank_loss_logs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -91,12 +90,6 @@ def _run(trees, args, env=None):
     return r
 
 
-def _report(prefix):
-    rows = {}
-    for path in glob.glob(prefix + ".rank*"):
-        with open(path) as f:
-            rows[int(path.rsplit(".rank", 1)[1])] = json.load(f)
-    return rows
 
 
 class _Baselines(dict):
@@ -114,7 +107,7 @@ class _Baselines(dict):
         assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
         assert sorted(r.losses) == list(range(1, ITERS + 1))
         assert sorted(r.grad_norms) == list(range(1, ITERS + 1))
-        self[layout] = {"losses": r.losses, "grad_norms": r.grad_norms, "report": _report(report),
+        self[layout] = {"losses": r.losses, "grad_norms": r.grad_norms, "report": read_patch_reports(report),
                         "log": r.stdout + r.stderr}
         return self[layout]
 
@@ -179,7 +172,7 @@ def test_guide_script_four_flags_uce_and_killed_rank_recovered_in_place(trees, b
         rep = json.load(f)
     assert [(e["rank"], e["incarnation"]) for e in rep["restarts"]] == [(3, 1)], rep["restarts"]
     assert [rec["mode"] for rec in rep["recoveries"]] == ["reload", "reload"], rep["recoveries"]
-    on = _report(patches)
+    on = read_patch_reports(patches)
     assert all(row["runtime"] and "ha.guard.train.mindspeed_llm" in row["active"]
                and "arguments.mindspeed_llm_ha_feature.validate_args" in row["active"]
                and "replica" not in row["features"] for row in on.values()), on

@@ -18,6 +18,7 @@ import pytest
 
 from mindspeed_ha import faults
 from mindspeed_ha.testing import megatron_lm as mlm
+from mindspeed_ha.testing.harness import read_patch_reports
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ITERS = 8
@@ -53,12 +54,6 @@ def _run(tree, args, env=None):
     return r
 
 
-def _report(prefix):
-    rows = {}
-    for path in glob.glob(prefix + ".rank*"):
-        with open(path) as f:
-            rows[int(path.rsplit(".rank", 1)[1])] = json.load(f)
-    return rows
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +66,7 @@ def baselines(tree, real_data, tmp_path_factory):
         assert r.returncode == 0, r.stderr[-4000:]
         assert sorted(r.losses) == list(range(1, ITERS + 1))
         assert sorted(r.grad_norms) == list(range(1, ITERS + 1))
-        out[name] = {"losses": r.losses, "grad_norms": r.grad_norms, "report": _report(report)}
+        out[name] = {"losses": r.losses, "grad_norms": r.grad_norms, "report": read_patch_reports(report)}
     return out
 
 
@@ -87,7 +82,7 @@ def test_flags_off_equals_ha_on_without_fault(tree, baselines, tmp_path, as_user
     report = str(tmp_path / "patches")
     r = _run(tree, _args("pp2"), env={"MINDSPEED_HA_PATCH_REPORT": report})
     assert r.returncode == 0, r.stderr[-4000:]
-    on = _report(report)
+    on = read_patch_reports(report)
     assert all(row["runtime"] and "ha.train_step.megatron" in row["active"] for row in on.values()), on
     assert all("replica" in row["features"] for row in on.values()), on
     assert r.losses == baselines["pp2"]["losses"]

@@ -121,18 +121,17 @@ class ForkServer:
         self.usable = True
         log.info("fork server started: pid %d", self.proc.pid)
 
-    def fork(self, argv: Sequence[str], env: Dict[str, str], stdout: str, stderr: str) -> Optional[int]:
-        """The PID of a new worker (``argv`` after ``-m mindspeed_ha.boot``, the whole
-        ``env``, log paths, ``""`` the console), or None: the server cannot fork (it says
-        why on the console) or is gone; it is not asked again."""
+    def fork(self, message: bytes) -> Optional[int]:
+        """The PID of a new worker (``message``: :func:`mindspeed_ha.spare.worker_message`), or
+        None: the server cannot fork (it says why on the console) or is gone; it is not asked
+        again."""
         if not self.usable:
             return None
         try:
-            spare_msg = spare.encode(argv, env, stdout, stderr)
-            _write_all(self._req_w, spare_msg)
+            spare.write_all(self._req_w, message)
             ready, _, _ = select.select([self._reply_r], [], [], REPLY_TIMEOUT_S)
             raw = spare.read_exact(self._reply_r, _PID.size) if ready else None
-        except (OSError, ValueError) as exc:
+        except OSError as exc:
             log.warning("fork server (pid %d) unusable (%s): workers start as torchrun starts them", self.proc.pid, exc)
             raw = None
         pid = _PID.unpack(raw)[0] if raw else -1
@@ -159,11 +158,6 @@ class ForkServer:
             self.proc.wait()
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    while data:
-        data = data[os.write(fd, data):]
-
-
 _SERVERS: Dict[tuple, ForkServer] = {}
 _ACTIVE = False
 
@@ -178,12 +172,12 @@ def start_handler(entrypoint, args, env, stdout, stderr, local_rank_id, numa_opt
         server = _SERVERS.get(key)
         if server is None:
             server = _SERVERS[key] = ForkServer(entrypoint, sys_path)
-        for path in (stdout, stderr):  # created (emptied) here, as torch's handler opens them
-            if path and path != os.devnull:
-                open(path, "w").close()
-        full_env = os.environ.copy()  # what torch's SubprocessHandler gives a worker
-        full_env.update(env)
-        pid = server.fork(argv, full_env, stdout or "", stderr or "")
+        try:
+            message = spare.worker_message(argv, env, stdout, stderr)
+        except ValueError as exc:  # larger than a message may be: this worker as torchrun starts it
+            log.warning("worker %d not forked: %s", local_rank_id, exc)
+            message = None
+        pid = server.fork(message) if message is not None else None
         if pid is not None:
             return ForkedHandler(ForkedProcess(pid, (entrypoint, *map(str, args))), local_rank_id)
     return get_subprocess_handler(entrypoint=entrypoint, args=args, env=env, stdout=stdout, stderr=stderr,

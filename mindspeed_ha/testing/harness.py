@@ -82,6 +82,16 @@ def read_rank_loss_logs(prefix: str):
     return records, losses
 
 
+def read_patch_reports(prefix: str) -> Dict[int, dict]:
+    """rank -> the JSON patch report each rank wrote (``MINDSPEED_HA_PATCH_REPORT=<prefix>``:
+    files ``<prefix>.rank<R>``, the ``testing`` feature's)."""
+    rows = {}
+    for path in glob.glob(f"{glob.escape(prefix)}.rank*"):
+        with open(path) as f:
+            rows[int(path.rsplit(".rank", 1)[1])] = json.load(f)
+    return rows
+
+
 def torchrun_command(nproc: int) -> List[str]:
     """``python -m torch.distributed.run --standalone --nproc-per-node N``."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
