@@ -62,9 +62,13 @@ def _cpu_device_mode_cls():
     def _is_accelerator(dev) -> bool:
         """``'cuda[:n]'``, a CUDA ``torch.device`` or a device index (what
         ``torch.cuda.current_device()`` returns)."""
-        if dev is None or isinstance(dev, bool):
+        if isinstance(dev, bool):
             return False
-        return isinstance(dev, int) or str(dev).startswith("cuda")
+        if isinstance(dev, int):
+            return True
+        if isinstance(dev, (str, torch.device)):  # never str() of a tensor: x.to(other) formats it
+            return str(dev).startswith("cuda")
+        return False
 
     class CpuDeviceMode(TorchFunctionMode):
         """Map CUDA device requests to CPU for the calls made inside one megatron function.
