@@ -13,12 +13,17 @@ Subcommands:
     pause       graceful pause of a running job: every rank holds after one iteration
     resume      end a graceful pause
     stop        graceful stop: checkpoint of the last completed iteration, exit 75
+    check       online check inside the paused ranks (GEMM bitwise across DP replicas and speed,
+                memory patterns, p2p and all-reduce bandwidth): pause, check, resume
+    relink      rebuild every process group with ranks bound to another address or interface
+                (--back: the original): pause, relink, resume
 
-The operator verbs (status, pause, resume, stop) reach the job's controller over its
+The operator verbs (status, pause, resume, stop, check, relink) reach the job's controller over its
 authenticated channel (the job key: MINDSPEED_HA_AUTH_KEY or --key-file; the address:
 --addr HOST:PORT, MINDSPEED_HA_LEASE_DIR, CONTROLLER_ADDR/TTP_ADDR and TTP_PORT).
-Exit codes: 0 done, 1 the action failed, 2 usage, 4 refused in the job's current state,
-5 unreachable, 6 authentication failed.
+Exit codes: 0 done, 1 the action failed (check: its code was not 0; relink: it failed and
+switched back), 2 usage, 4 refused in the job's current state, 5 unreachable, 6 authentication
+failed. check's own code (0 ok, 1 not run, 2 fault, 3 timeout) is printed and in --json's result.code.
 """
 
 from __future__ import annotations
@@ -90,6 +95,8 @@ def _cmd_operator(ns) -> int:
                               "result": result or {}}, sort_keys=True))
         elif ns.cmd == "status" and code == 0 and result:
             print(operator.format_status(result))
+        elif ns.cmd in ("check", "relink") and result and "ranks" in result:
+            print(operator.format_task(result), file=sys.stdout if code == 0 else sys.stderr)
         else:
             print(f"mindspeed-ha {ns.cmd}: {text}", file=sys.stdout if code == 0 else sys.stderr)
         return code
@@ -97,6 +104,9 @@ def _cmd_operator(ns) -> int:
     rid = ns.request_id or secrets.token_hex(8)
     max_s = getattr(ns, "max", None)
     try:
+        params = _task_params(ns)
+        if ns.timeout is None:  # a pause task answers after the pause and the task
+            ns.timeout = 30.0 + (float(params.get("budget_s", 60.0)) + 60.0 if params else 0.0)
         if not (math.isfinite(ns.timeout) and ns.timeout > 0):
             raise ConfigError(f"--timeout {ns.timeout}: accepted finite seconds > 0")
         if max_s is not None and not (math.isfinite(max_s) and 0 < max_s <= 7 * 24 * 3600):
@@ -113,19 +123,60 @@ def _cmd_operator(ns) -> int:
         return say(operator.EXIT_USAGE, str(exc))
     try:
         reply = operator.request(ns.cmd, key=key, target=target, timeout_s=ns.timeout, max_s=max_s or 0.0,
-                                 then_stop=getattr(ns, "then_stop", False), request_id=rid, max_bytes=max_bytes)
+                                 then_stop=getattr(ns, "then_stop", False), request_id=rid, max_bytes=max_bytes,
+                                 params=params)
     except operator.OperatorError as exc:
         return say(exc.code, str(exc))
     return say(operator.result_code(reply), reply.detail or "ok", reply.result)
 
 
-def _operator_parser(sub, verb: str, help_text: str):
+def _csv_ranks(text):
+    try:
+        ranks = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated global ranks, e.g. 1,3") from None
+    if not ranks or min(ranks) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated global ranks >= 0, e.g. 1,3")
+    return ranks
+
+
+def _task_params(ns) -> dict:
+    """The request params of ``check`` / ``relink`` ({} for the other verbs). Raises ConfigError."""
+    import math
+
+    from mindspeed_ha.control.policy.pause_task import CHECK_TESTS
+    from mindspeed_ha.errors import ConfigError
+
+    if ns.cmd not in ("check", "relink"):
+        return {}
+    if not (math.isfinite(ns.budget) and 0 < ns.budget <= 3600):
+        raise ConfigError(f"--budget {ns.budget}: accepted range (0, 3600] seconds")
+    params = {"budget_s": float(ns.budget), "stay": bool(ns.stay_paused)}
+    if ns.ranks:
+        params["ranks"] = sorted(set(ns.ranks))
+    if ns.cmd == "check":
+        tests = [t.strip() for t in ns.test.split(",") if t.strip()]
+        if not tests or any(t not in CHECK_TESTS for t in tests):
+            raise ConfigError(f"--test {ns.test!r}: a comma-separated subset of {','.join(CHECK_TESTS)}")
+        params.update(tests=tests, on_fault=ns.on_fault)
+        return params
+    if sum(map(bool, (ns.link_addr, ns.iface, ns.back))) != 1:
+        raise ConfigError("relink: give exactly one of --addr A, --iface I, --back")
+    if not ns.ranks:
+        raise ConfigError("relink: --ranks R is required")
+    params.update(addr=ns.link_addr or "", iface=ns.iface or "", back=bool(ns.back))
+    return params
+
+
+def _operator_parser(sub, verb: str, help_text: str, addr_flags=("--addr", "--controller")):
     p = sub.add_parser(verb, help=help_text)
-    p.add_argument("--addr", default=None, help="the controller's HOST:PORT (default: the leader in the job's lease "
-                                                "directory, MINDSPEED_HA_LEASE_DIR or under MINDSPEED_HA_LEASE_ROOT; "
-                                                "else CONTROLLER_ADDR/TTP_ADDR and TTP_PORT)")
+    p.add_argument(*addr_flags, dest="addr", default=None,
+                   help="the controller's HOST:PORT (default: the leader in the job's lease "
+                        "directory, MINDSPEED_HA_LEASE_DIR or under MINDSPEED_HA_LEASE_ROOT; "
+                        "else CONTROLLER_ADDR/TTP_ADDR and TTP_PORT)")
     p.add_argument("--key-file", default=None, help="file holding the job key in hex (default: MINDSPEED_HA_AUTH_KEY)")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the answer (default 30)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds to wait for the answer (default 30; check / relink: 90 + --budget)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.add_argument("--request-id", default=None,
                    help="idempotency key (default: random); a repeated id gets the first answer, never a second action")
@@ -188,6 +239,28 @@ def main(argv=None) -> int:
                     help="with --max: at S, stop instead (checkpoint of the iteration held at, exit 75)")
     _operator_parser(sub, "resume", "end a graceful pause")
     _operator_parser(sub, "stop", "graceful stop: checkpoint of the last completed iteration, exit 75")
+    for verb, text in (("check", "online check inside the paused ranks: pause, check, resume (codes: 0 ok, 1 not "
+                                 "run, 2 fault, 3 timeout)"),
+                       ("relink", "rebuild every process group with --ranks bound to --addr / --iface (--back: the "
+                                  "original): pause, relink, resume")):
+        t = _operator_parser(sub, verb, text, ("--controller",) if verb == "relink" else ("--addr", "--controller"))
+        t.add_argument("--ranks", type=_csv_ranks, default=None,
+                       help="global ranks, comma-separated (check: default every rank; relink: required)")
+        t.add_argument("--budget", type=float, default=60.0, metavar="S",
+                       help="seconds the ranks may take (check: else code 3; relink: each group's rendezvous) "
+                            "(default 60)")
+        t.add_argument("--stay-paused", action="store_true",
+                       help="keep the job paused afterwards (default: as it was found: a running job resumes)")
+    ck, rl = sub.choices["check"], sub.choices["relink"]
+    ck.add_argument("--test", default="gemm,memory,p2p,allreduce", help="comma-separated: gemm,memory,p2p,allreduce")
+    ck.add_argument("--on-fault", default="report", choices=["report", "exit", "switch"],
+                    help="on code 2: report (default), exit (graceful stop: checkpoint of the paused iteration, "
+                         "exit 75), switch (the hot switch; not available yet: logged)")
+    rl.add_argument("--addr", dest="link_addr", default=None, metavar="A",
+                    help="the ranks' new local address (gloo: the device's hostname)")
+    rl.add_argument("--iface", default=None, metavar="I",
+                    help="the ranks' new interface (GLOO_/NCCL_/HCCL_SOCKET_IFNAME)")
+    rl.add_argument("--back", action="store_true", help="back to the ranks' original address")
 
     sub.add_parser("controller", help="standalone controller (see --help of mindspeed_ha.control.controller)",
                    add_help=False)
@@ -205,7 +278,7 @@ def main(argv=None) -> int:
         from mindspeed_ha.control import job_events
 
         return job_events.cli(ns.file, ns.follow, ns.timeout, ns.json)
-    if ns.cmd in ("status", "pause", "resume", "stop"):
+    if ns.cmd in ("status", "pause", "resume", "stop", "check", "relink"):
         return _cmd_operator(ns)
     if ns.cmd == "soak":
         from mindspeed_ha.launch.proctree import become_subreaper

@@ -16,7 +16,7 @@ from mindspeed_ha import env as ha_env
 
 ENV = ha_env.INJECT
 POINTS = ("forward", "backward", "grad_sync", "optimizer", "between", "data", "eval", "save", "final_save",
-          "dying", "pp", "tp", "recover")
+          "dying", "pp", "tp", "recover", "check")
 FAULTS = ("kill", "raise", "stop", "corrupt", "term", "term_launcher", "int_launcher", "kill_launcher", "uce",
           "network", "kill_node", "stop_launcher", "hold")
 #: faults that signal a process and let this rank go on: SIGTERM to itself (a preempted
@@ -25,9 +25,12 @@ FAULTS = ("kill", "raise", "stop", "corrupt", "term", "term_launcher", "int_laun
 SIGNALS = {"term": ("self", "SIGTERM"), "term_launcher": ("parent", "SIGTERM"),
             "int_launcher": ("parent", "SIGINT"), "kill_launcher": ("parent", "SIGKILL"),
             "stop_launcher": ("parent", "SIGSTOP")}
-CORRUPT_WHAT = ("param", "main_param", "exp_avg", "exp_avg_sq")
+CORRUPT_WHAT = ("param", "main_param", "exp_avg", "exp_avg_sq", "gemm")
 CORRUPT_HOW = ("nan", "bitflip")
-CORRUPT_POINTS = ("optimizer", "between", "dying")  # fired by the runtime, with its state
+CORRUPT_POINTS = ("optimizer", "between", "dying", "check")  # fired by the runtime, with its state
+#: ``point=check`` (the online check, ``mindspeed-ha check``): ``iteration`` counts the checks this
+#: process ran (1: the first), ``what=gemm`` flips a bit of the check's GEMM result (a test double)
+CHECK_WHAT = ("gemm",)
 UCE_WHAT = ("param", "grad", "main_param", "exp_avg", "exp_avg_sq")
 UCE_POINTS = ("forward", "backward", "optimizer", "between")
 NETWORK_POINTS = ("grad_sync", "pp", "tp")
@@ -105,6 +108,8 @@ class FaultSpec:
             raise ValueError(f"{ENV}: fault=network fires only at points {NETWORK_POINTS}, got point={point!r}")
         if point in NETWORK_ONLY_POINTS and fault != "network":
             raise ValueError(f"{ENV}: point={point!r} takes fault=network only, got fault={fault!r}")
+        if point == "check" and fault != "corrupt":
+            raise ValueError(f"{ENV}: point=check takes fault=corrupt,what=gemm only, got fault={fault!r}")
         if fault != "corrupt":
             if what or how:
                 raise ValueError(f"{ENV}: what= and how= go with fault=corrupt only (what= with fault=uce "
@@ -117,6 +122,8 @@ class FaultSpec:
             raise ValueError(f"{ENV}: how={how!r} not in {CORRUPT_HOW}")
         if point not in CORRUPT_POINTS:
             raise ValueError(f"{ENV}: fault=corrupt fires only at points {CORRUPT_POINTS}, got {point!r}")
+        if (point == "check") != (what in CHECK_WHAT):
+            raise ValueError(f"{ENV}: point=check goes with what=gemm (and what=gemm with point=check), got {text!r}")
         return cls(rank, iteration, point, fault, what, how)
 
 

@@ -219,6 +219,10 @@ def _goodbye(ctl: "Controller", now: float, rank: int, info: RankInfo, body: Any
 
 
 #: message type -> what it does, for the messages of a registered rank
+def _pause_task_result(ctl: "Controller", now: float, rank: int, info: RankInfo, body: Any) -> None:
+    ctl.operators.tasks.on_result(ctl, now, rank, body)  # a check / relink answered (control/pause_tasks.py)
+
+
 RANK_HANDLERS: Dict[wire.MsgType, RankHandler] = {
     wire.MsgType.HEARTBEAT: _heartbeat,
     wire.MsgType.STATUS: _status,
@@ -229,6 +233,7 @@ RANK_HANDLERS: Dict[wire.MsgType, RankHandler] = {
     wire.MsgType.ACTION_RESULT: _action_result,
     wire.MsgType.INTEGRITY: _integrity,
     wire.MsgType.GOODBYE: _goodbye,
+    wire.MsgType.PAUSE_TASK_RESULT: _pause_task_result,
 }
 
 

@@ -68,6 +68,8 @@ TYPES: Dict[str, str] = {
     "PauseRequested": NORMAL,  # an operator's graceful pause (notes: the pause plan)
     "Paused": NORMAL,  # every rank holds at one step boundary (phase_seconds: drain)
     "Resumed": NORMAL,  # a graceful pause ended (notes: the pause plan)
+    "CheckFinished": NORMAL,  # an online check ran while paused (detail: code; Warning unless 0; pause_tasks.py)
+    "RelinkFinished": NORMAL,  # process groups rebuilt on another address while paused (pause_tasks.py)
     "DyingCheckpointCommitted": WARNING,  # the dying checkpoint of ``iteration`` is committed
     "WorkerRestarted": WARNING,  # a worker's process restarted alone (ARF; notes: the restart arbiter)
     "JobExit": NORMAL,  # the job is over (detail: exit_code; Warning unless 0)

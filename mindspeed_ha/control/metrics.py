@@ -26,6 +26,9 @@ counters, ``_seconds`` for durations; every label has a bounded set of values)::
                                                              (slowest rank's stage; controller's detect)
     mindspeed_ha_steps_lost_total                            iterations computed again after faults
     mindspeed_ha_pauses_total, mindspeed_ha_pause_seconds_total   graceful pauses and their time held
+    mindspeed_ha_pause_tasks_total{kind,code}                online checks / relinks by result code (0 ok, 1 not
+                                                             run, 2 fault, 3 timeout)
+    mindspeed_ha_pause_task_seconds{kind}                    histogram: a check's / relink's time on the ranks
     mindspeed_ha_dying_checkpoints_total                     dying checkpoints committed
     mindspeed_ha_worker_restarts_total                       workers restarted alone (ARF)
 """
@@ -114,6 +117,10 @@ class JobMetrics:
         self.steps_lost = Counter(PREFIX + "steps_lost", "iterations computed again after faults", registry=r)
         self.pauses = Counter(PREFIX + "pauses", "graceful pauses ended", registry=r)
         self.pause_seconds = Counter(PREFIX + "pause_seconds", "time held in graceful pauses", registry=r)
+        self.tasks = Counter(PREFIX + "pause_tasks", "online checks and relinks by result code", ["kind", "code"],
+                             registry=r)
+        self.task_seconds = Histogram(PREFIX + "pause_task_seconds", "a check's or relink's time on the ranks",
+                                      ["kind"], registry=r)
         self.dying = Counter(PREFIX + "dying_checkpoints", "dying checkpoints committed", registry=r)
         self.restarts = Counter(PREFIX + "worker_restarts", "workers restarted alone (ARF)", registry=r)
         r.register(_StateCollector(status))
@@ -137,6 +144,10 @@ class JobMetrics:
         elif e.name == "Resumed":
             self.pauses.inc()
             self.pause_seconds.inc(float(seconds.get("pause", 0.0)))
+        elif e.name in ("CheckFinished", "RelinkFinished"):
+            kind = "check" if e.name == "CheckFinished" else "relink"
+            self.tasks.labels(kind, str(detail.get("code", ""))).inc()
+            self.task_seconds.labels(kind).observe(float(seconds.get(kind, 0.0)))
         elif e.name == "DyingCheckpointCommitted":
             self.dying.inc()
         elif e.name == "WorkerRestarted":

@@ -117,17 +117,20 @@ def _lease(key: bytes, env: Mapping[str, str]) -> Optional[LeaseDir]:
 def request(verb: str, *, key: bytes, target: Target, timeout_s: float, max_s: float = 0.0,
             then_stop: bool = False, request_id: Optional[str] = None,
             env: Optional[Mapping[str, str]] = None,
-            max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> wire.OperatorReply:
+            max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+            params: Optional[Mapping[str, Any]] = None) -> wire.OperatorReply:
     """Send one OPERATOR_REQUEST and wait up to ``timeout_s`` for its reply.
 
     ``max_bytes``: the job's frame limit (``MINDSPEED_HA_MAX_MESSAGE_BYTES``), for the reply.
+    ``params``: the verb's arguments (``check``, ``relink``: :mod:`.pause_tasks`).
 
     Raises:
         OperatorError: :data:`EXIT_AUTH` (the controller refused the key) or
             :data:`EXIT_UNREACHABLE` (no reply within ``timeout_s``).
     """
     env = os.environ if env is None else env
-    body = wire.OperatorRequest(request_id or secrets.token_hex(8), verb, float(max_s), bool(then_stop))
+    body = wire.OperatorRequest(request_id or secrets.token_hex(8), verb, float(max_s), bool(then_stop),
+                                dict(params or {}))
     codec = wire.Codec(key, wire.new_sender("operator"), max_bytes)
     keys = auth.derive_keys(key)
     lease = _lease(key, env) if target.term >= 0 else None
@@ -223,6 +226,22 @@ def format_status(s: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_task(r: Dict[str, Any]) -> str:
+    """A check's or relink's result for a person: one line, then one per rank."""
+    names = {0: "ok", 1: "not run", 2: "fault", 3: "timeout"}
+    lines = [f"{r['kind']} code {r['code']} ({names.get(r['code'], '?')}) at iteration {r.get('iteration')}: "
+             f"{r.get('seconds', 0):.3f} s on the ranks, {r.get('pause_seconds', 0):.3f} s from the request; "
+             f"job {r.get('after')}"]
+    for rank, row in sorted(r.get("ranks", {}).items(), key=lambda kv: int(kv[0])):
+        tests = row.get("tests") or {}
+        secs = ", ".join(f"{n} {t.get('code')}" + (f" {t['seconds']:.4f} s" if "seconds" in t else "")
+                         for n, t in tests.items())
+        extra = f" bound {row['bound']}" if "bound" in row else ""
+        lines.append(f"  rank {rank}: code {row['code']}{extra}" + (f" [{secs}]" if secs else "")
+                     + (f" {'; '.join(row['reasons'])}" if row.get("reasons") else ""))
+    return "\n".join(lines)
+
+
 __all__ = ["EXIT_AUTH", "EXIT_DONE", "EXIT_FAILED", "EXIT_REFUSED", "EXIT_UNREACHABLE", "EXIT_USAGE",
-           "OperatorError", "Target", "find_controller", "format_status", "parse_addr", "read_key", "request",
+           "OperatorError", "Target", "find_controller", "format_status", "format_task", "parse_addr", "read_key", "request",
            "result_code"]

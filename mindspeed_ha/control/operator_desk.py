@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 import zmq
 
 from mindspeed_ha.control import job_events, snapshot, wire
+from mindspeed_ha.control.pause_tasks import PauseTasks
 from mindspeed_ha.control.policy.pause import PAUSE_FAILED
 from mindspeed_ha.control.state import PauseRequest, Phase
 
@@ -64,10 +65,16 @@ class OperatorDesk:
         self._paused_at: Optional[float] = None
         #: (iteration, seconds from the request to every rank paused, seconds held) of each pause
         self.pauses: List[Dict[str, Any]] = []
+        #: the pause tasks (check, relink): :mod:`.pause_tasks`
+        self.tasks = PauseTasks()
 
     # ------------------------------------------------------------------ requests
-    def handle(self, ctl: "Controller", now: float, ident: bytes, body: wire.OperatorRequest) -> None:
-        """One OPERATOR_REQUEST: answer a repeat from the kept reply, else run its verb."""
+    def handle(self, ctl: "Controller", now: float, ident: Optional[bytes], body: wire.OperatorRequest) -> None:
+        """One OPERATOR_REQUEST: answer a repeat from the kept reply, else run its verb.
+
+        ``ident`` None: an internal request (e.g. a sub-health detector's ``check`` with
+        ``params={"ranks": [...]}``, on the controller thread under its lock): acted on like
+        an operator's, its reply kept under ``request_id`` (``requests``) and logged, sent to nobody."""
         rid = body.request_id
         if not 0 < len(rid) <= MAX_REQUEST_ID:
             self._send(ctl, ident, wire.OperatorReply(rid[:MAX_REQUEST_ID], REFUSED,
@@ -78,7 +85,7 @@ class OperatorDesk:
             verb, reply, waiting = kept
             if reply is not None:
                 self._send(ctl, ident, reply)
-            elif ident not in waiting:
+            elif ident is not None and ident not in waiting:
                 waiting.append(ident)
             log.info("operator: %s request %s repeated: %s", verb, rid, "answered again" if reply else "pending")
             return
@@ -90,10 +97,10 @@ class OperatorDesk:
             reply = verb(ctl, now, body)
         log.info("operator: %s request %s%s", body.verb, rid,
                  "" if reply is None else f": code {reply.code} {reply.detail}")
-        self.requests[rid] = (body.verb, reply, [ident])
+        self.requests[rid] = (body.verb, reply, [ident] if ident is not None else [])
         while len(self.requests) > KEEP_REQUESTS:
             self.requests.popitem(last=False)
-        if reply is not None:
+        if reply is not None and ident is not None:
             self._send(ctl, ident, reply)
 
     def settle(self, ctl: "Controller", now: float) -> None:
@@ -128,15 +135,25 @@ class OperatorDesk:
                 reply = wire.OperatorReply(rid, FAILED, f"{PAUSE_FAILED}: job phase {phase.value}: {last}")
             else:
                 continue
-            self.requests[rid] = (verb, reply, [])
-            for ident in waiting:
-                self._send(ctl, ident, reply)
+            self._answer(ctl, rid, reply)
+        for reply in self.tasks.settle(ctl, now):
+            self._answer(ctl, reply.request_id, reply)
+
+    def _answer(self, ctl: "Controller", rid: str, reply: wire.OperatorReply) -> None:
+        """Keep ``reply`` as request ``rid``'s and send it to every connection waiting for it."""
+        kept = self.requests.get(rid)
+        waiting = kept[2] if kept is not None else []
+        self.requests[rid] = (kept[0] if kept is not None else "", reply, [])
+        for ident in waiting:
+            self._send(ctl, ident, reply)
 
     def pause_asked(self, now: float) -> None:
         self._pause_asked_at = now
 
     @staticmethod
-    def _send(ctl: "Controller", ident: bytes, reply: wire.OperatorReply) -> None:
+    def _send(ctl: "Controller", ident: Optional[bytes], reply: wire.OperatorReply) -> None:
+        if ident is None:  # an internal request: its reply is kept, nobody to send it to
+            return
         try:
             try:
                 ctl.server.send(ident, reply)
@@ -152,30 +169,40 @@ def _refused(body: wire.OperatorRequest, why: str) -> wire.OperatorReply:
     return wire.OperatorReply(body.request_id, REFUSED, why)
 
 
-def _pause(ctl: "Controller", now: float, body: wire.OperatorRequest) -> Optional[wire.OperatorReply]:
+def _ask_pause(ctl: "Controller", now: float, max_s: float, then_stop: bool, reason: str) -> Optional[str]:
+    """Record the operator's graceful pause of a RUNNING job; why it is refused, or None."""
     st = ctl.state
-    if not (math.isfinite(body.max_s) and 0 <= body.max_s <= MAX_PAUSE_S):
-        return _refused(body, f"--max {body.max_s}: accepted range 0..{MAX_PAUSE_S:g} seconds (0: until resume)")
     if st.phase in (Phase.PAUSING, Phase.PAUSED):
-        return _refused(body, f"the job is already {st.phase.value} (after iteration {st.drain_until})")
+        return f"the job is already {st.phase.value} (after iteration {st.drain_until})"
     if st.phase is not Phase.RUNNING:
-        return _refused(body, f"the job is {st.phase.value}" + (f" ({ctl.events[-1].reason})" if ctl.events else ""))
+        return f"the job is {st.phase.value}" + (f" ({ctl.events[-1].reason})" if ctl.events else "")
     if st.fault is not None or any(i.fault is not None for i in st.ranks.values()):
-        return _refused(body, "a fault is being handled")
+        return "a fault is being handled"
     if st.stop_request is not None:
-        return _refused(body, f"a graceful stop was requested ({st.stop_request.reason})")
+        return f"a graceful stop was requested ({st.stop_request.reason})"
     missing = st.world_size - len(st.ranks)
     if missing > 0:
-        return _refused(body, f"{missing} of {st.world_size} ranks have not registered yet")
+        return f"{missing} of {st.world_size} ranks have not registered yet"
     dead = [r for r, i in sorted(st.ranks.items()) if not i.alive]
     if dead:
-        return _refused(body, f"ranks {dead} are gone")
-    st.pause = PauseRequest(now, float(body.max_s), bool(body.then_stop))
+        return f"ranks {dead} are gone"
+    st.pause = PauseRequest(now, float(max_s), bool(then_stop))
     ctl.operators.pause_asked(now)
-    job_events.note(ctl.recorder, "PauseRequested", None, reason="operator", max_s=float(body.max_s),
-                    then_stop=bool(body.then_stop))
-    log.warning("operator: graceful pause requested%s", f" for at most {body.max_s:g} s" if body.max_s else "")
-    return None  # answered by settle(): PAUSED, or the pause failed
+    job_events.note(ctl.recorder, "PauseRequested", None, reason=reason, max_s=float(max_s), then_stop=bool(then_stop))
+    log.warning("operator: graceful pause requested%s", f" for at most {max_s:g} s" if max_s else "")
+    return None
+
+
+def _pause(ctl: "Controller", now: float, body: wire.OperatorRequest) -> Optional[wire.OperatorReply]:
+    if not (math.isfinite(body.max_s) and 0 <= body.max_s <= MAX_PAUSE_S):
+        return _refused(body, f"--max {body.max_s}: accepted range 0..{MAX_PAUSE_S:g} seconds (0: until resume)")
+    why = _ask_pause(ctl, now, body.max_s, body.then_stop, "operator")
+    return _refused(body, why) if why else None  # answered by settle(): PAUSED, or the pause failed
+
+
+def _pause_task(ctl: "Controller", now: float, body: wire.OperatorRequest) -> Optional[wire.OperatorReply]:
+    """``check`` / ``relink``: a pause task (:mod:`.pause_tasks`), answered once it ran."""
+    return ctl.operators.tasks.submit(ctl, now, body, lambda: _ask_pause(ctl, now, 0.0, False, body.verb))
 
 
 def _resume(ctl: "Controller", now: float, body: wire.OperatorRequest) -> Optional[wire.OperatorReply]:
@@ -184,6 +211,9 @@ def _resume(ctl: "Controller", now: float, body: wire.OperatorRequest) -> Option
         return _refused(body, f"the job is not paused (phase {st.phase.value})")
     if st.stop_request is not None:
         return _refused(body, f"a graceful stop is under way ({st.stop_request.reason})")
+    if ctl.operators.tasks.current is not None:  # it resumes (or not) as its request asked
+        return _refused(body, f"a {ctl.operators.tasks.current.kind} is under way: the job resumes after it "
+                        "unless it was asked to stay paused")
     if st.pause.resume_at is None:
         st.pause.resume_at = now
     log.warning("operator: resume requested (job %s after iteration %s)", st.phase.value, st.drain_until)
@@ -210,6 +240,8 @@ VERBS: Dict[str, Callable[["Controller", float, wire.OperatorRequest], Optional[
     "pause": _pause,
     "resume": _resume,
     "stop": _stop,
+    "check": _pause_task,
+    "relink": _pause_task,
 }
 
 
@@ -256,6 +288,7 @@ def status(ctl: "Controller", now: float) -> Dict[str, Any]:
         "recoveries": [_recovery(r) for r in st.recoveries[-STATUS_RECOVERIES:]],
         "restarts": [dict(r) for r in ctl.arbiter.restarts][-STATUS_RECOVERIES:],
         "spares": ctl.spares, "features": features, "pause": pause, "pauses": ctl.operators.pauses[-5:],
+        "pause_tasks": ctl.operators.tasks.done,
         "stop_requested": st.stop_request.reason if st.stop_request is not None else None,
         "exit_code": st.exit_code, "exit_reason": st.exit_reason,
     }

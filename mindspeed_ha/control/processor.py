@@ -239,14 +239,17 @@ class Processor:
         self._orphan.exchange = exchange
 
     def set_recovery_hooks(self, abort: Callable[[str], None], aborted: Callable[[str], BaseException],
-                           use_store: Callable[[str], None]) -> None:
+                           use_store: Callable[[str], None],
+                           pause_task: Optional[Callable[[wire.PauseTask], wire.PauseTaskResult]] = None) -> None:
         """The training side of an in-place recovery (see :class:`~protocol.RecoveryHooks`):
         ``abort(reason)`` on STOP(recover), ``aborted(message)`` the exception the step
-        calls raise until RETRY, ``use_store("host:port")`` for a successor's store.
+        calls raise until RETRY, ``use_store("host:port")`` for a successor's store,
+        ``pause_task(task) -> result`` for the pause tasks (check, relink; None: "not run").
         Register before :meth:`start` (the runtime does, ``runtime/bootstrap.py``); without
         it the processor has no collectives to interrupt."""
         with self._cond:
-            self._proto.hooks = RecoveryHooks(abort, aborted, use_store)
+            self._proto.hooks = (RecoveryHooks(abort, aborted, use_store) if pause_task is None
+                                 else RecoveryHooks(abort, aborted, use_store, pause_task))
 
     # ------------------------------------------------------------------ step protocol (training thread)
     def status(self) -> Tuple[OptimizerStatus, int]:
@@ -400,6 +403,8 @@ class Processor:
             self._proto.on_drain(body)
         elif t is wire.MsgType.RELEASE:
             self._proto.on_release(body)
+        elif t is wire.MsgType.PAUSE_TASK:  # check / relink: run by the paused training thread
+            self._proto.on_pause_task(body)
         elif t is wire.MsgType.GOODBYE_ACK:
             link.goodbye_acked = True
         elif t is wire.MsgType.ACTION:

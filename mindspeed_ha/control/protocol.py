@@ -27,12 +27,13 @@ the runtime registers (:class:`RecoveryHooks`).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import logging
 import threading
 import time
-from typing import Callable, Dict, FrozenSet, Optional, Tuple
+from typing import Callable, Deque, Dict, FrozenSet, Optional, Tuple
 
 from mindspeed_ha.control import wire
 from mindspeed_ha.control.policy import ActionKind
@@ -91,6 +92,14 @@ def _aborted(message: str) -> BaseException:
     return CommunicationError(message)
 
 
+def _no_pause_task(task: wire.PauseTask) -> wire.PauseTaskResult:
+    return wire.PauseTaskResult(task.task_id, -1, PAUSE_TASK_NOT_RUN, "not run: no runtime on this rank")
+
+
+#: a pause task's result code when it did not run (the reference's "1 not run -> resume")
+PAUSE_TASK_NOT_RUN = 1
+
+
 @dataclasses.dataclass(frozen=True)
 class RecoveryHooks:
     """The training side's part of an in-place recovery, registered by the runtime
@@ -103,6 +112,9 @@ class RecoveryHooks:
             ``pause_point`` raise while the step is aborted.
         use_store: ``use_store("host:port")``: rendezvous the next group rebuilds in a
             controller successor's store (ACTION param ``store``).
+        pause_task: ``pause_task(PauseTask) -> PauseTaskResult``: run a pause task (online
+            check, relink) on the training thread while it holds at its pause point
+            (``runtime/pause_tasks.py``); the default answers "not run".
 
     The runtime registers :mod:`mindspeed_ha.recovery.comm`'s and ``groups``' functions
     (``runtime/bootstrap.py``); the defaults, for a processor without a runtime, do nothing
@@ -112,6 +124,7 @@ class RecoveryHooks:
     abort: Callable[[str], None] = _no_collectives
     aborted: Callable[[str], BaseException] = _aborted
     use_store: Callable[[str], None] = _no_collectives
+    pause_task: Callable[[wire.PauseTask], wire.PauseTaskResult] = _no_pause_task
 
 
 @dataclasses.dataclass
@@ -158,6 +171,7 @@ class StepProtocol:
         self.exit: Optional[Tuple[int, str]] = None  # (code, reason) once EXITED
         self.exit_returned = False  # the exit handler returned (test doubles; normally it ends the process)
         self.main_action: Optional[wire.Action] = None  # RETRY / EXIT for the training thread
+        self.tasks: Deque[wire.PauseTask] = collections.deque()  # pause tasks for the paused training thread
         self.status_dirty = False
         self.stop_received_at: Optional[float] = None
         self.stop_request: Optional[StopRequest] = None
@@ -262,6 +276,9 @@ class StepProtocol:
             try:
                 while self.limit is not None and iteration >= self.limit and self.exit is None:
                     if self.hold:  # the operator's pause: as long as the controller wants (RELEASE)
+                        if self.tasks:  # a pause task (check, relink): run here, on the training thread
+                            _run_pause_task_locked(self, self.tasks.popleft())
+                            continue
                         deadline = time.monotonic() + self.freeze_deadline_s
                         self.cond.wait()
                         continue
@@ -377,6 +394,17 @@ class StepProtocol:
             self.cond.notify_all()
         log.warning("rank %d: graceful pause released (%s)", self.rank, body.reason)
 
+    def on_pause_task(self, body: wire.PauseTask) -> None:
+        """PAUSE_TASK (I/O thread): hand it to the training thread if it holds in a graceful
+        pause; else answer at once, code 1 (not run)."""
+        with self.cond:
+            if self.paused_at is None or not self.hold or self.exit is not None:
+                self.outbox.add_locked(wire.PauseTaskResult(body.task_id, self.rank, PAUSE_TASK_NOT_RUN,
+                                                            "not run: this rank does not hold in a graceful pause"))
+                return
+            self.tasks.append(body)
+            self.cond.notify_all()
+
     def deliver_locked(self, action: wire.Action) -> None:
         """Hand RETRY or EXIT to the training thread; RETRY ends the stop (the job runs on)."""
         if action.kind == ActionKind.RETRY.value:
@@ -452,4 +480,24 @@ class StepProtocol:
             return self.paused_at == k
 
 
-__all__ = ["RecoveryHooks", "STEP_MOVES", "StepProtocol", "StepState", "StopRequest"]
+def _run_pause_task_locked(self: "StepProtocol", task: wire.PauseTask) -> None:
+    """Run one pause task with ``cond`` released (the I/O thread goes on: heartbeats,
+    RELEASE, EXIT), then queue its result; an exception is a result (code 1), not a crash."""
+    log.warning("rank %d: pause task %s #%d (budget %.0f s)", self.rank, task.kind, task.task_id, task.budget_s)
+    self.cond.release()
+    try:
+        try:
+            res = self.hooks.pause_task(task)
+            res = dataclasses.replace(res, task_id=task.task_id, rank=self.rank)
+        except Exception as exc:  # noqa: BLE001 - the rank goes on holding; the operator is told
+            log.exception("rank %d: pause task %s #%d failed", self.rank, task.kind, task.task_id)
+            res = wire.PauseTaskResult(task.task_id, self.rank, PAUSE_TASK_NOT_RUN,
+                                       f"not run: {type(exc).__name__}: {exc}"[:2000])
+    finally:
+        self.cond.acquire()
+    self.outbox.put_locked(res)
+    log.warning("rank %d: pause task %s #%d: code %d %s", self.rank, task.kind, task.task_id, res.code,
+                res.detail[:200])
+
+
+__all__ = ["PAUSE_TASK_NOT_RUN", "RecoveryHooks", "STEP_MOVES", "StepProtocol", "StepState", "StopRequest"]

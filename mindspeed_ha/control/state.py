@@ -299,12 +299,15 @@ class StopRequest:
 @dataclasses.dataclass
 class PauseRequest:
     """The operator's graceful pause: when it was asked (controller clock), its ``--max``
-    (seconds, 0: none) and what ends it (``resume_at``: a ``resume`` arrived)."""
+    (seconds, 0: none) and what ends it (``resume_at``: a ``resume`` arrived). ``task``: the
+    pause task the ranks run now (``check`` / ``relink``, :mod:`.pause_tasks`; "" none): a
+    resume or ``--max`` waits for it to end."""
 
     at: float
     max_s: float = 0.0
     then_stop: bool = False
     resume_at: Optional[float] = None
+    task: str = ""
 
 
 @dataclasses.dataclass

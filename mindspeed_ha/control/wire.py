@@ -58,7 +58,8 @@ log = logging.getLogger(__name__)
 #: 8: the operator (``mindspeed-ha status|pause|resume|stop``): OPERATOR_REQUEST / OPERATOR_REPLY;
 #:    graceful pause: DRAIN.hold, RELEASE (lift the pause limit)
 #: 9: END_WORKER: the controller asks another node's agent to end a hung worker (ARF)
-SCHEMA_VERSION = 9
+#: 10: pause tasks (``mindspeed-ha check | relink``): PAUSE_TASK / PAUSE_TASK_RESULT, OPERATOR_REQUEST.params
+SCHEMA_VERSION = 10
 TAG_BYTES = 32
 DEFAULT_MAX_BYTES = 1 << 20
 #: what CURVE adds to a frame on the wire (MESSAGE command, nonce, MAC: 33 bytes), rounded up
@@ -92,6 +93,8 @@ class MsgType(str, enum.Enum):
     OPERATOR_REQUEST = "operator_request"
     OPERATOR_REPLY = "operator_reply"
     RELEASE = "release"
+    PAUSE_TASK = "pause_task"
+    PAUSE_TASK_RESULT = "pause_task_result"
 
 
 # --------------------------------------------------------------------------- bodies
@@ -360,7 +363,7 @@ class EndWorker:
 
 # ------------------------------------------------ the operator (mindspeed-ha status | pause | resume | stop)
 #: the verbs an operator may send
-OPERATOR_VERBS = ("status", "pause", "resume", "stop")
+OPERATOR_VERBS = ("status", "pause", "resume", "stop", "check", "relink")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -371,12 +374,15 @@ class OperatorRequest:
     repeated id with the first request's reply and does not act twice. ``max_s``: with
     ``pause``, resume by itself after this many seconds (0: until ``resume``);
     ``then_stop``: at ``max_s``, stop (checkpoint, exit 75) instead of resuming.
+    ``params``: the verb's arguments (``check``: ranks, tests, budget_s, on_fault, stay;
+    ``relink``: ranks, addr or iface, back, stay; see :mod:`.pause_tasks`).
     """
 
     request_id: str
     verb: str
     max_s: float = 0.0
     then_stop: bool = False
+    params: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -386,6 +392,31 @@ class OperatorReply:
     the verb returns (``status``: the job's status; ``pause``: the iteration held at)."""
 
     request_id: str
+    code: int
+    detail: str = ""
+    result: Dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+# ------------------------------------------------ pause tasks (mindspeed-ha check | relink)
+@dataclasses.dataclass(frozen=True)
+class PauseTask:
+    """controller -> processor, only while the job is PAUSED: run ``kind`` (``check`` or
+    ``relink``) with ``params`` on the rank's training thread, at its pause point, within
+    ``budget_s`` seconds, then answer PAUSE_TASK_RESULT and keep holding (:mod:`.pause_tasks`)."""
+
+    task_id: int
+    kind: str
+    params: Dict[str, Any]
+    budget_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class PauseTaskResult:
+    """processor -> controller: the outcome of ``task_id`` on ``rank``. ``code``: 0 ok, 1 not
+    run, 2 fault, 3 timeout (the reference's stress-test codes); ``result``: per-test details."""
+
+    task_id: int
+    rank: int
     code: int
     detail: str = ""
     result: Dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -418,6 +449,8 @@ BODY_TYPES: Dict[MsgType, Type[Any]] = {
     MsgType.OPERATOR_REQUEST: OperatorRequest,
     MsgType.OPERATOR_REPLY: OperatorReply,
     MsgType.RELEASE: Release,
+    MsgType.PAUSE_TASK: PauseTask,
+    MsgType.PAUSE_TASK_RESULT: PauseTaskResult,
 }
 _TYPE_OF = {cls: t for t, cls in BODY_TYPES.items()}
 
@@ -686,6 +719,6 @@ __all__ = [
     "endpoint",
     "Register", "Registered", "Heartbeat", "Status", "Fault", "Stop", "Stopped", "Action", "ActionResult",
     "Integrity", "Goodbye", "GoodbyeAck", "StopRequest", "Drain", "Draining", "BODY_TYPES", "Layout",
-    "Release", "OperatorRequest", "OperatorReply", "OPERATOR_VERBS",
+    "Release", "OperatorRequest", "OperatorReply", "OPERATOR_VERBS", "PauseTask", "PauseTaskResult",
 ]
 

@@ -92,8 +92,9 @@ def ensure_controller(config, rank: int, key: bytes):
     return proc
 
 
-def make_processor(config, rank: int, layout, args, exit_handler):
-    """This rank's :class:`~mindspeed_ha.control.processor.Processor` (not started)."""
+def make_processor(config, rank: int, layout, args, exit_handler, pause_task=None):
+    """This rank's :class:`~mindspeed_ha.control.processor.Processor` (not started);
+    ``pause_task(task) -> result``: the runtime's pause tasks (``runtime/pause_tasks.py``)."""
     import torch.distributed as dist
 
     from mindspeed_ha.control.processor import Processor
@@ -106,7 +107,7 @@ def make_processor(config, rank: int, layout, args, exit_handler):
     from mindspeed_ha.recovery import comm, groups
 
     processor.set_recovery_hooks(abort=comm.abort, aborted=comm.CollectiveAborted,
-                                 use_store=groups.use_rendezvous_store)
+                                 use_store=groups.use_rendezvous_store, pause_task=pause_task)
     return processor
 
 

@@ -34,7 +34,7 @@ from mindspeed_ha import env as ha_env
 from mindspeed_ha.events import EventRecorder
 from mindspeed_ha.integrations import megatron_lm
 
-from . import actions, bootstrap
+from . import actions, bootstrap, pause_tasks
 from .bootstrap import EXCHANGE_BYTES  # noqa: F401  (re-exported)
 from .exits import install_exit_hooks
 from .fault_report import FaultLedger, FaultReport
@@ -120,7 +120,8 @@ class HARuntime:
         self.controller_proc = bootstrap.ensure_controller(self.config, self.rank, key) or self.controller_proc
         if getattr(self.config, "auth_key", None) != key:
             self.config = dataclasses.replace(self.config, auth_key=key)
-        self.processor = bootstrap.make_processor(self.config, self.rank, self.layout, self.args, self._on_exit)
+        self.processor = bootstrap.make_processor(self.config, self.rank, self.layout, self.args, self._on_exit,
+                                                  pause_task=lambda task: pause_tasks.run(self, task))
         for kind, handler in actions.HANDLERS.items():
             self.processor.on_action(kind, lambda params, handler=handler: handler(self, params))
         self.fallback_group = bootstrap.fallback_group(self.config)

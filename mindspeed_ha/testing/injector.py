@@ -17,6 +17,9 @@ Points (where in iteration ``k`` the fault fires):
                     this rank's files are written, the tracker is not (a half-written save)
     ``final_save``  the same inside the final save at the end of training (iteration k)
     ``dying``       while this rank writes its part of a dying checkpoint
+    ``check``       the online check (``mindspeed-ha check``) number k of this process (1: the
+                    first): ``fault=corrupt,what=gemm,how=bitflip`` flips one bit of its GEMM
+                    result before the digest (the check must report 2 naming this rank)
     ``recover``     during an in-place recovery that re-runs iteration k, after the clean-up,
                     before the process groups are rebuilt (a fault during recovery)
     ``pp``          the first pipeline send/recv this rank launches in iteration k
@@ -323,6 +326,8 @@ def _target_tensor(target: Any, what: str):
     if target is None:
         raise RuntimeError(f"fault=corrupt/uce,what={what}: no model/optimizer to damage (the runtime has none "
                            "before the first train_step)")
+    if what == "gemm":  # point=check: the online check hands its GEMM result itself
+        return target
     from mindspeed_ha.integrations import megatron_lm
 
     chunks = megatron_lm.unwrap_model(target.model)

@@ -14,6 +14,7 @@ What ends it:
 
 * ``resume`` (``PauseRequest.resume_at``), or ``--max`` seconds in PAUSED -> RELEASE to
   every rank, RUNNING (the next iteration runs as if nothing happened: losses bitwise);
+  both wait while a pause task runs (``PauseRequest.task``: ``check``, ``relink``);
 * ``stop`` (or ``--max`` with ``--then-stop``) -> DRAINING with the ranks already holding
   at K: the graceful stop's save of K, exit 75 (:func:`~.drain.draining`);
 * a fault -> STOP_ALL, STOPPING: the dying checkpoint, as a fault during a graceful stop;
@@ -50,6 +51,8 @@ def _common(now: float, state: ClusterState, config: HAConfig, gone: Mapping[int
         return noop(f"graceful stop requested during a graceful pause ({state.stop_request.reason})",
                     Phase.DRAINING)
     req = state.pause
+    if req is not None and req.task:
+        return noop(f"graceful pause: the ranks run the pause task {req.task!r}")
     if req is not None and req.resume_at is not None:
         return _release(state, gone, "graceful pause ended by the operator (resume)")
     return None
