@@ -10,7 +10,13 @@ controller's view of iterations follows the heartbeats, 1 s, so ``status`` canno
 this). The healthy step time is the trainer's own ``elapsed_s`` of the logged iterations.
 The job ends with ``stop`` (exit 75).
 
-    python scripts/bench_pause.py [--rounds 5]
+``--tasks``: instead, the pause tasks, each one request on the running job (pause, task,
+resume): ``check`` of every test on every rank, then ``relink --ranks 1 --addr 127.0.0.2``
+and ``--back``, per round; printed: the pause window (request -> verdict, the controller's
+``pause_seconds``), the task's seconds on the ranks, each test's seconds (slowest rank)
+and the relink's rebuild seconds.
+
+    python scripts/bench_pause.py [--rounds 5] [--tasks]
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ def logged(path):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tasks", action="store_true", help="check and relink rounds instead of pause / resume")
     a = ap.parse_args()
     port, key = free_port(), secrets.token_hex(32)
     target = operator.Target("127.0.0.1", port)
@@ -77,7 +84,9 @@ def main() -> int:
                 time.sleep(0.2)
                 if time.monotonic() > deadline or job.poll() is not None:
                     raise SystemExit("the job did not start")
-            for _ in range(a.rounds):
+            for _ in range(a.rounds if a.tasks else 0):
+                rows.append(_task_round(ask, iterations))
+            for _ in range(0 if a.tasks else a.rounds):
                 t0 = time.monotonic()
                 reply = ask("pause")
                 pause_client = time.monotonic() - t0
@@ -97,12 +106,41 @@ def main() -> int:
             job.wait()
     print(f"job exit {code}; {len(rows)} rounds")
     print("| | median s | max s |\n|---|---|---|")
+    if a.tasks:
+        print(f"| healthy step (trainer's elapsed_s) | {statistics.median(steps):.3f} | {max(steps):.3f} |")
+        for name in rows[0]:
+            vals = [r[name] for r in rows]
+            print(f"| {name} | {statistics.median(vals):.3f} | {max(vals):.3f} |")
+        return 0
     print(f"| healthy step (trainer's elapsed_s) | {statistics.median(steps):.3f} | {max(steps):.3f} |")
     for i, name in enumerate(("pause request -> reply (client)", "pause request -> every rank paused (controller)",
                               "resume request -> iteration K+1 logged")):
         vals = [r[i] for r in rows]
         print(f"| {name} | {statistics.median(vals):.3f} | {max(vals):.3f} |")
     return 0
+
+
+def _task_round(ask, iterations):
+    """One check (every test, every rank), one relink of rank 1 to 127.0.0.2 and back: seconds."""
+    row = {}
+    start = min(iterations())
+    r = ask("check", params={"tests": ["gemm", "memory", "p2p", "allreduce"], "budget_s": 120.0}).result
+    row["check: pause window (request -> verdict)"] = r["pause_seconds"]
+    row["check: on the ranks (slowest)"] = r["seconds"]
+    for test in ("gemm", "memory", "p2p", "allreduce"):
+        row[f"check: {test} (slowest rank)"] = max(v["tests"][test]["seconds"] for v in r["ranks"].values()
+                                                   if test in v["tests"])
+    for what, params in (("relink", {"ranks": [1], "addr": "127.0.0.2"}), ("relink --back", {"ranks": [1],
+                                                                                          "back": True})):
+        while min(iterations()) < start + 2:  # trains on between two tasks
+            time.sleep(0.05)
+        start = min(iterations())
+        r = ask("relink", params={**params, "budget_s": 120.0}).result
+        row[f"{what}: pause window"] = r["pause_seconds"]
+        row[f"{what}: rebuild (slowest rank)"] = max(v["rebuild_seconds"] for v in r["ranks"].values())
+    while min(iterations()) < start + 2:
+        time.sleep(0.05)
+    return row
 
 
 if __name__ == "__main__":

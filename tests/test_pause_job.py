@@ -4,14 +4,20 @@ unpacked from ../shared/third_party) on 4 CPU/gloo ranks (TP1 PP2 DP2), through 
 One job, driven from the real ``mindspeed-ha`` console entry (subprocesses) in sequence:
 ``pause`` (every rank holds after one iteration K1; ``status --json`` shows every rank at
 K1), the CLI with a wrong key (exit 6, the job unaffected: still paused at K1, same PIDs),
-``resume``; ``pause --max 1`` (resumes by itself: ``status`` shows the job running again and
+``resume``; the pause tasks, each one command on the running job (pause, task, resume):
+``check`` of every test on every rank (code 0, the training state digests equal before and
+after on every rank), ``check`` of rank 1 whose GEMM result the injector flips one bit of
+(code 2 naming rank 1), ``relink --ranks 1 --addr 127.0.0.2`` (rank 1's new connections use
+127.0.0.2, seen in its process's sockets) and ``relink --ranks 1 --back`` (127.0.0.2 gone);
+``pause --max 1`` (resumes by itself: ``status`` shows the job running again and
 the pause's held seconds); ``pause`` a third time and SIGKILL a rank while every rank holds
 at K3: the fault is handled as during a graceful stop, the dying checkpoint of K3, exit 75.
 Then the same job again with ``--load`` (a second job: the scheduler's requeue): it trains on
 from K3, is paused at K4 and ``stop``-ped while every rank holds: the checkpoint of K4 (no
 step lost), exit 75.
 Standard of proof: the per-iteration losses of 1..K3 (two pauses and resumes among them)
-and K3+1..K4 (after --load, nothing re-run, nothing past K4) (and grad norms) are bitwise
+and K3+1..K4 (after --load, nothing re-run, nothing past K4) (and grad norms; the two checks
+and the two relinks among 1..K3) are bitwise
 equal to an uninterrupted run of the same job, HA off, stopped at K4 by Megatron-LM's
 ``--exit-interval``. Synchronisation
 is on the job's observable state (``status`` output), never on time.
@@ -24,6 +30,7 @@ import signal
 import subprocess
 import sys
 
+import psutil
 import pytest
 
 from mindspeed_ha.control import operator
@@ -32,6 +39,8 @@ from mindspeed_ha.launch.proctree import end_tree
 from mindspeed_ha.testing import megatron_lm as mlm
 from mindspeed_ha.testing.harness import free_port, launcher_command, read_rank_loss_logs
 
+#: the injector's test double: rank 1's second online check gets one bit of its GEMM result flipped
+CHECK_FLIP = "rank=1,iteration=2,point=check,fault=corrupt,what=gemm,how=bitflip"
 #: long enough never to end before a pause (the kill during the third, the stop during the fourth end the jobs)
 ITERS = 400
 pytestmark = pytest.mark.timeout(600)
@@ -48,7 +57,8 @@ class Operator:
 
     def __call__(self, verb, *flags, key=None):
         env = dict(os.environ, MINDSPEED_HA_AUTH_KEY=key or self.key)
-        p = subprocess.run([*_cli(), verb, "--json", "--addr", self.addr, "--timeout", "120", *flags], env=env,
+        # --controller (every verb's alias of --addr): relink's --addr is the ranks' new address
+        p = subprocess.run([*_cli(), verb, "--json", "--controller", self.addr, "--timeout", "120", *flags], env=env,
                            capture_output=True, text=True, timeout=180)
         out = json.loads(p.stdout) if p.stdout.strip() else {}
         return p.returncode, out
@@ -84,6 +94,41 @@ def _losses_and_norms(loss_log):
     return losses, {int(r["iteration"]): r["grad_norm"] for r in records if "lm loss" in r["loss"]}
 
 
+def _rank_addrs(pid):
+    return {c.laddr.ip for c in psutil.Process(pid).net_connections(kind="tcp") if c.status == psutil.CONN_ESTABLISHED}
+
+
+def _pause_tasks(op, pids):
+    """check (clean), check (rank 1's GEMM bit flipped), relink rank 1 to 127.0.0.2 and back:
+    each one command on the running job (pause, task, resume)."""
+    code, out = op("check", "--test", "gemm,memory,p2p,allreduce", "--budget", "120")
+    r = out["result"]
+    assert code == 0 and r["code"] == 0 and r["after"] == "resumed", out
+    assert sorted(r["ranks"]) == ["0", "1", "2", "3"] and all(v["state_unchanged"] for v in r["ranks"].values())
+    assert {t for v in r["ranks"].values() for t in v["tests"]} == {"gemm", "memory", "p2p", "allreduce"}
+    assert len({v["tests"]["gemm"]["digest"] for v in r["ranks"].values()}) == 1
+    print("check seconds per test:", {k: {t: v["tests"][t].get("seconds") for t in v["tests"]}
+                                      for k, v in r["ranks"].items()}, "pause window", r["pause_seconds"])
+    code, out = op("check", "--ranks", "1", "--test", "gemm", "--budget", "120")
+    r = out["result"]
+    assert code == operator.EXIT_FAILED and r["code"] == 2 and r["faulty"] == [1], out
+    assert "rank 1" in out["detail"] and r["after"] == "resumed"
+    assert "127.0.0.2" not in _rank_addrs(pids[1])
+    code, out = op("relink", "--ranks", "1", "--addr", "127.0.0.2", "--budget", "120")
+    r = out["result"]
+    assert code == 0 and r["code"] == 0 and r["ranks"]["1"]["bound"] == {"addr": "127.0.0.2"}, out
+    assert "127.0.0.2" in r["ranks"]["1"]["new_local_addrs"], r["ranks"]["1"]
+    assert all("127.0.0.2" not in r["ranks"][x]["local_addrs"] for x in ("0", "2", "3"))
+    assert "127.0.0.2" in _rank_addrs(pids[1])  # seen from outside too
+    code, out = op("relink", "--ranks", "1", "--back", "--budget", "120")
+    r = out["result"]
+    assert code == 0 and r["code"] == 0 and r["ranks"]["1"]["bound"] is None, out
+    assert "127.0.0.2" not in r["ranks"]["1"]["local_addrs"], r["ranks"]["1"]
+    code, out = op("status")
+    assert [t["kind"] for t in out["result"]["pause_tasks"]][-4:] == ["check", "check", "relink", "relink"]
+    assert out["result"]["phase"] == "running" and [x["pid"] for x in out["result"]["ranks"]] == pids
+
+
 def test_pause_status_wrong_key_resume_max_a_kill_during_a_pause_then_stop_while_paused(tmp_path, megatron_lm_tarball,
                                                                                         as_users_run):
     root = mlm.unpack(megatron_lm_tarball, str(tmp_path / "megatron_lm"))
@@ -91,12 +136,12 @@ def test_pause_status_wrong_key_resume_max_a_kill_during_a_pause_then_stop_while
     save, loss_log = str(tmp_path / "ckpt"), str(tmp_path / "loss.jsonl")
     args = mlm.stock_gpt_args(tp=1, pp=2, train_iters=ITERS) + ["--save", save, "--save-interval", "100000"]
 
-    def env(port, loss_log):
+    def env(port, loss_log, **extra):
         return dict(os.environ, **mlm.stock_env({"TTP_PORT": str(port), "MINDSPEED_HA_AUTH_KEY": key,
-                                                  "MINDSPEED_HA_LOSS_LOG": loss_log}))
+                                                  "MINDSPEED_HA_LOSS_LOG": loss_log, **extra}))
 
     port, out_path = free_port(), tmp_path / "job.out"
-    job = _start(root, args, env(port, loss_log), out_path)
+    job = _start(root, args, env(port, loss_log, MINDSPEED_HA_INJECT=CHECK_FLIP), out_path)
     try:
         op = Operator(port, key, job)
         op.status_until(lambda s: s["phase"] == "running" and min(_iterations(s)) >= 2, "iteration 2")
@@ -120,6 +165,7 @@ def test_pause_status_wrong_key_resume_max_a_kill_during_a_pause_then_stop_while
         code, out = op("resume")
         assert code == 0, out
         s = op.status_until(lambda s: min(_iterations(s)) >= k1 + 2, "training after resume")
+        _pause_tasks(op, pids)
 
         code, out = op("pause", "--max", "1")
         assert code == 0, out

@@ -96,6 +96,14 @@ def bound(binding: Optional[Dict[str, str]]) -> Iterator[None]:
                 os.environ[k] = v
 
 
+def tcp_endpoints() -> set:
+    """((local ip, port), (remote ip, port)) of this process's established TCP connections (psutil)."""
+    import psutil
+
+    return {((c.laddr.ip, c.laddr.port), (c.raddr.ip, c.raddr.port))
+            for c in psutil.Process().net_connections(kind="tcp") if c.status == psutil.CONN_ESTABLISHED}
+
+
 def _agree(ok: bool) -> bool:
     import torch
     import torch.distributed as dist
@@ -147,6 +155,7 @@ def switch_links(rank: int, moving: Iterable[int], binding: Optional[Dict[str, s
         return 2, why or "another rank cannot bind its new address; no group changed", \
             {"bound": before, "switched_back": False, "rebuilt": False}
     timeout = timedelta(seconds=timeout_s)
+    conns = tcp_endpoints()
     try:
         with bound(mine if me_moves else before):
             if inject_failure:
@@ -163,8 +172,12 @@ def switch_links(rank: int, moving: Iterable[int], binding: Optional[Dict[str, s
              "rebuild_seconds": round(report.seconds, 6)}
     if me_moves:
         _BOUND["now"] = dict(binding) if binding else None
+    now = tcp_endpoints()
     return 0, "", {"bound": current(), "switched_back": False, "rebuilt": True, "groups": report.groups_rebuilt,
-                   "rebuild_seconds": round(report.seconds, 6)}
+                   "rebuild_seconds": round(report.seconds, 6),
+                   # the evidence: local addresses of the connections the new groups made, and of all now
+                   "new_local_addrs": sorted({lo[0] for lo, _ in now - conns}),
+                   "local_addrs": sorted({lo[0] for lo, _ in now})}
 
 
 __all__ = ["bound", "current", "make_device", "switch_links"]

@@ -2,6 +2,8 @@
 
 Tests, in this order (each times itself; codes 0 ok, 1 not run, 2 fault, 3 timeout):
 
+Each test's ``seconds`` is its wall time on this rank.
+
 * ``gemm`` (ranks under test and, as references, every other rank): C = A @ B with A, B of
   :data:`GEMM_N` x :data:`GEMM_N` float32 drawn from a private generator seeded with
   :data:`SEED` (on the CPU, then moved: the same inputs on every device; the training RNG
@@ -10,8 +12,9 @@ Tests, in this order (each times itself; codes 0 ok, 1 not run, 2 fault, 3 timeo
   On an NPU with ``torch_npu.npu.stress_detect`` (the reference's AI-core stress test), it
   runs too, mode ``"aic"``: a non-zero return is a fault. The injector's
   ``point=check,fault=corrupt,what=gemm`` flips one bit of C before the digest (a test double).
-* ``memory`` (ranks under test): a block of ``min(MEMORY_BYTES, 10 % of free)`` bytes of the
-  device (CUDA / NPU: ``mem_get_info``; CPU: ``psutil`` available host memory) written
+* ``memory`` (ranks under test): a block of ``min(MEMORY_BYTES (64 MiB; on the host 16 MiB),
+  10 % of free)`` bytes of the device (CUDA / NPU: ``mem_get_info``; CPU: ``psutil``
+  available host memory) written
   with the patterns 0x00, 0xFF, 0x55, 0xAA and an address-like ramp, each read back and
   compared; freed after (and the device cache emptied). A mismatch is a fault.
 * ``p2p`` and ``allreduce`` (every rank: the collectives need every member): on each of the
@@ -41,6 +44,7 @@ SEED = 20240607
 GEMM_N = 256
 GEMM_REPEATS = 4
 MEMORY_BYTES = 64 << 20
+HOST_MEMORY_BYTES = 16 << 20
 COMM_BYTES = 1 << 20
 COMM_REPEATS = 3
 PATTERNS = (0x00, 0xFF, 0x55, 0xAA)
@@ -97,7 +101,7 @@ def gemm(device, flip=None) -> Dict[str, Any]:
     host = c.cpu().contiguous()
     if flip is not None:
         flip(host)
-    out = {"code": OK, "seconds": round(seconds, 6), "n": GEMM_N, "dtype": "float32",
+    out = {"code": OK, "product_seconds": round(seconds, 6), "n": GEMM_N, "dtype": "float32",
            "gflops": round(2 * GEMM_N ** 3 / seconds / 1e9, 3) if seconds > 0 else None,
            "digest": hashlib.sha256(host.numpy().tobytes()).hexdigest()}
     rc = stress_detect("aic") if device.type == "npu" else None
@@ -120,29 +124,32 @@ def _free_bytes(device) -> int:
     return int(psutil.virtual_memory().available)
 
 
-def memory(device, limit_bytes: int = MEMORY_BYTES) -> Dict[str, Any]:
-    """The memory pattern test (see the module doc)."""
+def memory(device, limit_bytes: Optional[int] = None) -> Dict[str, Any]:
+    """The memory pattern test (see the module doc); ``limit_bytes`` None: :data:`MEMORY_BYTES`
+    on a device, :data:`HOST_MEMORY_BYTES` on the host."""
     import torch
 
+    if limit_bytes is None:
+        limit_bytes = HOST_MEMORY_BYTES if device.type == "cpu" else MEMORY_BYTES
     size = max(1 << 20, min(int(limit_bytes), _free_bytes(device) // 10)) // 8 * 8
     t0 = time.perf_counter()
     errors, first = 0, None
     block = torch.empty(size, dtype=torch.uint8, device=device)
     try:
+        words = block.view(torch.int64)
         for p in PATTERNS:
             block.fill_(p)
-            bad = int((block != p).sum())
-            if bad and first is None:
-                first = f"pattern 0x{p:02x}: {bad} bytes read back wrong"
-            errors += bad
+            if bool((words != int.from_bytes(bytes([p]) * 8, "little", signed=True)).any()):  # 8 bytes a compare
+                bad = int((block != p).sum())
+                first = first or f"pattern 0x{p:02x}: {bad} bytes read back wrong"
+                errors += bad
         ramp = torch.arange(size // 8, dtype=torch.int64, device=device)
-        view = block.view(torch.int64)
-        view.copy_(ramp)
-        bad = int((view != ramp).sum())
-        if bad and first is None:
-            first = f"address ramp: {bad} words read back wrong"
-        errors += bad
-        del ramp, view
+        words.copy_(ramp)
+        bad = int((words != ramp).sum())
+        if bad:
+            first = first or f"address ramp: {bad} words read back wrong"
+            errors += bad
+        del ramp, words
         _sync(device)
     finally:
         del block
@@ -151,7 +158,7 @@ def memory(device, limit_bytes: int = MEMORY_BYTES) -> Dict[str, Any]:
         elif device.type == "npu":
             torch.npu.empty_cache()
     out = {"code": FAULT if errors else OK, "bytes": size, "errors": errors,
-           "seconds": round(time.perf_counter() - t0, 6)}
+           "GBps": round(size * (len(PATTERNS) + 1) * 2 / max(time.perf_counter() - t0, 1e-9) / 1e9, 3)}
     if first:
         out["first_error"] = first
     return out
@@ -298,7 +305,9 @@ def run_check(params: Dict[str, Any], budget_s: float, rank: int, ctx=None, flip
         if left() <= 0:
             results[name] = {"code": TIMEOUT, "detail": "budget exceeded before this test"}
             continue
+        t = time.perf_counter()
         results[name] = gemm(device, flip) if name == "gemm" else memory(device)
+        results[name]["seconds"] = round(time.perf_counter() - t, 6)
     groups = job_groups() if ("p2p" in tests or "allreduce" in tests) else []
     for name in ("p2p", "allreduce"):
         if name not in tests:
@@ -306,7 +315,9 @@ def run_check(params: Dict[str, Any], budget_s: float, rank: int, ctx=None, flip
         if not _all_within_budget(left() > 0):
             results[name] = {"code": TIMEOUT, "detail": "budget exceeded on some rank before this test"}
             continue
+        t = time.perf_counter()
         results[name] = p2p(groups) if name == "p2p" else allreduce(groups)
+        results[name]["seconds"] = round(time.perf_counter() - t, 6)
     seconds = time.perf_counter() - t0
     unchanged = state_digest(ctx) == before
     if seconds > budget_s:

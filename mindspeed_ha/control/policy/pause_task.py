@@ -103,10 +103,10 @@ def check_verdict(results: Mapping[int, Tuple[int, str, Mapping[str, Any]]], lay
     """
     digests, seconds = {}, {}
     for r, (_, _, res) in results.items():
-        gemm = (res.get("tests") or {}).get("gemm") or {}
+        gemm = (res.get("tests") or {}).get("gemm") or {}  # product_seconds: one product (the speed compared)
         if gemm.get("code") == OK and gemm.get("digest"):
             digests[r] = str(gemm["digest"])
-            seconds[r] = float(gemm.get("seconds", 0.0))
+            seconds[r] = float(gemm.get("product_seconds", gemm.get("seconds", 0.0)))
     odd = odd_gemm_ranks(digests, layouts)
     median = statistics.median(seconds.values()) if seconds else 0.0
     ranks: Dict[int, Dict[str, Any]] = {}
