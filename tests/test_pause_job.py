@@ -7,8 +7,8 @@ K1), the CLI with a wrong key (exit 6, the job unaffected: still paused at K1, s
 ``resume``; the pause tasks, each one command on the running job (pause, task, resume):
 ``check`` of every test on every rank (code 0, the training state digests equal before and
 after on every rank), ``check`` of rank 1 whose GEMM result the injector flips one bit of
-(code 2 naming rank 1), ``relink --ranks 1 --addr 127.0.0.2`` (rank 1's new connections use
-127.0.0.2, seen in its process's sockets) and ``relink --ranks 1 --back`` (127.0.0.2 gone);
+(code 2 naming rank 1), ``relink --ranks 1 --addr 127.0.0.2`` (rank 1's new groups' gloo device
+listens on 127.0.0.2, seen in its process's sockets) and ``relink --ranks 1 --back`` (127.0.0.2 gone);
 ``pause --max 1`` (resumes by itself: ``status`` shows the job running again and
 the pause's held seconds); ``pause`` a third time and SIGKILL a rank while every rank holds
 at K3: the fault is handled as during a graceful stop, the dying checkpoint of K3, exit 75.
@@ -95,7 +95,9 @@ def _losses_and_norms(loss_log):
 
 
 def _rank_addrs(pid):
-    return {c.laddr.ip for c in psutil.Process(pid).net_connections(kind="tcp") if c.status == psutil.CONN_ESTABLISHED}
+    """The local addresses of the process's listening and established TCP sockets."""
+    return {c.laddr.ip for c in psutil.Process(pid).net_connections(kind="tcp")
+            if c.status in (psutil.CONN_ESTABLISHED, psutil.CONN_LISTEN)}
 
 
 def _pause_tasks(op, pids):
@@ -117,13 +119,16 @@ def _pause_tasks(op, pids):
     code, out = op("relink", "--ranks", "1", "--addr", "127.0.0.2", "--budget", "120")
     r = out["result"]
     assert code == 0 and r["code"] == 0 and r["ranks"]["1"]["bound"] == {"addr": "127.0.0.2"}, out
-    assert "127.0.0.2" in r["ranks"]["1"]["new_local_addrs"], r["ranks"]["1"]
-    assert all("127.0.0.2" not in r["ranks"][x]["local_addrs"] for x in ("0", "2", "3"))
+    # gloo: rank 1's new groups' device listens on 127.0.0.2, the address its peers reach it at
+    # (on loopback its own connections start from 127.0.0.1: gloo binds only the listener)
+    assert "127.0.0.2" in r["ranks"]["1"]["listen_addrs"], r["ranks"]["1"]
+    assert all("127.0.0.2" not in r["ranks"][x]["listen_addrs"] + r["ranks"][x]["local_addrs"] for x in "023")
     assert "127.0.0.2" in _rank_addrs(pids[1])  # seen from outside too
     code, out = op("relink", "--ranks", "1", "--back", "--budget", "120")
     r = out["result"]
     assert code == 0 and r["code"] == 0 and r["ranks"]["1"]["bound"] is None, out
-    assert "127.0.0.2" not in r["ranks"]["1"]["local_addrs"], r["ranks"]["1"]
+    assert "127.0.0.2" not in r["ranks"]["1"]["listen_addrs"] + r["ranks"]["1"]["local_addrs"], r["ranks"]["1"]
+    assert "127.0.0.2" not in _rank_addrs(pids[1])
     code, out = op("status")
     assert [t["kind"] for t in out["result"]["pause_tasks"]][-4:] == ["check", "check", "relink", "relink"]
     assert out["result"]["phase"] == "running" and [x["pid"] for x in out["result"]["ranks"]] == pids

@@ -58,7 +58,13 @@ def _check(j, **params):
 
 
 def test_check_on_a_running_job_pauses_runs_on_the_training_threads_and_resumes(job, closing):
+    from prometheus_client import generate_latest
+
+    from mindspeed_ha.control.metrics import JobMetrics
+
     j = job()
+    metrics = JobMetrics(lambda: {})
+    j.ctl.recorder.add_sink(metrics)
     _running(j, closing)
     seen = _scripted(j, closing)
     _wait_for(lambda: all(i.iteration >= 2 for i in j.ctl.state.ranks.values()), what="iteration 2")
@@ -77,6 +83,8 @@ def test_check_on_a_running_job_pauses_runs_on_the_training_threads_and_resumes(
                                                                     "Resumed")]
     assert names == ["PauseRequested", "Paused", "CheckFinished", "Resumed"], names
     assert _ask(j, "status").result["pause_tasks"][-1]["code"] == 0
+    text = generate_latest(metrics.registry).decode()
+    assert 'mindspeed_ha_pause_tasks_total{code="0",kind="check"} 1.0' in text, text
 
 
 def test_a_flipped_gemm_bit_is_code_2_naming_the_rank_and_on_fault_exit_stops_with_the_checkpoint(job, closing):
@@ -87,6 +95,9 @@ def test_a_flipped_gemm_bit_is_code_2_naming_the_rank_and_on_fault_exit_stops_wi
     assert reply.code == 1 and reply.result["code"] == 2 and reply.result["faulty"] == [1], reply
     assert "rank 1" in reply.detail and "differs bitwise" in reply.detail
     _wait_for(lambda: j.ctl.phase is Phase.RUNNING, what="report only: resumed")
+    reply = _check(j, tests=["gemm"], on_fault="switch")  # the hot switch's hook: not wired yet
+    assert reply.result["faulty"] == [1] and reply.result["after"] == "switch not available; resumed", reply
+    _wait_for(lambda: j.ctl.phase is Phase.RUNNING, what="switch: resumed")
     reply = _check(j, tests=["gemm"], on_fault="exit")
     assert reply.result["faulty"] == [1] and "graceful stop" in reply.result["after"], reply
     out = j.ctl.wait_done(20)
@@ -246,6 +257,7 @@ def test_link_switch_preflight_refuses_a_foreign_address_and_a_failed_rebuild_sw
     assert code == 2 and "cannot bind" in detail and res["rebuilt"] is False
     assert out["ok"][0] == 0 and out["ok"][2]["bound"] == {"addr": "127.0.0.2"} and out["current"] == {
         "addr": "127.0.0.2"}
+    assert "127.0.0.2" in out["ok"][2]["listen_addrs"], out["ok"]  # the new groups' gloo device
     code, detail, res = out["failed"]
     assert code == 2 and res["switched_back"] and res["bound"] == {"addr": "127.0.0.2"}, out["failed"]
     assert out["works"] == [1.0, 1.0]

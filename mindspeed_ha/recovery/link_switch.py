@@ -60,6 +60,25 @@ def make_device(binding: Dict[str, str]):
     return ProcessGroupGloo.create_device(interface=binding["iface"])
 
 
+#: the device the groups made inside :func:`bound` get (None outside it); read by the class of
+#: :func:`_bound_gloo`, so no closure keeps a device (and its listening socket) alive after its groups
+_SCOPE: Dict[str, Any] = {"device": None, "cls": None}
+
+
+def _bound_gloo(base):
+    """The subclass of torch's ProcessGroupGloo that ``bound`` puts in its place (made once)."""
+    if _SCOPE["cls"] is None or _SCOPE["cls"].__bases__[0] is not base:
+        class BoundGloo(base):  # what _new_process_group_helper constructs, with the scope's device
+            def __init__(self, store, rank, size, timeout=timedelta(minutes=30)):
+                opts = base._Options()
+                opts._timeout = timeout
+                opts._devices = [_SCOPE["device"]]
+                super().__init__(store, rank, size, opts)
+
+        _SCOPE["cls"] = BoundGloo
+    return _SCOPE["cls"]
+
+
 @contextlib.contextmanager
 def bound(binding: Optional[Dict[str, str]]) -> Iterator[None]:
     """Inside: the process groups torch creates on this rank use ``binding`` (None: no change)."""
@@ -68,18 +87,10 @@ def bound(binding: Optional[Dict[str, str]]) -> Iterator[None]:
         return
     from torch.distributed import distributed_c10d as c10d
 
-    device = make_device(binding)
     base = c10d.ProcessGroupGloo
-
-    class BoundGloo(base):  # what _new_process_group_helper constructs, with our device
-        def __init__(self, store, rank, size, timeout=timedelta(minutes=30)):
-            opts = base._Options()
-            opts._timeout = timeout
-            opts._devices = [device]
-            super().__init__(store, rank, size, opts)
-
     saved = {k: os.environ.get(k) for k in ENV_OF_IFACE + ("NCCL_IB_HCA",)}
-    c10d.ProcessGroupGloo = BoundGloo
+    _SCOPE["device"] = make_device(binding)
+    c10d.ProcessGroupGloo = _bound_gloo(base)
     try:
         if binding.get("iface"):
             for k in ENV_OF_IFACE[1:]:
@@ -89,6 +100,7 @@ def bound(binding: Optional[Dict[str, str]]) -> Iterator[None]:
         yield
     finally:
         c10d.ProcessGroupGloo = base
+        _SCOPE["device"] = None
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -97,11 +109,17 @@ def bound(binding: Optional[Dict[str, str]]) -> Iterator[None]:
 
 
 def tcp_endpoints() -> set:
-    """((local ip, port), (remote ip, port)) of this process's established TCP connections (psutil)."""
+    """(status, (local ip, port), (remote ip, port) or None) of this process's TCP sockets:
+    established and listening (psutil)."""
     import psutil
 
-    return {((c.laddr.ip, c.laddr.port), (c.raddr.ip, c.raddr.port))
-            for c in psutil.Process().net_connections(kind="tcp") if c.status == psutil.CONN_ESTABLISHED}
+    return {(c.status, (c.laddr.ip, c.laddr.port), (c.raddr.ip, c.raddr.port) if c.raddr else None)
+            for c in psutil.Process().net_connections(kind="tcp")
+            if c.status in (psutil.CONN_ESTABLISHED, psutil.CONN_LISTEN)}
+
+
+def _addrs(endpoints, status: str) -> List[str]:
+    return sorted({lo[0] for st, lo, _ in endpoints if st == status})
 
 
 def _agree(ok: bool) -> bool:
@@ -175,9 +193,11 @@ def switch_links(rank: int, moving: Iterable[int], binding: Optional[Dict[str, s
     now = tcp_endpoints()
     return 0, "", {"bound": current(), "switched_back": False, "rebuilt": True, "groups": report.groups_rebuilt,
                    "rebuild_seconds": round(report.seconds, 6),
-                   # the evidence: local addresses of the connections the new groups made, and of all now
-                   "new_local_addrs": sorted({lo[0] for lo, _ in now - conns}),
-                   "local_addrs": sorted({lo[0] for lo, _ in now})}
+                   # the evidence: where this rank's gloo devices listen now (the address peers reach
+                   # it at), and the local addresses of its connections (new ones and all)
+                   "listen_addrs": _addrs(now, "LISTEN"),
+                   "new_local_addrs": _addrs(now - conns, "ESTABLISHED"),
+                   "local_addrs": _addrs(now, "ESTABLISHED")}
 
 
 __all__ = ["bound", "current", "make_device", "switch_links"]
