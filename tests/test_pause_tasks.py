@@ -63,7 +63,7 @@ def test_check_on_a_running_job_pauses_runs_on_the_training_threads_and_resumes(
     from mindspeed_ha.control.metrics import JobMetrics
 
     j = job()
-    metrics = JobMetrics(lambda: {})
+    metrics = JobMetrics(j.ctl.status)
     j.ctl.recorder.add_sink(metrics)
     _running(j, closing)
     seen = _scripted(j, closing)
