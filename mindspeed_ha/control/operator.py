@@ -1,4 +1,4 @@
-"""The operator's client: ``mindspeed-ha status | pause | resume | stop`` to a running job.
+"""The operator's client: ``mindspeed-ha status | pause | resume | stop | check | relink`` to a running job.
 
 It reaches the job's controller as a rank does: over the controller's CURVE-encrypted
 ROUTER socket (:mod:`.auth`: keys derived from the job key ``MINDSPEED_HA_AUTH_KEY`` or

@@ -14,7 +14,10 @@ When every rank answered, or ``budget_s`` + ``heartbeat_timeout_s`` passed, the 
 (:mod:`.policy.pause_task`, pure) is the operator's reply, an event (``CheckFinished``,
 ``RelinkFinished``) and its metrics; then the job
 
-* resumes if the task paused it (default: the job is left as the operator found it, so
+* stays paused when a rank did not answer within the budget (it may still be inside the
+  task, in its collectives: resuming the others under it could pair their training
+  collectives with its check's); the operator stops or resumes;
+* else resumes if the task paused it (default: the job is left as the operator found it, so
   ``mindspeed-ha check`` on a running job is pause, check, resume in one command);
   ``stay`` (``--stay-paused``) keeps it paused, the operator ends it with ``resume``;
 * a check with code 2 and ``on_fault`` ``exit``: the graceful stop of a paused job (the
@@ -208,7 +211,7 @@ class PauseTasks:
             v = verdicts.Verdict(verdicts.NOT_RUN if not missing else v.code, f"{why}; {v.detail}", v.ranks)
         seconds = round(now - (task.sent_at if task.sent_at is not None else now), 6)
         held = st.phase is Phase.PAUSED
-        after = self._after(ctl, now, task, v) if held else f"job {st.phase.value}"
+        after = self._after(ctl, now, task, v, missing) if held else f"job {st.phase.value}"
         result = {"kind": task.kind, "task_id": task.task_id, "iteration": st.drain_until, "seconds": seconds,
                   "pause_seconds": round(now - task.asked_at, 6), "after": after, **v.to_result()}
         self.done = (self.done + [{k: result[k] for k in ("kind", "task_id", "code", "faulty", "iteration",
@@ -220,9 +223,12 @@ class PauseTasks:
         log.warning("controller: %s #%d: code %d (%s); %s", task.kind, task.task_id, v.code, v.detail, after)
         return wire.OperatorReply(task.request_id, 0 if v.code == verdicts.OK else 1, v.detail, result)
 
-    def _after(self, ctl: "Controller", now: float, task: Task, v: verdicts.Verdict) -> str:
+    def _after(self, ctl: "Controller", now: float, task: Task, v: verdicts.Verdict, missing: Sequence[int]) -> str:
         """What the job does next (see the module doc); returns it in words."""
         st = ctl.state
+        if missing:  # a rank may still be inside the task (its collectives): never resume under it
+            return (f"stays paused: ranks {list(missing)} did not answer within the budget (stop, or resume once "
+                    "they are known to be out of the task)")
         if task.kind == "check" and v.code == verdicts.FAULT:
             on_fault = task.params.get("on_fault", "report")
             if on_fault == "exit" and st.request_stop(now, -1, f"check found a fault on ranks {v.faulty}"):
