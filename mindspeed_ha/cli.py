@@ -154,6 +154,8 @@ def _task_params(ns) -> dict:
     params = {"budget_s": float(ns.budget), "stay": bool(ns.stay_paused)}
     if ns.ranks:
         params["ranks"] = sorted(set(ns.ranks))
+    if getattr(ns, "node", None):
+        params["node"] = ns.node
     if ns.cmd == "check":
         tests = [t.strip() for t in ns.test.split(",") if t.strip()]
         if not tests or any(t not in CHECK_TESTS for t in tests):
@@ -252,6 +254,8 @@ def main(argv=None) -> int:
         t.add_argument("--stay-paused", action="store_true",
                        help="keep the job paused afterwards (default: as it was found: a running job resumes)")
     ck, rl = sub.choices["check"], sub.choices["relink"]
+    ck.add_argument("--node", default=None, metavar="HOST",
+                    help="every rank whose process runs on HOST (the host status lists; instead of --ranks)")
     ck.add_argument("--test", default="gemm,memory,p2p,allreduce", help="comma-separated: gemm,memory,p2p,allreduce")
     ck.add_argument("--on-fault", default="report", choices=["report", "exit", "switch"],
                     help="on code 2: report (default), exit (graceful stop: checkpoint of the paused iteration, "

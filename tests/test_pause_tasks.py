@@ -133,7 +133,8 @@ def test_relink_reply_and_refusals(job, closing):
                 {"ranks": [9], "addr": "127.0.0.2"}, {"ranks": [1], "addr": "a", "budget_s": 0}):
         r = _ask(j, "relink", params=bad)
         assert r.code == REFUSED and ("--" in r.detail or "relink" in r.detail), (bad, r)
-    for bad in ({"tests": ["gemm", "nope"]}, {"on_fault": "reboot"}, {"budget_s": 1e9}):
+    for bad in ({"tests": ["gemm", "nope"]}, {"on_fault": "reboot"}, {"budget_s": 1e9}, {"node": "elsewhere"},
+                {"node": j.ctl.state.ranks[0].host, "ranks": [1]}):
         assert _check(j, **bad).code == REFUSED, bad
     assert j.ctl.phase is Phase.RUNNING  # nothing paused for a refusal
     r = _ask(j, "relink", params={"ranks": [1], "addr": "127.0.0.2"}, timeout_s=30.0)
@@ -164,6 +165,9 @@ def test_cli_check_and_relink_usage_codes(job, closing, monkeypatch, capsys):
     assert cli.main(["check", "--json", "--test", "gemm", "--budget", "5", *addr]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["result"]["code"] == 0 and out["result"]["after"] == "resumed"
+    _wait_for(lambda: j.ctl.phase is Phase.RUNNING, what="resumed after the CLI's check")
+    assert cli.main(["check", "--json", "--test", "gemm", "--node", j.ctl.state.ranks[0].host, *addr]) == 0
+    assert sorted(json.loads(capsys.readouterr().out)["result"]["ranks"]) == ["0", "1", "2", "3"]  # one host
     assert cli.main(["check", "--test", "gemm,nope", *addr]) == 2
     assert cli.main(["check", "--budget", "0", *addr]) == 2
     ctl = ["--controller", f"127.0.0.1:{j.ctl.port}"]

@@ -131,8 +131,17 @@ class PauseTasks:
         """A ``check`` / ``relink`` request: a refusal (code 4) now, or None (answered by :meth:`settle`).
         ``ask_pause()``: the operator's pause of a RUNNING job (a refusal's reason, or None)."""
         st = ctl.state
+        raw = dict(body.params)
+        node = raw.pop("node", None)
+        if node is not None:  # --node HOST: the ranks whose processes registered from that host
+            on = sorted(r for r, i in st.ranks.items() if i.host == node)
+            if not on or raw.get("ranks"):
+                return wire.OperatorReply(body.request_id, 4, f"--node {node!r}: " + (
+                    "give --ranks or --node, not both" if on else
+                    f"no rank registered from it (hosts: {sorted({i.host for i in st.ranks.values()})})"))
+            raw["ranks"] = on
         try:
-            targets, budget, params = validate(body.verb, dict(body.params), st.world_size)
+            targets, budget, params = validate(body.verb, raw, st.world_size)
         except ValueError as exc:
             return wire.OperatorReply(body.request_id, 4, str(exc))
         if self.current is not None:
