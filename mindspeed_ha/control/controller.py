@@ -55,6 +55,7 @@ from mindspeed_ha.control.server import (MAX_EVENTS_PER_TURN, MAX_FRAMES_PER_TUR
                                          MONITOR_HWM, ControlServer)
 from mindspeed_ha.control.snapshot import snapshot
 from mindspeed_ha.control.state import ClusterState, Phase
+from mindspeed_ha.control.subhealth_monitor import SubhealthMonitor
 from mindspeed_ha.errors import ConfigError
 from mindspeed_ha.events import EventRecorder
 
@@ -147,6 +148,8 @@ class Controller:
         self.busy_credited_s = 0.0
         #: the events file (--ha-events-file) and the metrics port (--ha-metrics-port), with start/stop
         self.observers = Observers(self)
+        #: the sub-health detector's windows and verdicts (--ha-subhealth), or None
+        self.subhealth = SubhealthMonitor(config.subhealth) if config.subhealth.enabled else None
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -400,6 +403,8 @@ class Controller:
         self.transport_rejected.flush(now)
         if not self.failover.may_decide(now):
             return
+        if self.subhealth is not None:
+            self.subhealth.tick(self, now)
         if (not self._news and self.state.phase is Phase.RUNNING and self._last_decision_at is not None
                 and now - self._last_decision_at < self.tick_s):
             return
@@ -444,7 +449,7 @@ def credit_busy(ctl: Controller, busy_s: float, now: float) -> None:
 
 #: the frames that change no decision while the job runs (silence is judged by the clock;
 #: a registration, thousands of them at a job's start, changes none either)
-ROUTINE = frozenset({wire.MsgType.HEARTBEAT, wire.MsgType.STATUS, wire.MsgType.REGISTER})
+ROUTINE = frozenset({wire.MsgType.HEARTBEAT, wire.MsgType.STATUS, wire.MsgType.REGISTER, wire.MsgType.HEALTH})
 
 
 def _discard(commands: "queue.SimpleQueue[Any]") -> None:
