@@ -130,6 +130,17 @@ class SubhealthSettings:
         """The configured action of ``signal`` (its override, else ``action``)."""
         return dict(self.signal_actions).get(signal, self.action)
 
+    def to_argv(self) -> list:
+        """The flags that give these settings (for a controller started as its own process)."""
+        if not self.enabled:
+            return []
+        action = ",".join([self.action] + [f"{s}={a}" for s, a in self.signal_actions])
+        return ["--ha-subhealth", "--ha-subhealth-window", repr(self.window_s), "--ha-subhealth-windows",
+                str(self.windows), "--ha-subhealth-degradation", repr(self.degradation), "--ha-subhealth-sigma",
+                repr(self.sigma), "--ha-subhealth-many", repr(self.many), "--ha-subhealth-action", action,
+                "--ha-subhealth-escalate", str(self.escalate_after), "--ha-subhealth-escalate-action",
+                self.escalate_action]
+
     @classmethod
     def from_args(cls, args: Any) -> "SubhealthSettings":
         """From the parsed flags (missing attributes: defaults).

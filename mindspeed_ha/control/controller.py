@@ -43,7 +43,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mindspeed_ha import env as ha_env
-from mindspeed_ha.config import HAConfig
+from mindspeed_ha.config import HAConfig, add_subhealth_arguments
 from mindspeed_ha.control import admission, auth, effects, handlers, wire
 from mindspeed_ha.control.failover import Failover
 from mindspeed_ha.control.observe import Observers
@@ -501,13 +501,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--events-file", dest="ha_events_file", default=None, help="as --ha-events-file")
     p.add_argument("--metrics-port", dest="ha_metrics_port", type=int, default=None, help="as --ha-metrics-port")
     p.add_argument("--metrics-addr", dest="ha_metrics_addr", default=None, help="as --ha-metrics-addr")
+    add_subhealth_arguments(p)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         _check_flags(a)
-        cfg = HAConfig.from_args(argparse.Namespace(save=a.save, ha_events_file=a.ha_events_file,
-                                                    ha_metrics_port=a.ha_metrics_port,
-                                                    ha_metrics_addr=a.ha_metrics_addr), os.environ)
+        cfg = HAConfig.from_args(argparse.Namespace(**{k: v for k, v in vars(a).items() if k.startswith("ha_")},
+                                                    save=a.save), os.environ)
         ctl = Controller(cfg, a.world_size, a.bind, a.port if a.port is not None else cfg.controller_port)
         ctl.start()
     except ConfigError as exc:

@@ -105,23 +105,28 @@ class SubhealthMonitor:
             return
         if now - self.window_start < self.cfg.window_s:
             return
-        window = self.window(st.alive_ranks())
-        a = assess(self.tracks, window, now, self.cfg)
+        window, steps = self.window(st.alive_ranks())
+        scale = {"step": statistics.median(steps)} if steps else {}
+        log.debug("sub-health window %d: %s (scale %s)", self.windows + 1, window, scale)
+        a = assess(self.tracks, window, now, self.cfg, scale)
         self.tracks, self.scores, self.windows = a.tracks, a.scores, self.windows + 1
         for v in a.verdicts:
             apply(ctl, self, now, v)
         self._restart(now)
 
-    def window(self, ranks: List[int]) -> Dict[int, Dict[str, float]]:
-        """rank -> signal -> the value of the window now ending (only what it has)."""
+    def window(self, ranks: List[int]) -> Tuple[Dict[int, Dict[str, float]], List[float]]:
+        """(rank -> signal -> the value of the window now ending (only what it has), the
+        ranks' step times in it, seconds per iteration)."""
         out: Dict[int, Dict[str, float]] = {}
+        steps: List[float] = []
         for r in ranks:
             values: Dict[str, float] = {}
             a, b = self._first.get(r), self._progress.get(r)
             if a is not None and b is not None and b[1] > a[1]:
                 busy = self._busy.get(r)
                 fraction = busy[0] / busy[1] if busy and busy[1] else 1.0
-                values["step"] = (b[0] - a[0]) / (b[1] - a[1]) * fraction
+                steps.append((b[0] - a[0]) / (b[1] - a[1]))
+                values["step"] = steps[-1] * fraction
             for name, xs in self._counters.get(r, {}).items():
                 if SIGNALS[name].aggregate == "delta":
                     prev = self._last_counter.get((r, name), xs[0])
@@ -131,7 +136,7 @@ class SubhealthMonitor:
                     values[name] = statistics.fmean(xs)
             if values:
                 out[r] = values
-        return out
+        return out, steps
 
     def _restart(self, now: float) -> None:
         self.window_start = now

@@ -12,6 +12,10 @@ than a reference by at least ``degradation`` (relative, see :func:`worse`) and b
 * the rank's own baseline: the median of its last healthy windows (:data:`HISTORY`, at
   least :data:`MIN_HISTORY` of them; sample: those windows).
 
+"Relative" is against the larger of the reference and a window ``scale`` (for ``step``, the
+window's median step time): a rank's own seconds per iteration count as degraded when the
+difference is a fraction of the job's step, not of a waiting rank's near-zero own time.
+
 Then, per signal:
 
 1. **many at once**: more than ``many`` of the ranks reporting (and at least 2) degraded
@@ -103,10 +107,11 @@ class Assessment:
     scores: Dict[Tuple[int, str], float]
 
 
-def worse(signal: str, value: float, reference: float) -> float:
-    """How much worse ``value`` is than ``reference``, relative (0.3: 30% worse; <= 0: not worse)."""
+def worse(signal: str, value: float, reference: float, scale: float = 0.0) -> float:
+    """How much worse ``value`` is than ``reference``, relative to the larger of the
+    reference, the signal's floor and ``scale`` (0.3: 30% worse; <= 0: not worse)."""
     s = SIGNALS[signal]
-    base = max(abs(reference), s.floor)
+    base = max(abs(reference), s.floor, scale)
     return ((value - reference) if s.higher_is_worse else (reference - value)) / base
 
 
@@ -118,25 +123,26 @@ def _beyond(value: float, sample: Sequence[float], sigma: float) -> bool:
     return abs(value - statistics.median(sample)) > sigma * statistics.pstdev(sample)
 
 
-def _degraded(signal: str, value: float, sample: Sequence[float], cfg: SubhealthSettings) -> Optional[float]:
+def _degraded(signal: str, value: float, sample: Sequence[float], cfg: SubhealthSettings,
+              scale: float) -> Optional[float]:
     """The score of ``value`` against ``sample``'s median when degraded, else None."""
     if not sample:
         return None
     ref = statistics.median(sample)
-    w = worse(signal, value, ref)
+    w = worse(signal, value, ref, scale)
     if w >= cfg.degradation and _beyond(value, sample, cfg.sigma):
         return 1.0 + w
     return None
 
 
-def score_of(signal: str, value: float, peers: Sequence[float], history: Sequence[float]) -> float:
-    """value / reference as a score (> 1 worse): against the peers' median, else the baseline's, else 1."""
+def score_of(signal: str, value: float, peers: Sequence[float], history: Sequence[float], scale: float = 0.0) -> float:
+    """1 + :func:`worse` as a score (> 1 worse): against the peers' median, else the baseline's, else 1."""
     sample = peers or (history if len(history) >= MIN_HISTORY else ())
-    return 1.0 + worse(signal, value, statistics.median(sample)) if sample else 1.0
+    return 1.0 + worse(signal, value, statistics.median(sample), scale) if sample else 1.0
 
 
 def assess(tracks: Mapping[Tuple[int, str], Track], window: Mapping[int, Mapping[str, float]], now: float,
-           cfg: SubhealthSettings) -> Assessment:
+           cfg: SubhealthSettings, scale: Optional[Mapping[str, float]] = None) -> Assessment:
     """Score one window.
 
     Args:
@@ -144,6 +150,10 @@ def assess(tracks: Mapping[Tuple[int, str], Track], window: Mapping[int, Mapping
         window: rank -> signal -> this window's value (only the signals it has).
         now: the window's end, seconds (any monotonic clock; escalation compares these).
         cfg: the detector's settings.
+        scale: signal -> the magnitude a change is relative to when larger than the
+            reference (``step``: the window's median step time, so that a rank that waits
+            almost the whole step is not "50% worse" than one that waits a little longer:
+            only a difference that is a fraction of the job's step counts).
 
     Returns:
         The :class:`Assessment`.
@@ -155,13 +165,14 @@ def assess(tracks: Mapping[Tuple[int, str], Track], window: Mapping[int, Mapping
         values = {r: float(v[signal]) for r, v in window.items() if signal in v}
         if not values:
             continue
+        span = float((scale or {}).get(signal, 0.0))
         degraded: Dict[int, float] = {}
         for r, v in values.items():
             t = out.get((r, signal), Track())
             peers = [x for q, x in values.items() if q != r]
-            scores[(r, signal)] = score_of(signal, v, peers, t.history)
-            found = [s for s in (_degraded(signal, v, peers, cfg),
-                                 _degraded(signal, v, t.history, cfg) if len(t.history) >= MIN_HISTORY else None)
+            scores[(r, signal)] = score_of(signal, v, peers, t.history, span)
+            found = [s for s in (_degraded(signal, v, peers, cfg, span),
+                                 _degraded(signal, v, t.history, cfg, span) if len(t.history) >= MIN_HISTORY else None)
                      if s is not None]
             if found:
                 degraded[r] = max(found)
