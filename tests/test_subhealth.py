@@ -467,3 +467,24 @@ def test_step_is_relative_to_the_jobs_step_time_not_a_waiting_ranks_own():
     a = assess({}, steps(0.05, 0.58, 0.03, 0.08), 1.0, cfg, {"step": 0.6})
     assert [(v.kind, v.ranks) for v in a.verdicts] == [(FLAGGED, (1,))]
     assert a.scores[(1, "step")] == pytest.approx(1 + (0.58 - 0.05) / 0.6)
+
+
+@pytest.mark.parametrize("text,error", [
+    ("rank=1,iteration=2,point=forward,fault=slow,sleep=0.5", None),
+    ("rank=1,iteration=2,fault=slow", "fault=slow needs sleep= seconds in (0, 60]"),
+    ("rank=1,iteration=2,fault=slow,sleep=0", "fault=slow needs sleep= seconds in (0, 60]"),
+    ("rank=1,iteration=2,fault=slow,sleep=nan", "fault=slow needs sleep= seconds in (0, 60]"),
+    ("rank=1,iteration=2,point=eval,fault=slow,sleep=1", "fault=slow fires only at points"),
+    ("rank=1,iteration=2,fault=kill,sleep=1", "sleep= goes with fault=slow only"),
+])
+def test_injector_straggler_spec(text, error):
+    from mindspeed_ha.faultspec import parse_env
+    from mindspeed_ha.testing.injector import Injector
+
+    if error is not None:
+        with pytest.raises(ValueError, match=error.replace("(", r"\(").replace(")", r"\)").replace("]", r"\]")):
+            parse_env(text)
+        return
+    inj = Injector(1, parse_env(text))
+    assert [inj.armed("forward", k) is not None for k in (1, 2, 3, 9)] == [False, True, True, True]
+    assert inj.armed("backward", 3) is None

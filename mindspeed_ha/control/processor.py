@@ -150,8 +150,8 @@ class Processor:
             from mindspeed_ha.control.subhealth_sampler import SubhealthSampler, select_source
 
             def queue_health(body, cond=self._cond, outbox=self._outbox):
-                with cond:
-                    if not outbox.closed:
+                with cond:  # nothing queued once closed or with no controller to send to
+                    if not outbox.closed and self.link.controller_lost_at is None:
                         outbox.put_locked(body)
 
             self.subhealth = SubhealthSampler(rank, queue_health, lambda: self.status()[1],
