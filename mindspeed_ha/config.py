@@ -34,6 +34,7 @@ network_retries                    ``--ha-network-retries``                    `
 events_file                        ``--ha-events-file``                        ``None``
 metrics_port                       ``--ha-metrics-port``                       ``None`` (off)
 metrics_addr                       ``--ha-metrics-addr``                       ``127.0.0.1``
+subhealth                          ``--ha-subhealth*`` (see ``subhealth.py``)  off
 =================================  ==========================================  ===============
 
 Addresses: ``TTP_ADDR`` must be an IPv4 or IPv6 literal (the reference's contract);

@@ -392,6 +392,9 @@ def test_controller_flags_the_slowed_rank_within_its_windows_and_no_other():
 
     text = operator.format_status(desk_status(j.ctl, j.clock.t))
     assert "sub-health:" in text and "flagged: rank 2 step" in text
+    from mindspeed_ha.control.http_status import page
+
+    assert "flagged: rank 2 step x" in page(status)
     from mindspeed_ha.control.metrics import JobMetrics
     from prometheus_client import generate_latest
 
