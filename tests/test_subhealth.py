@@ -491,3 +491,38 @@ def test_injector_straggler_spec(text, error):
     inj = Injector(1, parse_env(text))
     assert [inj.armed("forward", k) is not None for k in (1, 2, 3, 9)] == [False, True, True, True]
     assert inj.armed("backward", 3) is None
+
+
+def test_controller_action_check_reaches_the_operators_verb_with_the_rank(monkeypatch):
+    """Where the build has the verb and its request carries the ranks (the shape of the
+    operator's ``check`` / ``switch``: ``params["ranks"]``), the detector's request reaches
+    that verb's function, for the flagged rank only, and the reply is the event's outcome."""
+    import dataclasses
+    from typing import Any, Dict
+
+    from mindspeed_ha.control import operator_desk
+
+    @dataclasses.dataclass(frozen=True)
+    class Request:  # OperatorRequest with the verbs' params
+        request_id: str
+        verb: str
+        max_s: float = 0.0
+        then_stop: bool = False
+        params: Dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    calls = []
+
+    def check(ctl, now, body):
+        calls.append((body.verb, body.params, body.request_id))
+        return wire.OperatorReply(body.request_id, operator_desk.DONE, "check of rank(s) queued")
+
+    monkeypatch.setattr(wire, "OperatorRequest", Request)
+    monkeypatch.setitem(operator_desk.VERBS, "check", check)
+    j = Job(("--ha-subhealth-action", "check"))
+    j.run(3.0)
+    j.pace[3] = 0.3
+    j.run(5.0)
+    assert calls == [("check", {"ranks": [3]}, "subhealth-1")]
+    (e,) = j.events("Subhealth")
+    assert e.detail["detail"]["outcome"] == "code 0: check of rank(s) queued (request subhealth-1)"
+    assert j.ctl.operators.requests["subhealth-1"][0] == "check"
