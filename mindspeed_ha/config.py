@@ -34,6 +34,7 @@ network_retries                    ``--ha-network-retries``                    `
 events_file                        ``--ha-events-file``                        ``None``
 metrics_port                       ``--ha-metrics-port``                       ``None`` (off)
 metrics_addr                       ``--ha-metrics-addr``                       ``127.0.0.1``
+subhealth                          ``--ha-subhealth*`` (see ``subhealth.py``)  off
 =================================  ==========================================  ===============
 
 Addresses: ``TTP_ADDR`` must be an IPv4 or IPv6 literal (the reference's contract);
@@ -58,6 +59,7 @@ from typing import Any, Mapping, Optional
 
 from mindspeed_ha import env as ha_env
 from mindspeed_ha.errors import ConfigError  # noqa: F401  (re-exported: callers import it from here)
+from mindspeed_ha.subhealth import SubhealthSettings, add_arguments as add_subhealth_arguments
 
 ENV_CONTROLLER_ADDR = ha_env.CONTROLLER_ADDR
 ENV_TTP_ADDR = ha_env.TTP_ADDR
@@ -219,6 +221,8 @@ class HAConfig:
     metrics_addr: str = DEFAULT_METRICS_ADDR
     """``--ha-metrics-addr``: the address the metrics port binds (IP literal or host name);
     default ``127.0.0.1`` (this host only)."""
+    subhealth: SubhealthSettings = dataclasses.field(default_factory=SubhealthSettings)
+    """The sub-health detector's ``--ha-subhealth*`` flags (:class:`mindspeed_ha.subhealth.SubhealthSettings`)."""
 
     def __post_init__(self) -> None:
         if not self.enabled:
@@ -334,6 +338,7 @@ class HAConfig:
             events_file=_arg(args, "ha_events_file", None),
             metrics_port=_arg(args, "ha_metrics_port", None),
             metrics_addr=_check_host(_arg(args, "ha_metrics_addr", None) or DEFAULT_METRICS_ADDR, "--ha-metrics-addr"),
+            subhealth=SubhealthSettings.from_args(args),
         )
 
 
@@ -492,6 +497,7 @@ def add_ha_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         "controller's host, 0..65535 (0: any free port; default: off).")
     g.add_argument("--ha-metrics-addr", type=str, default=None,
                    help=f"Address the metrics port binds (default {DEFAULT_METRICS_ADDR}: this host only).")
+    add_subhealth_arguments(g)
     return parser
 
 

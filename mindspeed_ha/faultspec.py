@@ -1,6 +1,6 @@
 """The fault-injection spec language (``MINDSPEED_HA_INJECT``), parsed without torch.
 
-``rank=R,iteration=K,point=P[,fault=F][,what=W][,how=H][,incarnation=N]``, several joined
+``rank=R,iteration=K,point=P[,fault=F][,what=W][,how=H][,sleep=S][,incarnation=N]``, several joined
 with ``;``. The injector in :mod:`mindspeed_ha.testing.injector` fires the specs inside the
 training processes; the launcher parses them once before starting any (so that a bad spec
 is one clear error, not a traceback per rank). Imports nothing but the standard library.
@@ -18,7 +18,7 @@ ENV = ha_env.INJECT
 POINTS = ("forward", "backward", "grad_sync", "optimizer", "between", "data", "eval", "save", "final_save",
           "dying", "pp", "tp", "recover", "check")
 FAULTS = ("kill", "raise", "stop", "corrupt", "term", "term_launcher", "int_launcher", "kill_launcher", "uce",
-          "network", "kill_node", "stop_launcher", "hold")
+          "network", "kill_node", "stop_launcher", "hold", "slow")
 #: faults that signal a process and let this rank go on: SIGTERM to itself (a preempted
 #: worker), SIGTERM to its parent, the launcher (a preempted job), SIGKILL to the launcher
 #: (the controller's host lost; the workers stay)
@@ -34,6 +34,10 @@ CHECK_WHAT = ("gemm",)
 UCE_WHAT = ("param", "grad", "main_param", "exp_avg", "exp_avg_sq")
 UCE_POINTS = ("forward", "backward", "optimizer", "between")
 NETWORK_POINTS = ("grad_sync", "pp", "tp")
+#: ``fault=slow,sleep=S``: this rank sleeps S seconds at the point of every iteration from K on
+#: (a sub-health straggler); S in (0, MAX_SLEEP_S]
+SLOW_POINTS = ("forward", "backward", "optimizer", "between")
+MAX_SLEEP_S = 60.0
 #: points only ``fault=network`` fires at (through the communication hook)
 NETWORK_ONLY_POINTS = ("pp", "tp")
 
@@ -47,6 +51,7 @@ class FaultSpec:
     what: str = ""
     how: str = ""
     incarnation: int = 0
+    sleep: float = 0.0
 
     @classmethod
     def parse(cls, text: str) -> "FaultSpec":
@@ -67,17 +72,18 @@ class FaultSpec:
             if not sep:
                 raise ValueError(f"{ENV}: expected key=value, got {item!r}")
             fields[key.strip()] = value.strip()
-        unknown = set(fields) - {"rank", "iteration", "point", "fault", "what", "how", "incarnation"}
+        unknown = set(fields) - {"rank", "iteration", "point", "fault", "what", "how", "incarnation", "sleep"}
         if unknown:
             raise ValueError(f"{ENV}: unknown field(s) {sorted(unknown)}; accepted: rank, iteration, point, "
-                             "fault, what, how, incarnation")
+                             "fault, what, how, sleep, incarnation")
+        sleep = _sleep(fields.pop("sleep", None), fields.get("fault"), fields.get("point", "forward"), text)
         try:
             incarnation = int(fields.pop("incarnation", "0"))
         except ValueError:
             raise ValueError(f"{ENV}: incarnation must be an integer >= 0, got {text!r}") from None
         if incarnation < 0:
             raise ValueError(f"{ENV}: incarnation must be an integer >= 0, got {text!r}")
-        return dataclasses.replace(cls._parse(text, fields), incarnation=incarnation)
+        return dataclasses.replace(cls._parse(text, fields), incarnation=incarnation, sleep=sleep)
 
     @classmethod
     def _parse(cls, text: str, fields: dict) -> "FaultSpec":
@@ -125,6 +131,23 @@ class FaultSpec:
         if (point == "check") != (what in CHECK_WHAT):
             raise ValueError(f"{ENV}: point=check goes with what=gemm (and what=gemm with point=check), got {text!r}")
         return cls(rank, iteration, point, fault, what, how)
+
+
+def _sleep(raw: Optional[str], fault: Optional[str], point: str, text: str) -> float:
+    """``sleep=S`` of ``fault=slow`` (required there, refused elsewhere)."""
+    if fault != "slow":
+        if raw is not None:
+            raise ValueError(f"{ENV}: sleep= goes with fault=slow only, got {text!r}")
+        return 0.0
+    if point not in SLOW_POINTS:
+        raise ValueError(f"{ENV}: fault=slow fires only at points {SLOW_POINTS}, got point={point!r}")
+    try:
+        value = float(raw) if raw is not None else float("nan")
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= MAX_SLEEP_S:  # NaN fails too
+        raise ValueError(f"{ENV}: fault=slow needs sleep= seconds in (0, {MAX_SLEEP_S:g}], got {text!r}")
+    return value
 
 
 def parse_env(value: Optional[str]) -> List[FaultSpec]:

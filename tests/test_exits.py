@@ -188,16 +188,27 @@ def test_launcher_repeated_sigterm_ends_workers_that_ignore_it(tmp_path, ha):
 @pytest.mark.parametrize("how", ["runtime", "processor"])
 def test_a_rank_ending_with_os_exit_leaves_no_multiprocessing_temp_dir(tmp_path, how):
     """A rank ends with ``os._exit`` (after a dying checkpoint; the processor's exit
-    handler), which skips multiprocessing's exit finalizer: the ``pymp-*`` directory that
-    Megatron's torch_dist save made for its manager (an AF_UNIX socket) stayed in /tmp, one
-    per rank and job. The exit paths now remove it (only this process's own)."""
+    handler), which skips multiprocessing's exit finalizers. Megatron's torch_dist save
+    made a ``spawn`` manager for its write results (megatron-core's own
+    ``_get_write_results_queue``, called here): its server outlived the rank and left its
+    ``pymp-*`` directory (the listener socket), one per rank and job; the rank's own
+    ``pymp-*`` directory stayed too. The exit paths now shut the manager down and remove
+    the rank's directory (only this process's own)."""
+    import psutil
+
     call = ("from mindspeed_ha.runtime.exits import exit_now; exit_now(3)" if how == "runtime" else
             "from mindspeed_ha.control.processor import default_exit_handler; default_exit_handler(3, 'test')")
-    code = ("import multiprocessing.util as u, sys; d = u.get_temp_dir(); print(d, flush=True); "
-            "open(d + '/listener-x', 'w').close(); " + call)
+    code = ("import multiprocessing.util as u; "
+            "from megatron.core.dist_checkpointing.strategies import filesystem_async as f; "
+            "q = f._get_write_results_queue(); print(u.get_temp_dir(), q._manager._process.pid, flush=True); " + call)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100,
                        env=dict(os.environ, TMPDIR=str(tmp_path)))
-    path = r.stdout.split()[0]
     assert r.returncode == 3, r.stderr[-2000:]
+    path, server = r.stdout.split()[:2]
     assert path.startswith(str(tmp_path)) and os.path.basename(path).startswith("pymp-"), path
-    assert not os.path.exists(path), os.listdir(path)
+    try:
+        assert not psutil.pid_exists(int(server)) or psutil.Process(int(server)).status() == psutil.STATUS_ZOMBIE
+    finally:
+        if psutil.pid_exists(int(server)):
+            psutil.Process(int(server)).kill()
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("pymp-")], os.listdir(tmp_path)

@@ -144,16 +144,25 @@ def test_relink_reply_and_refusals(job, closing):
 
 
 def test_an_internal_check_request_goes_through_the_verb_table(job, closing):
-    """What a sub-health detector calls on the controller thread: no operator connection."""
+    """What the sub-health detector calls on the controller thread (operator_desk.internal_request,
+    params {"ranks": [r]}): no operator connection; the verdict is kept under its request id."""
+    from mindspeed_ha.control import operator_desk
+
     j = job()
     _running(j, closing)
     _scripted(j, closing, digest=lambda r: "x" if r == 2 else "y")
     with j.ctl._lock:
-        j.ctl.operators.handle(j.ctl, j.ctl.clock(), None, wire.OperatorRequest("detector-1", "check",
-                                                          params={"ranks": [2], "tests": ["gemm"]}))
-    _wait_for(lambda: j.ctl.operators.requests["detector-1"][1] is not None, what="the internal check's verdict")
-    reply = j.ctl.operators.requests["detector-1"][1]
-    assert reply.result["code"] == 2 and reply.result["faulty"] == [2]
+        ok, detail = operator_desk.internal_request(j.ctl, j.ctl.clock(), "check", [2], "test")
+    assert ok and "under way" in detail, detail
+    _wait_for(lambda: j.ctl.operators.requests["subhealth-1"][1] is not None, what="the internal check's verdict")
+    reply = j.ctl.operators.requests["subhealth-1"][1]
+    assert reply.result["code"] == 2 and reply.result["faulty"] == [2] and reply.result["after"] == "resumed"
+    _wait_for(lambda: j.ctl.phase is Phase.RUNNING, what="resumed")
+    with j.ctl._lock:  # the same through handle() without a connection
+        j.ctl.operators.handle(j.ctl, j.ctl.clock(), None, wire.OperatorRequest("own-1", "check",
+                                                                                params={"tests": ["gemm"]}))
+    _wait_for(lambda: j.ctl.operators.requests["own-1"][1] is not None, what="the second verdict")
+    assert j.ctl.operators.requests["own-1"][1].result["faulty"] == [2]
 
 
 def test_cli_check_and_relink_usage_codes(job, closing, monkeypatch, capsys):

@@ -17,8 +17,15 @@ why it is neutral or refused):
   ``--dataloader-type cyclic``, ``--deterministic-mode`` and
   ``--check-weight-hash-across-dp-replicas-interval`` (Megatron-LM's own check that every DP
   rank holds the same weights, at start and every 4 iterations).
+
+The dp4-init-flags job's N=2 run also carries a straggler (issue 18, the sub-health
+detector): rank 1 sleeps 0.5 s in the forward of every iteration from 2 on
+(``fault=slow``) with ``--ha-subhealth`` on tiny windows; the events file must hold one
+``Subhealth`` event, for rank 1 and the ``step`` signal, and nothing else flagged, while the
+losses stay bitwise those of the HA-off run.
 """
 
+import json
 
 import pytest
 
@@ -36,6 +43,11 @@ STOCK_INIT_DATA_FLAGS = dict(
 )
 #: --deterministic-mode asserts NCCL_ALGO is set (megatron/training/arguments.py l.876-883)
 STOCK_ENV = {"NCCL_ALGO": "Ring"}
+#: (case id, replica count) of the HA-on run that also carries a straggler, and how
+STRAGGLER = ("dp4-init-flags", 2)
+STRAGGLER_RANK = 1
+STRAGGLER_ENV = {"MINDSPEED_HA_INJECT": f"rank={STRAGGLER_RANK},iteration=2,point=forward,fault=slow,sleep=0.5"}
+STRAGGLER_FLAGS = dict(ha_subhealth=True, ha_subhealth_window=1.0, ha_subhealth_windows=2)
 
 # (id, program, tp, pp, extra flags, iterations, replica counts run with HA on; None: the default, 2).
 # DP4 fp32 without flags is the dp4-init-flags job's N=2 run with the flags at their defaults'
@@ -65,8 +77,8 @@ def _runner(request, program, tp, pp, extra, iters):
     else:
         base = tiny_gpt_args(tp=tp, pp=pp, train_iters=iters) + list(extra)
 
-        def run(ha):
-            r = launch(4, base + flags_to_argv(ha), launcher=launcher_command(4), timeout_s=240)
+        def run(ha, env=None):
+            r = launch(4, base + flags_to_argv(ha), launcher=launcher_command(4), timeout_s=240, env=env)
             return r, {rec["iteration"]: rec["grad_norm"] for rec in r.records()}
     return run
 
@@ -80,13 +92,31 @@ def test_replicas_bitwise_equal_to_no_ha(request, program, tp, pp, extra, iters,
     assert sorted(off.losses) == list(range(1, iters + 1))
     assert sorted(off_gn) == list(range(1, iters + 1))
     for n in counts:
-        on, on_gn = run(dict(enable_high_availability=True, ha_controller_port=0, ha_replica_count=n))
+        ha, env, events = dict(enable_high_availability=True, ha_controller_port=0, ha_replica_count=n), {}, None
+        if (request.node.callspec.id, n) == STRAGGLER:
+            events = str(request.getfixturevalue("tmp_path") / "events.jsonl")
+            ha.update(STRAGGLER_FLAGS, ha_events_file=events)
+            env = STRAGGLER_ENV
+        on, on_gn = run(ha, **({"env": env} if env else {}))
         assert on.returncode == 0, (n, on.stderr[-3000:])
         assert f"replica_count={n or 2}" in on.stderr, f"the run did not use {n or 2} optimizer replicas"
         assert on.losses == off.losses, n
         assert on_gn == off_gn, n
         if "check_weight_hash_across_dp_replicas_interval" in extra:
             assert on.stdout.count(">>> Weight hashes match") >= 1 + iters // 4, on.stdout[-3000:]
+        if events is not None:  # the straggler changed no loss (above) and was flagged, alone
+            _check_straggler_flagged(events, on)
+
+
+def _check_straggler_flagged(events, run):
+    """One Subhealth event, for the slowed rank's step time, and no other flag (no
+    cluster-wide verdict either: one rank of four is not "many")."""
+    lines = [json.loads(x) for x in open(events)]
+    flagged = [e for e in lines if e["type"].startswith("Subhealth")]
+    assert [(e["type"], e["ranks"], e["detail"]["signal"]) for e in flagged] == [
+        ("Subhealth", [STRAGGLER_RANK], "step")], (flagged, run.stderr[-3000:])
+    assert flagged[0]["detail"]["windows"] == STRAGGLER_FLAGS["ha_subhealth_windows"]
+    assert flagged[0]["detail"]["action"] == "event" and flagged[0]["detail"]["score"] > 1.3
 
 
 @pytest.mark.parametrize("tp,extra", [(1, []), (2, ["--bf16"])], ids=["dp4-fp32", "tp2-dp2-bf16"])

@@ -43,7 +43,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mindspeed_ha import env as ha_env
-from mindspeed_ha.config import HAConfig
+from mindspeed_ha.config import HAConfig, add_subhealth_arguments
 from mindspeed_ha.control import admission, auth, effects, handlers, wire
 from mindspeed_ha.control.failover import Failover
 from mindspeed_ha.control.observe import Observers
@@ -55,6 +55,7 @@ from mindspeed_ha.control.server import (MAX_EVENTS_PER_TURN, MAX_FRAMES_PER_TUR
                                          MONITOR_HWM, ControlServer)
 from mindspeed_ha.control.snapshot import snapshot
 from mindspeed_ha.control.state import ClusterState, Phase
+from mindspeed_ha.control.subhealth_monitor import SubhealthMonitor
 from mindspeed_ha.errors import ConfigError
 from mindspeed_ha.events import EventRecorder
 
@@ -147,6 +148,8 @@ class Controller:
         self.busy_credited_s = 0.0
         #: the events file (--ha-events-file) and the metrics port (--ha-metrics-port), with start/stop
         self.observers = Observers(self)
+        #: the sub-health detector's windows and verdicts (--ha-subhealth), or None
+        self.subhealth = SubhealthMonitor(config.subhealth) if config.subhealth.enabled else None
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -400,6 +403,8 @@ class Controller:
         self.transport_rejected.flush(now)
         if not self.failover.may_decide(now):
             return
+        if self.subhealth is not None:
+            self.subhealth.tick(self, now)
         if (not self._news and self.state.phase is Phase.RUNNING and self._last_decision_at is not None
                 and now - self._last_decision_at < self.tick_s):
             return
@@ -444,7 +449,7 @@ def credit_busy(ctl: Controller, busy_s: float, now: float) -> None:
 
 #: the frames that change no decision while the job runs (silence is judged by the clock;
 #: a registration, thousands of them at a job's start, changes none either)
-ROUTINE = frozenset({wire.MsgType.HEARTBEAT, wire.MsgType.STATUS, wire.MsgType.REGISTER})
+ROUTINE = frozenset({wire.MsgType.HEARTBEAT, wire.MsgType.STATUS, wire.MsgType.REGISTER, wire.MsgType.HEALTH})
 
 
 def _discard(commands: "queue.SimpleQueue[Any]") -> None:
@@ -496,13 +501,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--events-file", dest="ha_events_file", default=None, help="as --ha-events-file")
     p.add_argument("--metrics-port", dest="ha_metrics_port", type=int, default=None, help="as --ha-metrics-port")
     p.add_argument("--metrics-addr", dest="ha_metrics_addr", default=None, help="as --ha-metrics-addr")
+    add_subhealth_arguments(p)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         _check_flags(a)
-        cfg = HAConfig.from_args(argparse.Namespace(save=a.save, ha_events_file=a.ha_events_file,
-                                                    ha_metrics_port=a.ha_metrics_port,
-                                                    ha_metrics_addr=a.ha_metrics_addr), os.environ)
+        cfg = HAConfig.from_args(argparse.Namespace(**{k: v for k, v in vars(a).items() if k.startswith("ha_")},
+                                                    save=a.save), os.environ)
         ctl = Controller(cfg, a.world_size, a.bind, a.port if a.port is not None else cfg.controller_port)
         ctl.start()
     except ConfigError as exc:

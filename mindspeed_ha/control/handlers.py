@@ -154,6 +154,13 @@ def _status(ctl: "Controller", now: float, rank: int, info: RankInfo, body: Any)
         if was is not None and body.iteration == was and info.updated_at is not None:
             info.step_seconds = now - info.updated_at  # UPDATED(k-1) -> UPDATING(k) -> UPDATED(k)
         info.updated_at = now
+        if ctl.subhealth is not None:
+            ctl.subhealth.on_progress(now, rank, body.iteration)
+
+
+def _health(ctl: "Controller", now: float, rank: int, info: RankInfo, body: wire.Health) -> None:
+    if ctl.subhealth is not None:  # else a processor with --ha-subhealth and a controller without: ignored
+        ctl.subhealth.on_health(now, rank, body)
 
 
 def _fault(ctl: "Controller", now: float, rank: int, info: RankInfo, body: Any) -> None:
@@ -234,6 +241,7 @@ RANK_HANDLERS: Dict[wire.MsgType, RankHandler] = {
     wire.MsgType.INTEGRITY: _integrity,
     wire.MsgType.GOODBYE: _goodbye,
     wire.MsgType.PAUSE_TASK_RESULT: _pause_task_result,
+    wire.MsgType.HEALTH: _health,
 }
 
 

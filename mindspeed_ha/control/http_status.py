@@ -148,6 +148,15 @@ class StatusServer:
         return 404, "text/plain; charset=utf-8", b"not found: /metrics /healthz /readyz /status /\n"
 
 
+def _subhealth(s: Dict[str, Any], e: Any) -> str:
+    """The sub-health line of the page (``--ha-subhealth``; empty when off)."""
+    sub = s.get("subhealth")
+    if not sub:
+        return ""
+    flagged = ", ".join(f"rank {f['rank']} {f['signal']} x{f['score']}" for f in sub["flagged"]) or "none"
+    return f"<p>sub-health: {e(sub['windows'])} windows of {e(sub['window_s'])} s; flagged: {e(flagged)}</p>"
+
+
 def page(s: Dict[str, Any]) -> str:
     """The HTML status page of snapshot ``s`` (every value escaped; refreshes every 5 s)."""
     e = lambda v: html.escape("" if v is None else str(v))  # noqa: E731
@@ -167,7 +176,7 @@ def page(s: Dict[str, Any]) -> str:
         "td,th{padding:2px 8px;text-align:left}</style></head><body>"
         f"<h1>mindspeed-ha job {e(s['job'])}</h1><p>phase <b>{e(s['phase'])}</b>, iteration {e(s['iteration'])}, "
         f"term {e(s['term'])}, {e(s['registered'])}/{e(s['world_size'])} ranks registered, "
-        f"ready {e(s['ready'])}, ranks by state {e(s['ranks_by_state'])}</p>"
+        f"ready {e(s['ready'])}, ranks by state {e(s['ranks_by_state'])}</p>{_subhealth(s, e)}"
         "<h2>Ranks</h2><table><tr><th>rank</th><th>state</th><th>iteration</th><th>step</th>"
         f"<th>heartbeat age (s)</th><th>step time (s)</th><th>host</th><th>pid</th></tr>{rows}</table>"
         "<h2>Recoveries</h2><table><tr><th>iteration</th><th>kind</th><th>mode</th><th>rank</th>"

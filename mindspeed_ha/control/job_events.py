@@ -73,6 +73,10 @@ TYPES: Dict[str, str] = {
     "DyingCheckpointCommitted": WARNING,  # the dying checkpoint of ``iteration`` is committed
     "WorkerRestarted": WARNING,  # a worker's process restarted alone (ARF; notes: the restart arbiter)
     "JobExit": NORMAL,  # the job is over (detail: exit_code; Warning unless 0)
+    # the sub-health detector (notes: subhealth_monitor; detail: kind, signal, score, windows, action, outcome)
+    "Subhealth": WARNING,  # a rank flagged degraded for ``windows`` consecutive windows
+    "SubhealthCleared": NORMAL,  # a flagged rank healthy again for as many windows
+    "SubhealthClusterWide": NORMAL,  # many ranks degraded at once: a cluster-wide slowdown, not hardware
 }
 
 

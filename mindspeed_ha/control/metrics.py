@@ -31,6 +31,11 @@ counters, ``_seconds`` for durations; every label has a bounded set of values)::
     mindspeed_ha_pause_task_seconds{kind}                    histogram: a check's / relink's time on the ranks
     mindspeed_ha_dying_checkpoints_total                     dying checkpoints committed
     mindspeed_ha_worker_restarts_total                       workers restarted alone (ARF)
+    mindspeed_ha_subhealth_score{rank,signal}                a rank's last window score (> 1: worse than
+                                                             its reference; --ha-subhealth; one series per
+                                                             rank and signal)
+    mindspeed_ha_subhealth_flagged{rank,signal}              1 while the rank is flagged for the signal
+    mindspeed_ha_subhealth_flagged_total{signal}             flags raised (Subhealth events)
 """
 
 from __future__ import annotations
@@ -92,6 +97,18 @@ class _StateCollector(Collector):
         for reason, n in sorted(s["frames"]["rejected"].items()):
             rejected.add_metric([reason], n)
         yield rejected
+        sub = s.get("subhealth")
+        if sub is not None:
+            score = GaugeMetricFamily(PREFIX + "subhealth_score", "a rank's last sub-health window score (> 1: worse "
+                                      "than its reference)", labels=["rank", "signal"])
+            for row in sub["scores"]:
+                score.add_metric([str(row["rank"]), row["signal"]], row["score"])
+            yield score
+            flagged = GaugeMetricFamily(PREFIX + "subhealth_flagged", "1 while a rank is flagged for a signal",
+                                        labels=["rank", "signal"])
+            for row in sub["flagged"]:
+                flagged.add_metric([str(row["rank"]), row["signal"]], 1.0)
+            yield flagged
 
 
 class JobMetrics:
@@ -123,6 +140,8 @@ class JobMetrics:
                                       ["kind"], registry=r)
         self.dying = Counter(PREFIX + "dying_checkpoints", "dying checkpoints committed", registry=r)
         self.restarts = Counter(PREFIX + "worker_restarts", "workers restarted alone (ARF)", registry=r)
+        self.subhealth = Counter(PREFIX + "subhealth_flagged", "sub-health flags raised, by signal", ["signal"],
+                                 registry=r)
         r.register(_StateCollector(status))
 
     def __call__(self, e: PhaseEvent) -> None:
@@ -152,6 +171,8 @@ class JobMetrics:
             self.dying.inc()
         elif e.name == "WorkerRestarted":
             self.restarts.inc()
+        elif e.name == "Subhealth":
+            self.subhealth.labels(str(detail.get("signal", ""))).inc()
         lost = detail.get("steps_lost")
         if isinstance(lost, int) and lost > 0:
             self.steps_lost.inc(lost)

@@ -223,6 +223,11 @@ def format_status(s: Dict[str, Any]) -> str:
         lines.append(f"recovery: {rec['kind']} on rank {rec['rank']} at iteration {rec['iteration']} "
                      f"({rec['mode']}): {secs}")
     lines.append(f"spares: {s['spares'] if s.get('spares') is not None else 'not reported to the controller'}")
+    sub = s.get("subhealth")
+    if sub is not None:
+        flagged = "; ".join(f"rank {f['rank']} {f['signal']} x{f['score']:.2f} ({f['action']}"
+                            f"{', escalated' if f['escalated'] else ''})" for f in sub["flagged"]) or "none"
+        lines.append(f"sub-health: {sub['windows']} windows of {sub['window_s']:g} s; flagged: {flagged}")
     return "\n".join(lines)
 
 

@@ -22,6 +22,7 @@ pending, and never acts twice.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import math
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
@@ -67,6 +68,8 @@ class OperatorDesk:
         self.pauses: List[Dict[str, Any]] = []
         #: the pause tasks (check, relink): :mod:`.pause_tasks`
         self.tasks = PauseTasks()
+        #: requests the controller raised itself so far (:func:`internal_request`)
+        self.internal = 0
 
     # ------------------------------------------------------------------ requests
     def handle(self, ctl: "Controller", now: float, ident: Optional[bytes], body: wire.OperatorRequest) -> None:
@@ -245,6 +248,36 @@ VERBS: Dict[str, Callable[["Controller", float, wire.OperatorRequest], Optional[
 }
 
 
+def internal_request(ctl: "Controller", now: float, verb: str, ranks: Any, reason: str) -> Tuple[bool, str]:
+    """Run operator verb ``verb`` for ``ranks`` as the controller's own request (the
+    sub-health detector's ``check`` / ``switch``): the same function an operator's request
+    reaches, without a socket; its reply is kept like an operator's (request id
+    ``subhealth-N``). Returns (ok, detail): not ok when this build has no such verb or its
+    request carries no ranks (``detail`` says which), or the verb refused or failed.
+    Controller thread, under its lock."""
+    fn = VERBS.get(verb)
+    if fn is None:
+        return False, f"no operator verb {verb!r} in this controller (verbs: {', '.join(sorted(VERBS))})"
+    fields = {f.name for f in dataclasses.fields(wire.OperatorRequest)}
+    ranks = [int(r) for r in ranks]
+    if "ranks" in fields:
+        extra: Dict[str, Any] = {"ranks": ranks}
+    elif "params" in fields:
+        extra = {"params": {"ranks": ranks}}
+    else:
+        return False, f"operator requests of this build carry no ranks (verb {verb!r})"
+    desk = ctl.operators
+    desk.internal += 1
+    rid = f"subhealth-{desk.internal}"
+    reply = fn(ctl, now, wire.OperatorRequest(request_id=rid, verb=verb, **extra))
+    desk.requests[rid] = (verb, reply, [])
+    log.warning("controller: %s of ranks %s requested by itself (%s)%s", verb, ranks, reason,
+                "" if reply is None else f": code {reply.code} {reply.detail}")
+    if reply is None:
+        return True, f"{verb} under way (request {rid})"
+    return reply.code == DONE, f"code {reply.code}: {reply.detail} (request {rid})"
+
+
 # ---------------------------------------------------------------------- status
 def _recovery(rec: Dict[str, Any]) -> Dict[str, Any]:
     """One in-place recovery with its phase seconds (controller clock)."""
@@ -291,7 +324,8 @@ def status(ctl: "Controller", now: float) -> Dict[str, Any]:
         "pause_tasks": ctl.operators.tasks.done,
         "stop_requested": st.stop_request.reason if st.stop_request is not None else None,
         "exit_code": st.exit_code, "exit_reason": st.exit_reason,
+        "subhealth": ctl.subhealth.snapshot() if ctl.subhealth is not None else None,
     }
 
 
-__all__ = ["DONE", "FAILED", "REFUSED", "OperatorDesk", "VERBS", "status"]
+__all__ = ["DONE", "FAILED", "REFUSED", "OperatorDesk", "VERBS", "internal_request", "status"]

@@ -144,6 +144,18 @@ class Processor:
         # ARF: the launcher's restarts of this rank's process, and whether it can rejoin
         self.incarnation = int(os.environ.get(ha_env.INCARNATION, "0") or 0)
         self.rejoins = False
+        #: the sub-health sampler thread (--ha-subhealth; see subhealth_sampler), started with the link
+        self.subhealth = None
+        if config.subhealth.enabled:
+            from mindspeed_ha.control.subhealth_sampler import SubhealthSampler, select_source
+
+            def queue_health(body, cond=self._cond, outbox=self._outbox):
+                with cond:  # nothing queued once closed or with no controller to send to
+                    if not outbox.closed and self.link.controller_lost_at is None:
+                        outbox.put_locked(body)
+
+            self.subhealth = SubhealthSampler(rank, queue_health, lambda: self.status()[1],
+                                              config.subhealth.window_s, select_source())
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, timeout: Optional[float] = None) -> "Processor":
@@ -171,6 +183,8 @@ class Processor:
             self.close(None)
             raise ControlPlaneError(f"rank {self.rank}: controller registration failed: {why} (check "
                                     f"{ha_env.CONTROLLER_ADDR}/{ha_env.TTP_ADDR}, {ha_env.TTP_PORT}, {ENV_AUTH_KEY})")
+        if self.subhealth is not None:
+            self.subhealth.start()
         return self
 
     def close(self, exit_code: Optional[int] = 0, timeout: float = 2.0) -> None:
@@ -187,6 +201,8 @@ class Processor:
                 self._outbox.goodbye_queued = True
             self._cond.notify_all()
         if first:
+            if self.subhealth is not None:
+                self.subhealth.stop()
             self.link.stop()
             self._actions.put(None)
         me = threading.current_thread()

@@ -101,4 +101,5 @@ def snapshot(ctl: "Controller", now: float, job: str = "") -> Dict[str, Any]:
         "frames": {"accepted": int(ctl.codec.accepted), "rejected": {str(k): int(v) for k, v in
                                                                      dict(ctl.codec.rejected).items()}},
         "events": [{k: v for k, v in to_line(e, 0, job, term).items() if k != "seq"} for e in typed],
+        "subhealth": ctl.subhealth.snapshot() if ctl.subhealth is not None else None,
     }

@@ -58,8 +58,9 @@ log = logging.getLogger(__name__)
 #: 8: the operator (``mindspeed-ha status|pause|resume|stop``): OPERATOR_REQUEST / OPERATOR_REPLY;
 #:    graceful pause: DRAIN.hold, RELEASE (lift the pause limit)
 #: 9: END_WORKER: the controller asks another node's agent to end a hung worker (ARF)
-#: 10: pause tasks (``mindspeed-ha check | relink``): PAUSE_TASK / PAUSE_TASK_RESULT, OPERATOR_REQUEST.params
-SCHEMA_VERSION = 10
+#: 10: HEALTH: a rank's sub-health samples (--ha-subhealth)
+#: 11: pause tasks (``mindspeed-ha check | relink``): PAUSE_TASK / PAUSE_TASK_RESULT, OPERATOR_REQUEST.params
+SCHEMA_VERSION = 11
 TAG_BYTES = 32
 DEFAULT_MAX_BYTES = 1 << 20
 #: what CURVE adds to a frame on the wire (MESSAGE command, nonce, MAC: 33 bytes), rounded up
@@ -93,6 +94,7 @@ class MsgType(str, enum.Enum):
     OPERATOR_REQUEST = "operator_request"
     OPERATOR_REPLY = "operator_reply"
     RELEASE = "release"
+    HEALTH = "health"
     PAUSE_TASK = "pause_task"
     PAUSE_TASK_RESULT = "pause_task_result"
 
@@ -286,6 +288,20 @@ class GoodbyeAck:
     rank: int
 
 
+@dataclasses.dataclass(frozen=True)
+class Health:
+    """processor -> controller (``--ha-subhealth``): what the rank's sampler saw since its last
+    HEALTH. ``iteration``: the last completed one; ``busy``: the fraction of ``samples`` in
+    which the training thread was not waiting inside a ``torch.distributed`` call (-1: not
+    sampled); ``counters``: device counter name -> value (see ``subhealth_sampler``)."""
+
+    rank: int
+    iteration: int
+    busy: float = -1.0
+    samples: int = 0
+    counters: Dict[str, float] = dataclasses.field(default_factory=dict)
+
+
 # ------------------------------------------------ the launchers' agents (--enable-worker-reboot)
 @dataclasses.dataclass(frozen=True)
 class AgentHello:
@@ -449,6 +465,7 @@ BODY_TYPES: Dict[MsgType, Type[Any]] = {
     MsgType.OPERATOR_REQUEST: OperatorRequest,
     MsgType.OPERATOR_REPLY: OperatorReply,
     MsgType.RELEASE: Release,
+    MsgType.HEALTH: Health,
     MsgType.PAUSE_TASK: PauseTask,
     MsgType.PAUSE_TASK_RESULT: PauseTaskResult,
 }
@@ -719,6 +736,6 @@ __all__ = [
     "endpoint",
     "Register", "Registered", "Heartbeat", "Status", "Fault", "Stop", "Stopped", "Action", "ActionResult",
     "Integrity", "Goodbye", "GoodbyeAck", "StopRequest", "Drain", "Draining", "BODY_TYPES", "Layout",
-    "Release", "OperatorRequest", "OperatorReply", "OPERATOR_VERBS", "PauseTask", "PauseTaskResult",
+    "Release", "OperatorRequest", "OperatorReply", "OPERATOR_VERBS", "Health", "PauseTask", "PauseTaskResult",
 ]
 

@@ -87,6 +87,7 @@ def ensure_controller(config, rank: int, key: bytes):
         cmd += ["--events-file", os.path.abspath(config.events_file)]
     if config.metrics_port is not None:
         cmd += ["--metrics-port", str(config.metrics_port), "--metrics-addr", config.metrics_addr]
+    cmd += config.subhealth.to_argv()
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     log.info("rank 0 started controller pid %d on port %d", proc.pid, config.controller_port)
     return proc

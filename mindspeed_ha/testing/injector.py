@@ -36,7 +36,9 @@ preempted job / Ctrl-C / a lost controller host; the rank itself goes on),
 ``stop_launcher`` (SIGSTOP to the launcher: a controller host that freezes, e.g. a long
 stall, and may come back: the split-brain case of controller failover), ``kill_node`` (a lost node: SIGKILL to its launcher first, so that nothing is restarted,
 then to every other process the launcher started, the node's other workers included,
-then to itself), ``hold`` (this rank waits at the point, its processor's heartbeats going on,
+then to itself), ``slow`` (with ``sleep=S``: this rank sleeps S seconds at the point of
+iteration k and of every later one, then goes on: a straggler for the sub-health detector;
+points ``forward``, ``backward``, ``optimizer``, ``between``), ``hold`` (this rank waits at the point, its processor's heartbeats going on,
 until the file ``MINDSPEED_HA_INJECT_RELEASE`` names exists, at most :data:`HOLD_MAX_S`; its
 peers wait in their next collective: a test looks at the running job meanwhile, e.g. scrapes
 its metrics, and is sure the job has not ended), ``corrupt`` (silent data corruption of this rank's state, then training goes on; only at
@@ -71,7 +73,7 @@ them) on a data-parallel group issued by DDP's ``start_grad_sync``; ``pp`` a ``s
 ``recv`` / ``isend`` / ``irecv`` / ``batch_isend_irecv``; ``tp`` any collective on megatron's tensor-parallel group (none
 with TP 1: then nothing fires).
 
-Every spec fires at most once per process (a step re-run after an in-process recovery
+Every spec but ``slow`` fires at most once per process (a step re-run after an in-process recovery
 does not fault again).
 Several specs may be joined with ``;``.
 """
@@ -128,7 +130,9 @@ class Injector:
 
     def armed(self, point: str, iteration: int) -> Optional[FaultSpec]:
         for s in self.specs:
-            if s.point == point and s.iteration == iteration and s not in self._fired:
+            if s.point != point or s in self._fired:
+                continue
+            if s.iteration == iteration or (s.fault == "slow" and iteration > s.iteration):
                 return s
         return None
 
@@ -148,6 +152,14 @@ class Injector:
         """
         spec = self.armed(point, iteration)
         if spec is None or spec.fault == "network":
+            return
+        if spec.fault == "slow":  # every iteration from spec.iteration on; announced once
+            if spec.iteration == iteration:
+                self._announce(f"mindspeed-ha injector: slow rank {self.rank} at {point} from iteration {iteration}: "
+                               f"{spec.sleep:g} s per iteration", spec, point, iteration)
+            import time
+
+            time.sleep(spec.sleep)
             return
         self._fired.add(spec)
         msg = f"mindspeed-ha injector: {spec.fault} rank {self.rank} at {point} of iteration {iteration}"
