@@ -13,8 +13,9 @@ Subcommands:
     pause       graceful pause of a running job: every rank holds after one iteration
     resume      end a graceful pause
     stop        graceful stop: checkpoint of the last completed iteration, exit 75
+    switch      hot switch: move live ranks to new processes at a step boundary
 
-The operator verbs (status, pause, resume, stop) reach the job's controller over its
+The operator verbs (status, pause, resume, stop, switch) reach the job's controller over its
 authenticated channel (the job key: MINDSPEED_HA_AUTH_KEY or --key-file; the address:
 --addr HOST:PORT, MINDSPEED_HA_LEASE_DIR, CONTROLLER_ADDR/TTP_ADDR and TTP_PORT).
 Exit codes: 0 done, 1 the action failed, 2 usage, 4 refused in the job's current state,
@@ -96,6 +97,7 @@ def _cmd_operator(ns) -> int:
 
     rid = ns.request_id or secrets.token_hex(8)
     max_s = getattr(ns, "max", None)
+    ranks = getattr(ns, "ranks", None) or []
     try:
         if not (math.isfinite(ns.timeout) and ns.timeout > 0):
             raise ConfigError(f"--timeout {ns.timeout}: accepted finite seconds > 0")
@@ -105,6 +107,8 @@ def _cmd_operator(ns) -> int:
             raise ConfigError("--then-stop goes with --max S")
         if not 0 < len(rid) <= 64:
             raise ConfigError("--request-id: 1..64 characters")
+        if isinstance(ranks, str):
+            ranks = _parse_ranks(ranks)
         key = operator.read_key(ns.key_file, os.environ)
         target = operator.find_controller(ns.addr, key, os.environ)
         max_bytes = HAConfig.from_args(None, {k: v for k, v in os.environ.items() if k != ha_env.AUTH_KEY}
@@ -113,10 +117,28 @@ def _cmd_operator(ns) -> int:
         return say(operator.EXIT_USAGE, str(exc))
     try:
         reply = operator.request(ns.cmd, key=key, target=target, timeout_s=ns.timeout, max_s=max_s or 0.0,
-                                 then_stop=getattr(ns, "then_stop", False), request_id=rid, max_bytes=max_bytes)
+                                 then_stop=getattr(ns, "then_stop", False), request_id=rid, max_bytes=max_bytes,
+                                 ranks=ranks)
     except operator.OperatorError as exc:
         return say(exc.code, str(exc))
     return say(operator.result_code(reply), reply.detail or "ok", reply.result)
+
+
+def _parse_ranks(text: str):
+    """``--ranks R[,R..]``: global ranks, each a non-negative integer.
+
+    Raises:
+        ConfigError: not such a list (the CLI exits 2).
+    """
+    from mindspeed_ha.errors import ConfigError
+
+    try:
+        ranks = [int(r) for r in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--ranks {text!r}: a comma-separated list of global ranks (e.g. 1 or 0,3)") from None
+    if not ranks or any(r < 0 for r in ranks):
+        raise ConfigError(f"--ranks {text!r}: global ranks are integers >= 0")
+    return ranks
 
 
 def _operator_parser(sub, verb: str, help_text: str):
@@ -188,6 +210,10 @@ def main(argv=None) -> int:
                     help="with --max: at S, stop instead (checkpoint of the iteration held at, exit 75)")
     _operator_parser(sub, "resume", "end a graceful pause")
     _operator_parser(sub, "stop", "graceful stop: checkpoint of the last completed iteration, exit 75")
+    sw = _operator_parser(sub, "switch", "hot switch: move live ranks to new processes at a step boundary (answers "
+                                         "when it is done or abandoned)")
+    sw.add_argument("--ranks", required=True, metavar="R[,R..]", help="global ranks to move to new processes")
+    sw.set_defaults(timeout=300.0)  # the reply comes once the spares started and the switch ended
 
     sub.add_parser("controller", help="standalone controller (see --help of mindspeed_ha.control.controller)",
                    add_help=False)
@@ -205,7 +231,7 @@ def main(argv=None) -> int:
         from mindspeed_ha.control import job_events
 
         return job_events.cli(ns.file, ns.follow, ns.timeout, ns.json)
-    if ns.cmd in ("status", "pause", "resume", "stop"):
+    if ns.cmd in ("status", "pause", "resume", "stop", "switch"):
         return _cmd_operator(ns)
     if ns.cmd == "soak":
         from mindspeed_ha.launch.proctree import become_subreaper

@@ -68,6 +68,10 @@ TYPES: Dict[str, str] = {
     "PauseRequested": NORMAL,  # an operator's graceful pause (notes: the pause plan)
     "Paused": NORMAL,  # every rank holds at one step boundary (phase_seconds: drain)
     "Resumed": NORMAL,  # a graceful pause ended (notes: the pause plan)
+    "SwitchRequested": NORMAL,  # a hot switch of ``ranks`` starts its spares (notes: switch_desk)
+    "SwitchReady": NORMAL,  # every spare of the hot switch is READY (phase_seconds: spare_ready)
+    "SwitchFinished": NORMAL,  # the switched ranks train in their new processes (phase_seconds: every phase)
+    "SwitchAborted": WARNING,  # a hot switch given up before its commit point: training goes on (reason)
     "DyingCheckpointCommitted": WARNING,  # the dying checkpoint of ``iteration`` is committed
     "WorkerRestarted": WARNING,  # a worker's process restarted alone (ARF; notes: the restart arbiter)
     "JobExit": NORMAL,  # the job is over (detail: exit_code; Warning unless 0)

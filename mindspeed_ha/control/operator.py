@@ -29,7 +29,7 @@ import dataclasses
 import os
 import secrets
 import time
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -117,17 +117,19 @@ def _lease(key: bytes, env: Mapping[str, str]) -> Optional[LeaseDir]:
 def request(verb: str, *, key: bytes, target: Target, timeout_s: float, max_s: float = 0.0,
             then_stop: bool = False, request_id: Optional[str] = None,
             env: Optional[Mapping[str, str]] = None,
-            max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> wire.OperatorReply:
+            max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, ranks: Sequence[int] = ()) -> wire.OperatorReply:
     """Send one OPERATOR_REQUEST and wait up to ``timeout_s`` for its reply.
 
     ``max_bytes``: the job's frame limit (``MINDSPEED_HA_MAX_MESSAGE_BYTES``), for the reply.
+    ``ranks``: the global ranks of a ``switch``.
 
     Raises:
         OperatorError: :data:`EXIT_AUTH` (the controller refused the key) or
             :data:`EXIT_UNREACHABLE` (no reply within ``timeout_s``).
     """
     env = os.environ if env is None else env
-    body = wire.OperatorRequest(request_id or secrets.token_hex(8), verb, float(max_s), bool(then_stop))
+    body = wire.OperatorRequest(request_id or secrets.token_hex(8), verb, float(max_s), bool(then_stop),
+                                [int(r) for r in ranks])
     codec = wire.Codec(key, wire.new_sender("operator"), max_bytes)
     keys = auth.derive_keys(key)
     lease = _lease(key, env) if target.term >= 0 else None
@@ -219,6 +221,10 @@ def format_status(s: Dict[str, Any]) -> str:
         secs = ", ".join(f"{k} {v:.3f} s" for k, v in rec["phase_seconds"].items())
         lines.append(f"recovery: {rec['kind']} on rank {rec['rank']} at iteration {rec['iteration']} "
                      f"({rec['mode']}): {secs}")
+    for sw in s.get("switches", []):
+        secs = ", ".join(f"{k} {v:.3f} s" for k, v in sw["phase_seconds"].items())
+        lines.append(f"hot switch of ranks {sw['ranks']}: {sw['phase']}" + (f" ({sw['reason']})" if sw["reason"] else "")
+                     + (f": {secs}" if secs else ""))
     lines.append(f"spares: {s['spares'] if s.get('spares') is not None else 'not reported to the controller'}")
     return "\n".join(lines)
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import zmq
 
-from mindspeed_ha.control import job_events, snapshot, wire
+from mindspeed_ha.control import job_events, snapshot, switch_desk, wire
 from mindspeed_ha.control.policy.pause import PAUSE_FAILED
 from mindspeed_ha.control.state import PauseRequest, Phase
 
@@ -64,6 +64,8 @@ class OperatorDesk:
         self._paused_at: Optional[float] = None
         #: (iteration, seconds from the request to every rank paused, seconds held) of each pause
         self.pauses: List[Dict[str, Any]] = []
+        #: the hot switches (``switch`` verb)
+        self.switches = switch_desk.SwitchDesk()
 
     # ------------------------------------------------------------------ requests
     def handle(self, ctl: "Controller", now: float, ident: bytes, body: wire.OperatorRequest) -> None:
@@ -129,6 +131,12 @@ class OperatorDesk:
             else:
                 continue
             self.requests[rid] = (verb, reply, [])
+            for ident in waiting:
+                self._send(ctl, ident, reply)
+        for rid, reply in self.switches.settle(ctl, now):
+            kept = self.requests.get(rid)
+            waiting = kept[2] if kept is not None else []
+            self.requests[rid] = ("switch", reply, [])
             for ident in waiting:
                 self._send(ctl, ident, reply)
 
@@ -210,6 +218,7 @@ VERBS: Dict[str, Callable[["Controller", float, wire.OperatorRequest], Optional[
     "pause": _pause,
     "resume": _resume,
     "stop": _stop,
+    "switch": switch_desk.request,
 }
 
 
@@ -256,6 +265,7 @@ def status(ctl: "Controller", now: float) -> Dict[str, Any]:
         "recoveries": [_recovery(r) for r in st.recoveries[-STATUS_RECOVERIES:]],
         "restarts": [dict(r) for r in ctl.arbiter.restarts][-STATUS_RECOVERIES:],
         "spares": ctl.spares, "features": features, "pause": pause, "pauses": ctl.operators.pauses[-5:],
+        "switches": ctl.operators.switches.status(),
         "stop_requested": st.stop_request.reason if st.stop_request is not None else None,
         "exit_code": st.exit_code, "exit_reason": st.exit_reason,
     }

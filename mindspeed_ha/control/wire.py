@@ -58,7 +58,8 @@ log = logging.getLogger(__name__)
 #: 8: the operator (``mindspeed-ha status|pause|resume|stop``): OPERATOR_REQUEST / OPERATOR_REPLY;
 #:    graceful pause: DRAIN.hold, RELEASE (lift the pause limit)
 #: 9: END_WORKER: the controller asks another node's agent to end a hung worker (ARF)
-SCHEMA_VERSION = 9
+#: 10: OPERATOR_REQUEST.ranks (``mindspeed-ha switch --ranks``: the hot switch)
+SCHEMA_VERSION = 10
 TAG_BYTES = 32
 DEFAULT_MAX_BYTES = 1 << 20
 #: what CURVE adds to a frame on the wire (MESSAGE command, nonce, MAC: 33 bytes), rounded up
@@ -360,7 +361,7 @@ class EndWorker:
 
 # ------------------------------------------------ the operator (mindspeed-ha status | pause | resume | stop)
 #: the verbs an operator may send
-OPERATOR_VERBS = ("status", "pause", "resume", "stop")
+OPERATOR_VERBS = ("status", "pause", "resume", "stop", "switch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -371,12 +372,14 @@ class OperatorRequest:
     repeated id with the first request's reply and does not act twice. ``max_s``: with
     ``pause``, resume by itself after this many seconds (0: until ``resume``);
     ``then_stop``: at ``max_s``, stop (checkpoint, exit 75) instead of resuming.
+    ``ranks``: with ``switch``, the global ranks moved to new processes (schema 10).
     """
 
     request_id: str
     verb: str
     max_s: float = 0.0
     then_stop: bool = False
+    ranks: List[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
