@@ -136,12 +136,13 @@ def test_phase_machine_rejects_illegal_moves_and_marks_each_phase():
     sw.transition(SwitchPhase.PAUSING, 12.0)
     sw.mark("paused", 12.5)
     sw.transition(SwitchPhase.COMMITTED, 12.5)
-    for name, at in (("rebuilt", 12.75), ("transferred", 13.0), ("resumed", 13.25)):
+    for name, at in (("answered", 13.0), ("resumed", 13.25)):
         sw.mark(name, at)
     sw.transition(SwitchPhase.DONE, 13.25, "switched")
     assert sw.ended and sw.reason == "switched"
-    assert phase_seconds(sw.marks) == {"spare_ready": 2.0, "pause": 0.5, "rebuild": 0.25, "transfer": 0.25,
-                                       "resume": 0.25, "pause_window": 0.75, "total": 3.25}
+    assert phase_seconds(sw.marks, {"rebuild": 0.125, "transfer": 0.25}) == {
+        "spare_ready": 2.0, "pause": 0.5, "commit": 0.5, "resume": 0.25, "pause_window": 0.75, "total": 3.25,
+        "rebuild": 0.125, "transfer": 0.25}
     with pytest.raises(ValueError):
         sw.transition(SwitchPhase.ABORTED, 14.0)  # an ended switch stays ended
 

@@ -1,37 +1,50 @@
 """The controller's side of the hot switch (``mindspeed-ha switch --ranks R``): requests, the
-pre-commit state machine's effects, events and replies. The decisions are
-:mod:`.policy.switch` (pure); this module does what they say, on the controller thread under
-the controller's lock (no lock of its own), like :mod:`.operator_desk`.
+spares, the commit, events and replies. The decisions before the commit point are
+:mod:`.policy.switch` (pure); this module does what they say, on the controller thread
+under the controller's lock, like :mod:`.operator_desk`.
 
 Entry points:
 
 * :func:`request` (the ``switch`` verb of :data:`.operator_desk.VERBS`, and any internal
   caller such as a sub-health policy, with the ranks as its parameter): refused at once with
   a reason (code REFUSED) or recorded (STARTING); the reply waits for the switch's end.
-* :meth:`SwitchDesk.spare_ready` / :meth:`SwitchDesk.spare_gone`: a switched rank's new
-  process parked at its rejoin point (READY) / died. What reports them is the spare's side.
+* the agent of the controller's launcher (its thread; :meth:`SwitchDesk.agent_wanted`,
+  :meth:`SwitchDesk.agent_report`, :meth:`SwitchDesk.agent_committed`, under a lock of
+  their own): which ranks need a new process, the pid it started or why it is gone, and
+  whether the old process's exit 0 is a switched-out rank's (the new process takes its
+  place in the agent's process context, not counted as a restart).
+* the new process (REGISTER with ``switching``, :meth:`SwitchDesk.register_incoming`): it
+  is not the rank yet; its frames come here (:meth:`SwitchDesk.owns`,
+  :meth:`SwitchDesk.incoming_message`): FAULT ``where=rejoin`` is READY (parked at its
+  rejoin point), ACTION_RESULT its part of the commit, GOODBYE its end.
 * :meth:`SwitchDesk.settle` (after each decision step, from ``OperatorDesk.settle``): runs
-  :func:`.policy.switch.step` and acts: PAUSE asks the operator's graceful pause
-  (``ClusterState.pause``), ABORT releases a pause this switch asked for (training goes on on
-  the old ranks) and answers FAILED with the reason, COMMIT sends the switch plan.
-
-Not built in this version (see docs/ARCHITECTURE.md "Hot switch"): the agent starting the
-spare for a live rank, the spare's READY registration, and the commit (rebuild with the
-spare in the rank's place, the outgoing rank's state handoff, its clean exit). Until then
-an accepted switch ends ABORTED before the commit point (no READY within
-``--ha-connect-timeout``; a COMMIT is turned into an ABORT with that reason), which is the
-flow's own failure path: training goes on on the old ranks, never a job restart.
+  :func:`.policy.switch.step` and acts: PAUSE asks the graceful pause
+  (``ClusterState.pause``); ABORT releases a pause this switch asked for (training goes on
+  on the old ranks), ends the new processes and answers FAILED with the reason; COMMIT
+  sends the plan (ACTION ``switch`` to every paused rank, RETRY(mode ``switch``) to each
+  new process, :mod:`mindspeed_ha.recovery.switch`); every answer ok -> the new process
+  becomes the rank (RankInfo, connection), EXIT 0 to the old one, RELEASE: DONE.
+  A failed answer after the commit point: FAILED, the graceful stop of the job (its
+  checkpoint of K; the replica fallback is not built).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+import threading
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
+
+import zmq
 
 from mindspeed_ha.control import job_events, wire
+from mindspeed_ha.control.policy import ActionKind
 from mindspeed_ha.control.policy import switch as policy
+from mindspeed_ha.control.policy.recovery import RecoveryMode, RecoveryPlan
 from mindspeed_ha.control.policy.switch import Switch, SwitchAction, SwitchPhase
-from mindspeed_ha.control.state import PauseRequest, Phase
+from mindspeed_ha.control.state import OptimizerStatus, PauseRequest, Phase, RankInfo
+from mindspeed_ha.faults import FaultKind
 
 if TYPE_CHECKING:
     from mindspeed_ha.control.controller import Controller
@@ -42,8 +55,15 @@ log = logging.getLogger("mindspeed_ha.control.controller")
 DONE, FAILED, REFUSED = 0, 1, 4
 #: ended switches kept for ``status``
 KEEP_SWITCHES = 5
-#: why a COMMIT cannot be carried out in this version
-COMMIT_NOT_BUILT = "the switch plan (rebuild with the spare, state handoff from the outgoing rank) is not built yet"
+
+
+@dataclasses.dataclass
+class Incoming:
+    """A switched rank's new process, registered (not the rank yet)."""
+
+    ident: bytes
+    fd: Optional[int]
+    info: RankInfo
 
 
 class SwitchDesk:
@@ -54,7 +74,36 @@ class SwitchDesk:
         self.ended: List[Switch] = []
         #: switched rank -> why its spare is gone (cleared with each new switch)
         self.spares_gone: Dict[int, str] = {}
+        #: switched rank -> its new process, once registered
+        self.incoming: Dict[int, Incoming] = {}
         self._paused_by_switch = False
+        #: the commit: action id -> who answers it ("rank" r or "incoming" r) and the answers
+        self._waiting: Dict[Tuple[str, int], int] = {}
+        self._answers: Dict[Tuple[str, int], Tuple[bool, str]] = {}
+        self._deadline: Optional[float] = None
+        # the agent's side (its thread): guarded by _mail
+        self._mail = threading.Lock()
+        self._wanted: Dict[int, int] = {}
+        self._reports: List[Tuple[str, int, Any]] = []
+        self._committed: Set[int] = set()
+
+    # ------------------------------------------------------------------ the agent (its thread)
+    def agent_wanted(self) -> Dict[int, int]:
+        """Global rank -> 1 for each rank whose new process the agent should start now."""
+        with self._mail:
+            return dict(self._wanted)
+
+    def agent_report(self, what: str, rank: int, value: Any) -> None:
+        """``started`` (value: pid) or ``gone`` (value: why) for the new process of ``rank``."""
+        with self._mail:
+            self._reports.append((what, int(rank), value))
+            if what == "started":
+                self._wanted.pop(int(rank), None)
+
+    def agent_committed(self, rank: int) -> bool:
+        """Whether ``rank``'s old process was switched out (its exit 0 hands its place over)."""
+        with self._mail:
+            return int(rank) in self._committed
 
     # ------------------------------------------------------------------ inputs
     def request(self, ctl: "Controller", now: float, request_id: str, ranks: Sequence[int]
@@ -67,66 +116,221 @@ class SwitchDesk:
         if why is not None:
             log.warning("operator: hot switch of ranks %s refused: %s", ranks, why)
             return wire.OperatorReply(request_id, REFUSED, why)
-        self.current = Switch(request_id, tuple(sorted(ranks)), now)
-        self.spares_gone = {}
-        job_events.note(ctl.recorder, "SwitchRequested", None, ranks=self.current.ranks, reason="operator",
+        self.current = sw = Switch(request_id, tuple(sorted(ranks)), now)
+        self.spares_gone, self.incoming = {}, {}
+        self._waiting, self._answers, self._deadline = {}, {}, None
+        with self._mail:
+            self._reports = []
+            self._wanted = {r: 1 for r in sw.ranks}
+        job_events.note(ctl.recorder, "SwitchRequested", None, ranks=sw.ranks, reason="operator",
                         request_id=request_id)
-        log.warning("operator: hot switch of ranks %s: spares starting (training goes on)", list(self.current.ranks))
+        log.warning("operator: hot switch of ranks %s: new processes starting (training goes on)", list(sw.ranks))
         return None
 
     def spare_ready(self, ctl: "Controller", now: float, rank: int, pid: int) -> bool:
         """The new process of switched ``rank`` is parked at its rejoin point. False when no
-        switch of that rank is starting (the caller ends that process)."""
+        switch of that rank is starting."""
         sw = self.current
         if sw is None or rank not in sw.ranks or sw.phase is not SwitchPhase.STARTING:
             return False
         sw.ready[rank] = int(pid)
-        log.warning("hot switch: the spare of rank %d (pid %d) is READY", rank, pid)
+        log.warning("hot switch: the new process of rank %d (pid %d) is READY", rank, pid)
         if all(r in sw.ready for r in sw.ranks):
-            sw.transition(SwitchPhase.READY, now, "every spare is READY")
+            sw.transition(SwitchPhase.READY, now, "every new process is READY")
             job_events.note(ctl.recorder, "SwitchReady", None, ranks=sw.ranks,
                             phase_seconds=policy.phase_seconds(sw.marks), pids=dict(sw.ready))
         return True
 
     def spare_gone(self, rank: int, why: str) -> None:
-        """The spare of switched ``rank`` died (before the commit point: the switch aborts)."""
+        """The new process of switched ``rank`` died (before the commit point: the switch aborts)."""
         if self.current is not None and rank in self.current.ranks:
-            self.spares_gone[rank] = why
+            self.spares_gone.setdefault(rank, why)
 
     def wanted(self) -> Dict[int, Tuple[str, int]]:
-        """Switched rank -> (request id, 0) for each spare to start now (STARTING, not READY)."""
+        """Switched rank -> (request id, 0) for each new process still to be READY."""
         sw = self.current
         if sw is None or sw.phase is not SwitchPhase.STARTING:
             return {}
         return {r: (sw.request_id, 0) for r in sw.ranks if r not in sw.ready and r not in self.spares_gone}
 
+    # ------------------------------------------------------------------ the new process's frames
+    def register_incoming(self, ctl: "Controller", now: float, ident: bytes, fd: Optional[int], sender: str,
+                          body: wire.Register) -> Tuple[bool, str]:
+        """REGISTER with ``switching``: admitted as the incoming process of its rank while a
+        switch of that rank is starting (a repeat is answered again)."""
+        sw = self.current
+        if sw is None or body.rank not in sw.ranks or sw.phase is not SwitchPhase.STARTING:
+            return False, f"no hot switch of rank {body.rank} is starting"
+        old = self.incoming.get(body.rank)
+        if old is not None and old.info.sender == sender:
+            old.ident, old.fd = ident, fd
+            return True, ""
+        info = RankInfo(rank=body.rank, layout=body.layout, last_heartbeat=now, pid=body.pid, host=body.host,
+                        save_dir=body.save_dir, sender=sender)
+        info.incarnation, info.rejoins, info.verifies = body.incarnation, body.rejoins, body.verifies
+        self.incoming[body.rank] = Incoming(ident, fd, info)
+        log.info("hot switch: the new process of rank %d registered (pid %d, incarnation %d)", body.rank, body.pid,
+                 body.incarnation)
+        return True, ""
+
+    def owns(self, ident: bytes) -> Optional[int]:
+        """The rank whose new process speaks on connection ``ident``, or None."""
+        for rank, inc in self.incoming.items():
+            if inc.ident == ident:
+                return rank
+        return None
+
+    def incoming_message(self, ctl: "Controller", now: float, rank: int, msg: wire.Message) -> None:
+        """A frame of the new process of ``rank`` (see the module doc)."""
+        inc, body = self.incoming[rank], msg.body
+        inc.info.last_heartbeat = now
+        if msg.type is wire.MsgType.FAULT and body.where == "rejoin":
+            self.spare_ready(ctl, now, rank, inc.info.pid)
+        elif msg.type is wire.MsgType.ACTION_RESULT:
+            self.action_result(now, ("incoming", rank), body)
+        elif msg.type is wire.MsgType.GOODBYE:
+            self.spare_gone(rank, f"its new process ended (exit code {getattr(body, 'exit_code', '?')})")
+
+    def action_result(self, now: float, who: Tuple[str, int], body: Any) -> bool:
+        """An answer to the commit's actions; False when it is not one."""
+        if self._waiting.get(who) != body.action_id:
+            return False
+        self._answers[who] = (bool(body.ok), str(body.detail))
+        return True
+
     # ------------------------------------------------------------------ the controller's turn
     def settle(self, ctl: "Controller", now: float) -> List[Tuple[str, wire.OperatorReply]]:
-        """After the decision step: act on :func:`.policy.switch.step`; returns the replies of
+        """After the decision step: act for the switch under way; returns the replies of
         switches that ended (request id, reply)."""
         sw = self.current
         if sw is None:
             return []
+        self._read_mail(ctl, now, sw)
         st = ctl.state
+        if sw.phase is SwitchPhase.COMMITTED:
+            return self._committing(ctl, now, sw)
         if sw.phase is SwitchPhase.PAUSING and st.phase is Phase.PAUSED:
             sw.iteration = st.drain_until
             sw.mark("paused", now)
         decision = policy.step(now, sw, st, ctl.config, self.spares_gone)
         if decision.action is SwitchAction.PAUSE:
             if sw.phase is SwitchPhase.STARTING:
-                sw.transition(SwitchPhase.READY, now, "every spare is READY")
+                sw.transition(SwitchPhase.READY, now, "every new process is READY")
             st.pause = PauseRequest(now, 0.0, False)
             self._paused_by_switch = True
             ctl.operators.pause_asked(now)
             sw.transition(SwitchPhase.PAUSING, now, decision.reason)
             job_events.note(ctl.recorder, "PauseRequested", None, reason="hot switch", max_s=0.0, then_stop=False)
-            return []
-        if decision.action is SwitchAction.COMMIT:
-            # the commit point: the switch plan would go out here (not built: see the module doc)
-            return self._abort(ctl, now, f"{COMMIT_NOT_BUILT}: training goes on on the old ranks")
-        if decision.action is SwitchAction.ABORT:
+        elif decision.action is SwitchAction.COMMIT:
+            self._commit(ctl, now, sw, decision.reason)
+        elif decision.action is SwitchAction.ABORT:
             return self._abort(ctl, now, decision.reason)
         return []
+
+    def _read_mail(self, ctl: "Controller", now: float, sw: Switch) -> None:
+        with self._mail:
+            reports, self._reports = self._reports, []
+            if sw.phase is not SwitchPhase.STARTING:
+                self._wanted = {}
+        for what, rank, value in reports:
+            if what == "started":
+                sw.started[rank] = int(value)
+                log.warning("hot switch: the agent started the new process of rank %d: pid %d", rank, value)
+            elif what == "gone":
+                self.spare_gone(rank, str(value))
+
+    def _commit(self, ctl: "Controller", now: float, sw: Switch, why: str) -> None:
+        """The commit point: the switch plan to every paused rank and every new process."""
+        st = ctl.state
+        k = int(st.drain_until)
+        generation = 1 + max([int(r.get("generation") or 0) for r in st.recoveries] + [0])
+        plan = RecoveryPlan(iteration=k, generation=generation, kind=FaultKind.PROCESS, fault_rank=sw.ranks[0],
+                            repairs={r: r for r in sw.ranks}, mode=RecoveryMode.SWITCH, rejoin=sw.ranks,
+                            reason=f"hot switch of ranks {list(sw.ranks)} after iteration {k}")
+        params = plan.to_params()
+        st.recoveries.append({"iteration": k, "kind": "switch", "mode": "switch", "rank": sw.ranks[0],
+                              "generation": generation, "repairs": params["repairs"], "evidence_at": sw.at,
+                              "stop_at": sw.marks.get("paused"), "abort_at": None, "retry_at": now,
+                              "done_at": None, "ranks": {}})
+        ctl.failover.roster_dirty = True
+        sw.transition(SwitchPhase.COMMITTED, now, why)
+        self._deadline = now + 2 * ctl.config.action_timeout_s
+        aid = next(ctl.action_ids)
+        for r in range(st.world_size):
+            self._waiting[("rank", r)] = aid
+        ctl.server.send_to_ranks(range(st.world_size), wire.Action(aid, ActionKind.SWITCH.value, params))
+        for r in sw.ranks:
+            raid = next(ctl.action_ids)
+            self._waiting[("incoming", r)] = raid
+            self._send(ctl, self.incoming[r].ident, wire.Action(raid, ActionKind.RETRY.value, params))
+        log.warning("hot switch of ranks %s: the plan goes out (generation %d, iteration %d)", list(sw.ranks),
+                    generation, k)
+
+    def _committing(self, ctl: "Controller", now: float, sw: Switch) -> List[Tuple[str, wire.OperatorReply]]:
+        failed = {who: detail for who, (ok, detail) in self._answers.items() if not ok}
+        late = [who for who in self._waiting if who not in self._answers]
+        if not failed and late and now < (self._deadline or now):
+            return []
+        if failed or late:
+            why = "; ".join(f"{w[0]} {w[1]}: {d}" for w, d in sorted(failed.items())) or \
+                f"no answer from {sorted(late)} within {2 * ctl.config.action_timeout_s:g} s"
+            return self._fail(ctl, now, sw, why)
+        stages: Dict[str, float] = {}
+        for (_, _), (_, detail) in self._answers.items():
+            try:
+                seconds = json.loads(detail)
+            except ValueError:
+                continue
+            for name, key in (("rebuild", "rebuild"), ("transfer", "transfer"), ("transfer", "repair")):
+                if isinstance(seconds.get(key), (int, float)):
+                    stages[name] = max(stages.get(name, 0.0), float(seconds[key]))
+        sw.mark("answered", now)
+        old_pids = {r: ctl.state.ranks[r].pid for r in sw.ranks}
+        for r in sw.ranks:
+            self._take_place(ctl, now, r, sw.iteration)
+        ctl.state.recoveries[-1]["done_at"] = now
+        if ctl.state.pause is not None:
+            ctl.state.pause.resume_at = now  # RELEASE: training resumes at K+1
+        self._paused_by_switch = False
+        sw.mark("resumed", now)
+        sw.stage_seconds = stages
+        sw.transition(SwitchPhase.DONE, now, f"ranks {list(sw.ranks)} moved from pids "
+                      f"{[old_pids[r] for r in sw.ranks]} to {[ctl.state.ranks[r].pid for r in sw.ranks]}")
+        return [self._end(ctl, sw, DONE, f"hot switch of ranks {list(sw.ranks)} done after iteration "
+                          f"{sw.iteration}: {sw.reason}", "SwitchFinished")]
+
+    def _take_place(self, ctl: "Controller", now: float, rank: int, k: Optional[int]) -> None:
+        """The new process becomes ``rank``; the old one is told EXIT 0 (switched out)."""
+        st, server = ctl.state, ctl.server
+        inc = self.incoming.pop(rank)
+        old_ident = server.ident.get(rank)
+        info = inc.info
+        info.status, info.iteration, info.last_heartbeat = OptimizerStatus.UPDATED, int(k if k is not None else -1), now
+        st.ranks[rank] = info
+        if old_ident is not None:
+            server.rank_of_ident.pop(old_ident, None)
+        server.forget_rank(rank)  # the old connection's close is not this rank's death
+        server.ident[rank] = inc.ident
+        server.rank_of_ident[inc.ident] = rank
+        server.bind_fd(inc.fd, rank)
+        ctl.failover.roster_dirty = True
+        with self._mail:
+            self._committed.add(rank)
+        if old_ident is not None:
+            self._send(ctl, old_ident, wire.Action(next(ctl.action_ids), ActionKind.EXIT.value, {
+                "code": 0, "reason": f"hot switch: rank {rank} goes on in pid {info.pid}"}))
+
+    def _fail(self, ctl: "Controller", now: float, sw: Switch, why: str) -> List[Tuple[str, wire.OperatorReply]]:
+        """After the commit point: the job's own handling (a graceful stop: the checkpoint of K)."""
+        for r, inc in sorted(self.incoming.items()):
+            self._send(ctl, inc.ident, wire.Action(next(ctl.action_ids), ActionKind.EXIT.value, {
+                "code": 1, "reason": f"hot switch failed: {why}"}))
+        self.incoming = {}
+        ctl.state.request_stop(now, -1, f"hot switch failed after its commit point: {why}")
+        sw.transition(SwitchPhase.FAILED, now, why)
+        return [self._end(ctl, sw, FAILED, f"hot switch of ranks {list(sw.ranks)} failed after its commit point: "
+                          f"{why}; the job stops gracefully (checkpoint of iteration {sw.iteration})",
+                          "SwitchAborted")]
 
     def _abort(self, ctl: "Controller", now: float, why: str) -> List[Tuple[str, wire.OperatorReply]]:
         sw = self.current
@@ -135,19 +339,33 @@ class SwitchDesk:
         if self._paused_by_switch and st.pause is not None and st.phase in (Phase.PAUSING, Phase.PAUSED):
             st.pause.resume_at = now  # the pause plan releases every rank: training goes on
         self._paused_by_switch = False
+        for r, inc in sorted(self.incoming.items()):  # each new process ends; its agent reports it gone
+            self._send(ctl, inc.ident, wire.Action(next(ctl.action_ids), ActionKind.EXIT.value, {
+                "code": 0, "reason": f"hot switch abandoned: {why}"}))
+        self.incoming = {}
+        with self._mail:
+            self._wanted = {}
         sw.transition(SwitchPhase.ABORTED, now, why)
         return [self._end(ctl, sw, FAILED, f"hot switch of ranks {list(sw.ranks)} abandoned: {why}",
                           "SwitchAborted")]
 
     def _end(self, ctl: "Controller", sw: Switch, code: int, detail: str, event: str
              ) -> Tuple[str, wire.OperatorReply]:
-        seconds = policy.phase_seconds(sw.marks)
+        seconds = policy.phase_seconds(sw.marks, sw.stage_seconds)
         job_events.note(ctl.recorder, event, sw.iteration, ranks=sw.ranks, reason=sw.reason, phase_seconds=seconds,
                         outcome=sw.phase.value, request_id=sw.request_id)
         self.ended.append(sw)
         del self.ended[:-KEEP_SWITCHES]
         self.current = None
+        self._waiting, self._answers = {}, {}
         return sw.request_id, wire.OperatorReply(sw.request_id, code, detail, describe(sw))
+
+    @staticmethod
+    def _send(ctl: "Controller", ident: bytes, body: Any) -> None:
+        try:
+            ctl.server.send(ident, body)
+        except (zmq.ZMQError, wire.WireError) as exc:
+            log.warning("hot switch: cannot send %s: %s", type(body).__name__, exc)
 
     # ------------------------------------------------------------------ status
     def status(self) -> List[Dict[str, Any]]:
@@ -161,7 +379,9 @@ class SwitchDesk:
 def describe(sw: Switch) -> Dict[str, Any]:
     """One switch as ``status`` and the operator's reply show it (JSON-able)."""
     return {"ranks": list(sw.ranks), "phase": sw.phase.value, "iteration": sw.iteration, "reason": sw.reason,
-            "spares": {str(r): p for r, p in sorted(sw.ready.items())}, "phase_seconds": policy.phase_seconds(sw.marks)}
+            "started": {str(r): p for r, p in sorted(sw.started.items())},
+            "spares": {str(r): p for r, p in sorted(sw.ready.items())},
+            "phase_seconds": policy.phase_seconds(sw.marks, sw.stage_seconds)}
 
 
 def _spares_available(ctl: "Controller") -> Optional[int]:
@@ -176,4 +396,4 @@ def request(ctl: "Controller", now: float, body: wire.OperatorRequest) -> Option
     return ctl.operators.switches.request(ctl, now, body.request_id, body.ranks)
 
 
-__all__ = ["COMMIT_NOT_BUILT", "SwitchDesk", "describe", "request"]
+__all__ = ["Incoming", "SwitchDesk", "describe", "request"]

@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 #: 8: the operator (``mindspeed-ha status|pause|resume|stop``): OPERATOR_REQUEST / OPERATOR_REPLY;
 #:    graceful pause: DRAIN.hold, RELEASE (lift the pause limit)
 #: 9: END_WORKER: the controller asks another node's agent to end a hung worker (ARF)
-#: 10: OPERATOR_REQUEST.ranks (``mindspeed-ha switch --ranks``: the hot switch)
+#: 10: the hot switch: OPERATOR_REQUEST.ranks (``mindspeed-ha switch --ranks``), REGISTER.switching
 SCHEMA_VERSION = 10
 TAG_BYTES = 32
 DEFAULT_MAX_BYTES = 1 << 20
@@ -112,6 +112,7 @@ class Register:
     verifies: bool = False
     incarnation: int = 0  # the launcher's restarts of this rank's process (ARF), 0 for the first
     rejoins: bool = False  # a restarted process of this rank can rejoin the running job (ARF)
+    switching: bool = False  # a hot switch's new process for this rank (schema 10): not the rank yet
 
 
 @dataclasses.dataclass(frozen=True)

@@ -93,6 +93,7 @@ class RecoveryMode(WireEnum):
     FORWARD = "forward"
     RELOAD = "reload"
     REJOIN = "rejoin"
+    SWITCH = "switch"  # a hot switch's new process (its rejoin; control/policy/switch.py)
 
 
 #: every mode's wire string

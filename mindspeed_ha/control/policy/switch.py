@@ -87,9 +87,12 @@ class Switch:
         phase: where it stands.
         marks: phase value -> when it was entered (``requested`` at ``at``; the controller
             adds ``paused``, ``rebuilt``, ``transferred``, ``resumed`` as the ranks report).
-        ready: rank -> pid of its spare, once READY.
+        started: rank -> pid of its new process, as its agent reports it.
+        ready: rank -> pid of its new process, once READY.
         iteration: K, the iteration every rank holds after (known in PAUSING).
         reason: why it ended (ABORTED / FAILED) or how (DONE).
+        stage_seconds: the slowest rank's seconds per stage of the commit (``rebuild``,
+            ``transfer``), from the ranks' answers.
     """
 
     request_id: str
@@ -97,9 +100,11 @@ class Switch:
     at: float
     phase: SwitchPhase = SwitchPhase.STARTING
     marks: Dict[str, float] = dataclasses.field(default_factory=dict)
+    started: Dict[int, int] = dataclasses.field(default_factory=dict)
     ready: Dict[int, int] = dataclasses.field(default_factory=dict)
     iteration: Optional[int] = None
     reason: str = ""
+    stage_seconds: Dict[str, float] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.marks.setdefault("requested", self.at)
@@ -129,26 +134,29 @@ class Switch:
         self.marks.setdefault(name, now)
 
 
-#: published phase -> (mark it starts at, mark it ends at); ``pause_window`` is what the
-#: training loop sees held (paused -> resumed), independent of the spares' start-up
+#: published phase -> (mark it starts at, mark it ends at) on the controller's clock:
+#: ``commit``: the plan sent -> every rank and new process answered (inside it, the ranks'
+#: own ``rebuild`` and ``transfer`` seconds, :attr:`Switch.stage_seconds`); ``pause_window``
+#: is what the training loop sees held (paused -> resumed), independent of the spares' start-up
 PHASE_SPANS: Tuple[Tuple[str, str, str], ...] = (
     ("spare_ready", "requested", "ready"),
     ("pause", "ready", "paused"),
-    ("rebuild", "paused", "rebuilt"),
-    ("transfer", "rebuilt", "transferred"),
-    ("resume", "transferred", "resumed"),
+    ("commit", "paused", "answered"),
+    ("resume", "answered", "resumed"),
     ("pause_window", "paused", "resumed"),
     ("total", "requested", "resumed"),
 )
 
 
-def phase_seconds(marks: Mapping[str, float]) -> Dict[str, float]:
+def phase_seconds(marks: Mapping[str, float], stages: Optional[Mapping[str, float]] = None) -> Dict[str, float]:
     """The phase seconds of one switch from its marks (:data:`PHASE_SPANS`; a phase whose
-    two marks are not both known is left out)."""
+    two marks are not both known is left out) and the ranks' stage seconds ``stages``."""
     out: Dict[str, float] = {}
     for name, a, b in PHASE_SPANS:
         if a in marks and b in marks:
             out[name] = round(max(0.0, marks[b] - marks[a]), 6)
+    for name, s in (stages or {}).items():
+        out[name] = round(float(s), 6)
     return out
 
 
