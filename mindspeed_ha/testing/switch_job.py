@@ -26,7 +26,11 @@ from mindspeed_ha.testing.harness import TRAINER_MODULE, free_port, launcher_com
     read_loss_log, tiny_gpt_args
 
 #: long enough for three switches on two loaded cores (the job then trains to the end)
-TRAIN_ITERS = 60
+TRAIN_ITERS = 400
+#: seconds between two ``status`` requests while waiting for a state (each request is a new
+#: operator connection: a tight loop would meet the controller's per-peer budgets and burn
+#: the CPU the job needs; the wait is a poll interval, the condition is the job's state)
+POLL_S = 0.25
 
 
 @dataclasses.dataclass
@@ -51,6 +55,7 @@ def job_args(loss_log: str, train_iters: int = TRAIN_ITERS, extra: Sequence[str]
 class _Op:
     def __init__(self, port: int, key: bytes, job: subprocess.Popen):
         self.target, self.key, self.job = operator.Target("127.0.0.1", port), key, job
+        self.pause = threading.Event()  # never set: its wait() is the poll interval
 
     def __call__(self, verb: str, **kw) -> operator.wire.OperatorReply:
         kw.setdefault("timeout_s", 600.0)
@@ -66,11 +71,13 @@ class _Op:
                 reply = self("status", timeout_s=30.0)
             except operator.OperatorError as exc:
                 if exc.code == operator.EXIT_UNREACHABLE:  # not listening yet
+                    self.pause.wait(POLL_S)
                     continue
                 raise
             last = reply.result
             if reply.code == 0 and cond(reply.result):
                 return reply.result
+            self.pause.wait(POLL_S)
 
 
 def _iterations(s: Dict[str, Any]) -> List[int]:
