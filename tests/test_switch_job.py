@@ -1,5 +1,7 @@
 """Hot switch on a real 4-rank job (the built-in trainer, ``mindspeed-ha-run``, gloo, TP1 PP1 DP4,
-``--enable-worker-reboot``, ``MINDSPEED_HA_WARM_SPARES=1``), one job meeting a schedule of
+``--enable-worker-reboot``, ``MINDSPEED_HA_WARM_SPARES=1``, ``--distributed-optimizer-no-replica``:
+each optimizer shard exists on its own rank only, so the new process's state can come from
+nowhere but the outgoing process; with replicas the path is the same), one job meeting a schedule of
 switches through the operator channel (mindspeed_ha/testing/switch_job.py):
 
 1. ``switch --ranks 1``: the new process starts while training goes on, replays the
@@ -20,10 +22,11 @@ from mindspeed_ha.testing import switch_job
 from mindspeed_ha.testing.harness import read_loss_log
 
 pytestmark = pytest.mark.timeout(900)
+NO_REPLICA = ["--distributed-optimizer-no-replica"]
 
 
 def test_switch_rank_1_then_rank_0_then_a_spare_killed_before_the_commit_point(tmp_path):
-    run = switch_job.run(str(tmp_path), ["1", "0", "kill:2"])
+    run = switch_job.run(str(tmp_path), ["1", "0", "kill:2"], extra_args=NO_REPLICA)
     assert run.returncode == 0, run.output[-6000:]
     first, second, third = run.replies
     assert first["code"] == 0 and first["result"]["phase"] == "done", first
@@ -38,7 +41,7 @@ def test_switch_rank_1_then_rank_0_then_a_spare_killed_before_the_commit_point(t
     assert run.pids_after[0] == int(second["result"]["spares"]["0"])
     assert "switched out with exit 0" in run.output and "restarted alone as pid" not in run.output
 
-    base = switch_job.baseline(str(tmp_path))
+    base = switch_job.baseline(str(tmp_path), extra_args=NO_REPLICA)
     assert base.returncode == 0, base.stderr[-4000:]
     assert sorted(run.losses) == list(range(1, switch_job.TRAIN_ITERS + 1))
     assert run.losses == base.losses

@@ -159,3 +159,13 @@ def test_every_phase_has_its_moves_and_ended_phases_none():
 
 def test_phase_seconds_leave_out_what_is_not_known():
     assert phase_seconds({"requested": 1.0, "ready": 3.5}) == {"spare_ready": 2.5}
+
+
+def test_a_switch_record_is_no_retry_of_its_iteration():
+    """The switch's generation is kept in ``ClusterState.recoveries`` (mode ``switch``); a fault
+    right after it, rolled back to the same iteration, is still a first retry."""
+    from mindspeed_ha.control.policy.recovery import consecutive_retries
+
+    history = [{"iteration": 9, "mode": "rollback"}, {"iteration": 12, "mode": "switch", "generation": 2}]
+    assert consecutive_retries(history, 12) == 0
+    assert consecutive_retries(history + [{"iteration": 12, "mode": "rollback"}], 12) == 1

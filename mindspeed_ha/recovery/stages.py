@@ -241,6 +241,7 @@ def rebuild_rejoining(c: RecoveryContext) -> None:
     """Every process group with the survivors (the start-up's deferred groups become real ones)."""
     from mindspeed_ha.recovery import rejoin
 
+    rejoin.preload()  # the record lives in the first generation's store
     with rejoin.live():  # the rejoin's own communication is real, not replayed
         report = _rebuild_groups(c)
         log.info("rank %d: rejoin rebuilt %d groups: %s", c.rank, report.groups_rebuilt, report.groups)
