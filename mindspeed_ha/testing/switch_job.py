@@ -110,8 +110,8 @@ def run(workdir: str, schedule: Sequence[str], train_iters: int = TRAIN_ITERS, e
     """One job meeting ``schedule`` (see the module doc); returns when it ended."""
     key = secrets.token_bytes(32)
     port, loss_log = free_port(), os.path.join(workdir, "loss.jsonl")
-    run_env = dict(os.environ, OMP_NUM_THREADS="1", TTP_PORT=str(port), **{
-        ha_env.AUTH_KEY: key.hex(), ha_env.WARM_SPARES: "1"}, **(env or {}))
+    run_env = dict(os.environ, OMP_NUM_THREADS="1", **{
+        ha_env.TTP_PORT: str(port), ha_env.AUTH_KEY: key.hex(), ha_env.WARM_SPARES: "1"}, **(env or {}))
     cmd = [*launcher_command(4), "--log-dir", os.path.join(workdir, "torchrun"), "-m", TRAINER_MODULE,
            *job_args(loss_log, train_iters, extra_args)]
     out_path = os.path.join(workdir, "job.out")
@@ -151,7 +151,7 @@ def baseline(workdir: str, train_iters: int = TRAIN_ITERS, extra_args: Sequence[
     args = job_args(loss_log, train_iters, extra_args)
     i = args.index("--loss-log")
     return launch(4, args[:i] + args[i + 2:], launcher=launcher_command(4), loss_log=loss_log, timeout_s=timeout_s,
-                  env={"TTP_PORT": str(free_port())})
+                  env={ha_env.TTP_PORT: str(free_port())})
 
 
 __all__ = ["SwitchRun", "TRAIN_ITERS", "baseline", "job_args", "run"]
