@@ -158,16 +158,15 @@ class RestartHooks:
     def spare_changed(self, pid: Optional[int]) -> None:
         """This node's warm spare is now process ``pid`` (None: none parked: adopted, ended)."""
 
-    def switch_wanted(self) -> Dict[int, int]:
-        """Hot switch: global ranks whose new process should start now (-> 1); none here."""
+    def switch_wanted(self) -> Dict[int, str]:
+        """Hot switch: global rank -> ``start`` (start its new process), ``keep`` (keep it),
+        ``commit`` (it takes the old process's place once that one exited 0); a rank not
+        listed: end its new process. None here."""
         return {}
 
     def switch_report(self, what: str, rank: int, value: Any) -> None:
-        """Hot switch: the new process of ``rank`` ``started`` (value: pid) or is ``gone`` (value: why)."""
-
-    def switch_committed(self, rank: int) -> bool:
-        """Hot switch: whether ``rank``'s old process was switched out (its exit 0 hands over)."""
-        return False
+        """Hot switch: the new process of ``rank`` ``started`` (value: pid), is ``gone``
+        (value: why) or ``switched`` (value: pid; it took the old process's place)."""
 
 
 def incarnation_path(path: str, incarnation: int) -> str:
@@ -363,22 +362,23 @@ class WorkerRebootAgent(LocalElasticAgent):
 
     # ------------------------------------------------------------------ hot switch
     def _switches(self, worker_group: WorkerGroup) -> None:
-        """Every monitor turn: start the new processes the controller wants (hot switch),
-        report those that died, and put each in its old process's place once that one was
-        switched out and exited 0 (not a restart: no restart is counted, the PID changes)."""
+        """Every monitor turn (hot switch, what ``hooks.switch_wanted`` says per rank): start
+        the new processes asked for, report those that died, end those no longer wanted, and
+        put a committed one in its old process's place once that one exited 0 (not a restart:
+        no restart is counted, only the PID changes)."""
         pc = self._pcontext
+        wanted = self.hooks.switch_wanted()
         for local_rank, (handler, n, env, stdout, stderr, error_file) in sorted(self._incoming.items()):
             worker = worker_group.workers[local_rank]
-            code = handler.proc.poll()
-            if code is not None:
+            want, code = wanted.get(worker.global_rank), handler.proc.poll()
+            if code is not None or want is None:
                 del self._incoming[local_rank]
                 self._end_spare(handler)
-                log.warning("hot switch: the new process of rank %d (pid %d) exited with %s", worker.global_rank,
-                            handler.proc.pid, code)
-                self.hooks.switch_report("gone", worker.global_rank, f"its new process (pid {handler.proc.pid}) "
-                                         f"exited with {code}")
-            elif (pc.subprocess_handlers[local_rank].proc.poll() == 0
-                  and self.hooks.switch_committed(worker.global_rank)):
+                why = (f"its new process (pid {handler.proc.pid}) exited with {code}" if code is not None
+                       else f"its new process (pid {handler.proc.pid}) was ended: the switch is over")
+                log.warning("hot switch of rank %d: %s", worker.global_rank, why)
+                self.hooks.switch_report("gone", worker.global_rank, why)
+            elif want == "commit" and pc.subprocess_handlers[local_rank].proc.poll() == 0:
                 del self._incoming[local_rank]
                 old_pid, old = worker.id, pc.subprocess_handlers[local_rank]
                 try:  # what is left of its process group (e.g. data loader workers), and its log files
@@ -395,9 +395,9 @@ class WorkerRebootAgent(LocalElasticAgent):
                 record(self._construct_event("START", EventSource.WORKER, worker), worker_group.spec.event_log_handler)
                 log.warning("hot switch: worker rank %d (pid %d) switched out with exit 0; pid %d (incarnation %d) "
                             "is the rank now", worker.global_rank, old_pid, handler.proc.pid, n)
-        wanted = self.hooks.switch_wanted()
+                self.hooks.switch_report("switched", worker.global_rank, handler.proc.pid)
         for worker in worker_group.workers:
-            if worker.global_rank in wanted and worker.local_rank not in self._incoming:
+            if wanted.get(worker.global_rank) == "start" and worker.local_rank not in self._incoming:
                 self._start_incoming(worker_group, worker.local_rank)
 
     def _start_incoming(self, worker_group: WorkerGroup, local_rank: int) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -39,12 +40,18 @@ def main(argv=None) -> int:
     ranks = [r.strip() for r in ns.ranks.split(",") if r.strip()]
     schedule = [ranks[i % len(ranks)] for i in range(ns.switches)]
     extra = ["--distributed-optimizer-no-replica"] if ns.no_replica else []
-    with tempfile.TemporaryDirectory(prefix="bench_switch_") as d:
-        run = switch_job.run(d, schedule, train_iters=max(switch_job.TRAIN_ITERS, 150 * ns.switches),
+    d = tempfile.mkdtemp(prefix="bench_switch_")
+    try:
+        run = switch_job.run(d, schedule, train_iters=max(switch_job.TRAIN_ITERS, 300 * ns.switches),
                              extra_args=extra)
-    if run.returncode != 0:
-        print(f"the job failed (exit {run.returncode}):\n{run.output[-4000:]}", file=sys.stderr)
+    except RuntimeError as exc:
+        print(f"the job failed: {exc}; its logs are kept in {d}", file=sys.stderr)
         return 1
+    if run.returncode != 0:
+        print(f"the job failed (exit {run.returncode}), its logs are kept in {d}:\n{run.output[-4000:]}",
+              file=sys.stderr)
+        return 1
+    shutil.rmtree(d)
     rows = []
     print(f"{'switch':>6} {'rank':>4} {'K':>5} " + " ".join(f"{c:>12}" for c in COLUMNS))
     for i, r in enumerate(run.replies, 1):

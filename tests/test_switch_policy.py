@@ -128,6 +128,14 @@ def test_a_fault_of_a_rank_aborts_a_starting_switch():
     assert d.action is SwitchAction.ABORT and "fault" in d.reason
 
 
+def test_a_rank_that_ended_aborts_a_starting_switch():
+    """Training ended on a rank (GOODBYE 0) while the new process was starting."""
+    st = _dead(_running())
+    st.ranks[2].dead_reason = "said goodbye (exit code 0)"
+    d = step(20.0, _switch(ready=(1,)), st, ARF, {})
+    assert d.action is SwitchAction.ABORT and "ranks [2] ended before the pause (said goodbye" in d.reason
+
+
 def test_phase_machine_rejects_illegal_moves_and_marks_each_phase():
     sw = _switch()
     with pytest.raises(ValueError, match="starting -> committed is not allowed"):

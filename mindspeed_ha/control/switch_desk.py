@@ -9,10 +9,10 @@ Entry points:
   caller such as a sub-health policy, with the ranks as its parameter): refused at once with
   a reason (code REFUSED) or recorded (STARTING); the reply waits for the switch's end.
 * the agent of the controller's launcher (its thread; :meth:`SwitchDesk.agent_wanted`,
-  :meth:`SwitchDesk.agent_report`, :meth:`SwitchDesk.agent_committed`, under a lock of
-  their own): which ranks need a new process, the pid it started or why it is gone, and
-  whether the old process's exit 0 is a switched-out rank's (the new process takes its
-  place in the agent's process context, not counted as a restart).
+  :meth:`SwitchDesk.agent_report`, under a lock of their own): per rank, start a new
+  process, keep it, or (committed) put it in the old process's place once that one exited 0
+  (not counted as a restart); a rank no longer listed: end its new process. The agent
+  reports the pid it started, a new process that died, and the place taken.
 * the new process (REGISTER with ``switching``, :meth:`SwitchDesk.register_incoming`): it
   is not the rank yet; its frames come here (:meth:`SwitchDesk.owns`,
   :meth:`SwitchDesk.incoming_message`): FAULT ``where=rejoin`` is READY (parked at its
@@ -83,27 +83,27 @@ class SwitchDesk:
         self._deadline: Optional[float] = None
         # the agent's side (its thread): guarded by _mail
         self._mail = threading.Lock()
-        self._wanted: Dict[int, int] = {}
+        #: global rank -> what its agent does: "start" a new process, "keep" it (parked or
+        #: starting), "commit" (put it in the old process's place once that one exits 0);
+        #: a rank not listed: end its new process, if any
+        self._agent_view: Dict[int, str] = {}
         self._reports: List[Tuple[str, int, Any]] = []
-        self._committed: Set[int] = set()
 
     # ------------------------------------------------------------------ the agent (its thread)
-    def agent_wanted(self) -> Dict[int, int]:
-        """Global rank -> 1 for each rank whose new process the agent should start now."""
+    def agent_wanted(self) -> Dict[int, str]:
+        """Global rank -> ``start`` | ``keep`` | ``commit`` (see ``_agent_view``)."""
         with self._mail:
-            return dict(self._wanted)
+            return dict(self._agent_view)
 
     def agent_report(self, what: str, rank: int, value: Any) -> None:
-        """``started`` (value: pid) or ``gone`` (value: why) for the new process of ``rank``."""
+        """``started`` (value: pid), ``gone`` (value: why) or ``switched`` (value: pid: the new
+        process took the old one's place) for the new process of ``rank``."""
         with self._mail:
             self._reports.append((what, int(rank), value))
-            if what == "started":
-                self._wanted.pop(int(rank), None)
-
-    def agent_committed(self, rank: int) -> bool:
-        """Whether ``rank``'s old process was switched out (its exit 0 hands its place over)."""
-        with self._mail:
-            return int(rank) in self._committed
+            if what == "started" and self._agent_view.get(int(rank)) == "start":
+                self._agent_view[int(rank)] = "keep"
+            elif what in ("gone", "switched"):
+                self._agent_view.pop(int(rank), None)
 
     # ------------------------------------------------------------------ inputs
     def request(self, ctl: "Controller", now: float, request_id: str, ranks: Sequence[int]
@@ -111,7 +111,9 @@ class SwitchDesk:
         """A switch of ``ranks``: the refusal (REFUSED, nothing else happens), or None (the
         reply comes with the switch's end, from :meth:`settle`)."""
         ranks = [int(r) for r in ranks]
-        switching = list(self.current.ranks) if self.current is not None else []
+        with self._mail:  # a switched-out process that has not exited yet still holds its rank
+            switching = sorted(set(self.current.ranks if self.current is not None else ())
+                               | {r for r, v in self._agent_view.items() if v == "commit"})
         why = policy.refuse(ctl.state, ctl.config, ranks, _spares_available(ctl), switching)
         if why is not None:
             log.warning("operator: hot switch of ranks %s refused: %s", ranks, why)
@@ -121,7 +123,7 @@ class SwitchDesk:
         self._waiting, self._answers, self._deadline = {}, {}, None
         with self._mail:
             self._reports = []
-            self._wanted = {r: 1 for r in sw.ranks}
+            self._agent_view.update({r: "start" for r in sw.ranks})
         job_events.note(ctl.recorder, "SwitchRequested", None, ranks=sw.ranks, reason="operator",
                         request_id=request_id)
         log.warning("operator: hot switch of ranks %s: new processes starting (training goes on)", list(sw.ranks))
@@ -230,8 +232,6 @@ class SwitchDesk:
     def _read_mail(self, ctl: "Controller", now: float, sw: Switch) -> None:
         with self._mail:
             reports, self._reports = self._reports, []
-            if sw.phase is not SwitchPhase.STARTING:
-                self._wanted = {}
         for what, rank, value in reports:
             if what == "started":
                 sw.started[rank] = int(value)
@@ -315,7 +315,7 @@ class SwitchDesk:
         server.bind_fd(inc.fd, rank)
         ctl.failover.roster_dirty = True
         with self._mail:
-            self._committed.add(rank)
+            self._agent_view[rank] = "commit"
         if old_ident is not None:
             self._send(ctl, old_ident, wire.Action(next(ctl.action_ids), ActionKind.EXIT.value, {
                 "code": 0, "reason": f"hot switch: rank {rank} goes on in pid {info.pid}"}))
@@ -343,8 +343,6 @@ class SwitchDesk:
             self._send(ctl, inc.ident, wire.Action(next(ctl.action_ids), ActionKind.EXIT.value, {
                 "code": 0, "reason": f"hot switch abandoned: {why}"}))
         self.incoming = {}
-        with self._mail:
-            self._wanted = {}
         sw.transition(SwitchPhase.ABORTED, now, why)
         return [self._end(ctl, sw, FAILED, f"hot switch of ranks {list(sw.ranks)} abandoned: {why}",
                           "SwitchAborted")]
@@ -357,6 +355,10 @@ class SwitchDesk:
         self.ended.append(sw)
         del self.ended[:-KEEP_SWITCHES]
         self.current = None
+        with self._mail:  # the new processes not switched in end (their agent ends them)
+            for r in sw.ranks:
+                if self._agent_view.get(r) != "commit":
+                    self._agent_view.pop(r, None)
         self._waiting, self._answers = {}, {}
         return sw.request_id, wire.OperatorReply(sw.request_id, code, detail, describe(sw))
 

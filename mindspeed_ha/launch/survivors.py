@@ -97,9 +97,9 @@ class Survivors:
         if self.controller is not None:
             self.controller.spares = [] if pid is None else [{"host": socket.gethostname(), "pid": int(pid)}]
 
-    def switch_wanted(self) -> Dict[int, int]:
-        """Hot switch: the ranks whose new process this launcher starts now (this launcher's
-        controller only: other nodes' switches are not built)."""
+    def switch_wanted(self) -> Dict[int, str]:
+        """Hot switch: what this launcher's agent does per rank (this launcher's controller
+        only: other nodes' switches are not built)."""
         controller = self.controller
         return controller.operators.switches.agent_wanted() if controller is not None else {}
 
@@ -107,10 +107,6 @@ class Survivors:
         controller = self.controller
         if controller is not None:
             controller.operators.switches.agent_report(what, rank, value)
-
-    def switch_committed(self, rank: int) -> bool:
-        controller = self.controller
-        return controller is not None and controller.operators.switches.agent_committed(rank)
 
     def abandoned(self, rank: int, why: str) -> None:
         controller, link = self.controller, self.link

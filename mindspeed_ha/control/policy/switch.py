@@ -271,8 +271,11 @@ def step(now: float, sw: Switch, state: ClusterState, config: HAConfig,
     if state.phase is not Phase.RUNNING or state.stop_request is not None:
         return SwitchStep(SwitchAction.ABORT, f"the job left running before the pause (phase "
                           f"{state.phase.value}{', a stop was requested' if state.stop_request else ''})")
-    if state.fault is not None or any(state.ranks[r].fault is not None or not state.ranks[r].alive
-                                      for r in state.ranks):
+    gone_ranks = sorted(r for r, i in state.ranks.items() if not i.alive)
+    if gone_ranks:
+        return SwitchStep(SwitchAction.ABORT, f"ranks {summarise_ranks(gone_ranks)} ended before the pause ("
+                          f"{state.ranks[gone_ranks[0]].dead_reason or 'gone'})")
+    if state.fault is not None or any(i.fault is not None for i in state.ranks.values()):
         return SwitchStep(SwitchAction.ABORT, "a fault came before the pause: its handling goes first")
     if all(r in sw.ready for r in sw.ranks):
         return SwitchStep(SwitchAction.PAUSE, f"the spares of ranks {summarise_ranks(sw.ranks)} are READY: "
