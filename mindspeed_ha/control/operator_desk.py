@@ -265,7 +265,7 @@ def status(ctl: "Controller", now: float) -> Dict[str, Any]:
         "recoveries": [_recovery(r) for r in st.recoveries[-STATUS_RECOVERIES:]],
         "restarts": [dict(r) for r in ctl.arbiter.restarts][-STATUS_RECOVERIES:],
         "spares": ctl.spares, "features": features, "pause": pause, "pauses": ctl.operators.pauses[-5:],
-        "switches": ctl.operators.switches.status(),
+        "switches": ctl.operators.switches.status(), "switching": ctl.operators.switches.busy_ranks(),
         "stop_requested": st.stop_request.reason if st.stop_request is not None else None,
         "exit_code": st.exit_code, "exit_reason": st.exit_reason,
     }

@@ -111,9 +111,7 @@ class SwitchDesk:
         """A switch of ``ranks``: the refusal (REFUSED, nothing else happens), or None (the
         reply comes with the switch's end, from :meth:`settle`)."""
         ranks = [int(r) for r in ranks]
-        with self._mail:  # a switched-out process that has not exited yet still holds its rank
-            switching = sorted(set(self.current.ranks if self.current is not None else ())
-                               | {r for r, v in self._agent_view.items() if v == "commit"})
+        switching = self.busy_ranks()
         why = policy.refuse(ctl.state, ctl.config, ranks, _spares_available(ctl), switching)
         if why is not None:
             log.warning("operator: hot switch of ranks %s refused: %s", ranks, why)
@@ -370,6 +368,13 @@ class SwitchDesk:
             log.warning("hot switch: cannot send %s: %s", type(body).__name__, exc)
 
     # ------------------------------------------------------------------ status
+    def busy_ranks(self) -> List[int]:
+        """The ranks of the switch under way and those whose switched-out process has not
+        exited yet (a new switch of any rank waits for them)."""
+        with self._mail:
+            return sorted(set(self.current.ranks if self.current is not None else ())
+                          | {r for r, v in self._agent_view.items() if v == "commit"})
+
     def status(self) -> List[Dict[str, Any]]:
         """The switch under way and the last ended ones (``mindspeed-ha status``)."""
         rows = [describe(s) for s in self.ended]

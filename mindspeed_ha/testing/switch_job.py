@@ -86,7 +86,7 @@ def _iterations(s: Dict[str, Any]) -> List[int]:
 
 def _ready_for_next(s: Dict[str, Any], after: int) -> bool:
     return (s["phase"] == "running" and bool(s.get("spares")) and len(s["by_state"]["healthy"]) == len(s["ranks"])
-            and min(_iterations(s)) >= after)
+            and not s.get("switching") and min(_iterations(s)) >= after)
 
 
 def _switch_killing_the_spare(op: _Op, rank: int) -> Dict[str, Any]:
