@@ -40,6 +40,12 @@ def test_switch_rank_1_then_rank_0_then_a_spare_killed_before_the_commit_point(t
     assert run.pids_after[1] == int(first["result"]["spares"]["1"])
     assert run.pids_after[0] == int(second["result"]["spares"]["0"])
     assert "switched out with exit 0" in run.output and "restarted alone as pid" not in run.output
+    switch_events = [e["type"] for e in run.events if e["type"].startswith("Switch")]
+    assert switch_events == ["SwitchRequested", "SwitchReady", "SwitchFinished"] * 2 + \
+        ["SwitchRequested", "SwitchAborted"], switch_events
+    finished = [e for e in run.events if e["type"] == "SwitchFinished"]
+    assert [e["ranks"] for e in finished] == [[1], [0]] and all("pause_window" in e["phase_seconds"] for e in finished)
+    assert not [e for e in run.events if e["type"] in ("WorkerRestarted", "FaultDetected", "RecoveryStarted")]
 
     base = switch_job.baseline(str(tmp_path), extra_args=NO_REPLICA)
     assert base.returncode == 0, base.stderr[-4000:]

@@ -44,6 +44,7 @@ class SwitchRun:
     losses: Dict[int, str]
     grad_norms: Dict[int, Any]
     output: str
+    events: List[Dict[str, Any]]
 
 
 def job_args(loss_log: str, train_iters: int = TRAIN_ITERS, extra: Sequence[str] = ()) -> List[str]:
@@ -112,8 +113,9 @@ def run(workdir: str, schedule: Sequence[str], train_iters: int = TRAIN_ITERS, e
     port, loss_log = free_port(), os.path.join(workdir, "loss.jsonl")
     run_env = dict(os.environ, OMP_NUM_THREADS="1", **{
         ha_env.TTP_PORT: str(port), ha_env.AUTH_KEY: key.hex(), ha_env.WARM_SPARES: "1"}, **(env or {}))
+    events_file = os.path.join(workdir, "events.jsonl")
     cmd = [*launcher_command(4), "--log-dir", os.path.join(workdir, "torchrun"), "-m", TRAINER_MODULE,
-           *job_args(loss_log, train_iters, extra_args)]
+           *job_args(loss_log, train_iters, extra_args), "--ha-events-file", events_file]
     out_path = os.path.join(workdir, "job.out")
     replies: List[Dict[str, Any]] = []
     with open(out_path, "w") as out:
@@ -138,8 +140,9 @@ def run(workdir: str, schedule: Sequence[str], train_iters: int = TRAIN_ITERS, e
     with open(out_path) as f:
         output = f.read()
     records = read_loss_log(loss_log)
+    events = read_loss_log(events_file)  # JSON lines too
     return SwitchRun(rc, replies, pids_before, pids_after, losses_from_log(loss_log),
-                     {int(r["iteration"]): r["grad_norm"] for r in records}, output)
+                     {int(r["iteration"]): r["grad_norm"] for r in records}, output, events)
 
 
 def baseline(workdir: str, train_iters: int = TRAIN_ITERS, extra_args: Sequence[str] = (),
