@@ -1,6 +1,6 @@
 """The controller's side of the operator channel: OPERATOR_REQUEST -> verb -> OPERATOR_REPLY.
 
-An operator (``mindspeed-ha status | pause | resume | stop``, :mod:`.operator`) is one more
+An operator (``mindspeed-ha status | pause | resume | stop | switch``, :mod:`.operator`) is one more
 peer kind on the controller's ROUTER socket: a CURVE client with the job's key (one
 without it never gets a frame through, see :mod:`.auth`), its frames HMAC-checked,
 versioned and size-limited like a rank's (:mod:`.wire`). Its requests are handled on the
