@@ -92,7 +92,7 @@ import signal
 import subprocess
 import sys
 from string import Template
-from typing import Any, Dict, List, Optional, Set, Union
+from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -157,6 +157,16 @@ class RestartHooks:
 
     def spare_changed(self, pid: Optional[int]) -> None:
         """This node's warm spare is now process ``pid`` (None: none parked: adopted, ended)."""
+
+    def switch_wanted(self) -> Dict[int, str]:
+        """Hot switch: global rank -> ``start`` (start its new process), ``keep`` (keep it),
+        ``commit`` (it takes the old process's place once that one exited 0); a rank not
+        listed: end its new process. None here."""
+        return {}
+
+    def switch_report(self, what: str, rank: int, value: Any) -> None:
+        """Hot switch: the new process of ``rank`` ``started`` (value: pid), is ``gone``
+        (value: why) or ``switched`` (value: pid; it took the old process's place)."""
 
 
 def incarnation_path(path: str, incarnation: int) -> str:
@@ -249,6 +259,9 @@ class WorkerRebootAgent(LocalElasticAgent):
             warm_spares = os.environ.get(ENV_WARM_SPARES, "").strip() == "1"
         self.warm_spares = warm_spares
         self._spare: Optional[SpareHandler] = None
+        #: hot switch: local rank -> (its new process's handler, incarnation, env, stdout, stderr, error file)
+        self._incoming: Dict[int, Tuple[Any, int, Dict[str, str], str, str, str]] = {}
+        self._switched: Dict[int, int] = {}  # local rank -> incarnations taken by hot switches (not restarts)
 
     # ------------------------------------------------------------------ torch's hooks
     def _start_workers(self, worker_group: WorkerGroup) -> Dict[int, Any]:
@@ -311,6 +324,7 @@ class WorkerRebootAgent(LocalElasticAgent):
         if self._handed_over:
             return self._torch_monitor(worker_group)
         self.hooks.supervise(pc)
+        self._switches(worker_group)
         codes = {local_rank: h.proc.poll() for local_rank, h in pc.subprocess_handlers.items()}
         for local_rank, code in sorted(codes.items()):
             if code in (None, 0):
@@ -340,8 +354,80 @@ class WorkerRebootAgent(LocalElasticAgent):
         try:
             super()._shutdown(death_sig, timeout)  # ends the replacements too: they are in the context
         finally:
+            incoming, self._incoming = self._incoming, {}
+            for handler, *_ in incoming.values():  # a hot switch's new process not switched in
+                self._end_spare(handler)
             self._stop_spare()
             self._stop_tails()
+
+    # ------------------------------------------------------------------ hot switch
+    def _switches(self, worker_group: WorkerGroup) -> None:
+        """Every monitor turn (hot switch, what ``hooks.switch_wanted`` says per rank): start
+        the new processes asked for, report those that died, end those no longer wanted, and
+        put a committed one in its old process's place once that one exited 0 (not a restart:
+        no restart is counted, only the PID changes)."""
+        pc = self._pcontext
+        wanted = self.hooks.switch_wanted()
+        for local_rank, (handler, n, env, stdout, stderr, error_file) in sorted(self._incoming.items()):
+            worker = worker_group.workers[local_rank]
+            want, code = wanted.get(worker.global_rank), handler.proc.poll()
+            if code is not None or want is None:
+                del self._incoming[local_rank]
+                self._end_spare(handler)
+                why = (f"its new process (pid {handler.proc.pid}) exited with {code}" if code is not None
+                       else f"its new process (pid {handler.proc.pid}) was ended: the switch is over")
+                log.warning("hot switch of rank %d: %s", worker.global_rank, why)
+                self.hooks.switch_report("gone", worker.global_rank, why)
+            elif want == "commit" and pc.subprocess_handlers[local_rank].proc.poll() == 0:
+                del self._incoming[local_rank]
+                old_pid, old = worker.id, pc.subprocess_handlers[local_rank]
+                try:  # what is left of its process group (e.g. data loader workers), and its log files
+                    old.close(death_sig=signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                pc.subprocess_handlers[local_rank] = handler
+                env = {k: v for k, v in env.items() if k != ha_env.SWITCH}  # a later restart is a plain one
+                pc.envs[local_rank], pc.stdouts[local_rank], pc.stderrs[local_rank] = env, stdout, stderr
+                if local_rank in pc.error_files:
+                    pc.error_files[local_rank] = error_file
+                worker.id = handler.proc.pid
+                self._incarnation[local_rank] = n
+                record(self._construct_event("START", EventSource.WORKER, worker), worker_group.spec.event_log_handler)
+                log.warning("hot switch: worker rank %d (pid %d) switched out with exit 0; pid %d (incarnation %d) "
+                            "is the rank now", worker.global_rank, old_pid, handler.proc.pid, n)
+                self.hooks.switch_report("switched", worker.global_rank, handler.proc.pid)
+        for worker in worker_group.workers:
+            if wanted.get(worker.global_rank) == "start" and worker.local_rank not in self._incoming:
+                self._start_incoming(worker_group, worker.local_rank)
+
+    def _start_incoming(self, worker_group: WorkerGroup, local_rank: int) -> None:
+        """Start the next incarnation of ``local_rank`` beside its running process (hot
+        switch): its argv and env, ``MINDSPEED_HA_SWITCH=1``, from the warm spare when one is parked."""
+        pc = self._pcontext
+        worker = worker_group.workers[local_rank]
+        n = self._incarnation[local_rank] + 1
+        self._incarnation[local_rank] = n  # the number is taken, whatever becomes of this process
+        self._switched[local_rank] = self._switched.get(local_rank, 0) + 1
+        env = dict(pc.envs[local_rank])
+        env[ENV_INCARNATION], env[ha_env.SWITCH] = str(n), "1"
+        stdout = incarnation_path(pc.stdouts[local_rank], n)
+        stderr = incarnation_path(pc.stderrs[local_rank], n)
+        error_file = incarnation_path(pc.error_files.get(local_rank, ""), n)
+        if env.get("TORCHELASTIC_ERROR_FILE"):
+            env["TORCHELASTIC_ERROR_FILE"] = error_file
+        handler = self._adopt_spare(worker_group, local_rank, env, stdout, stderr)
+        warm = handler is not None
+        if handler is None:
+            handler = forked.start_handler(entrypoint=pc.entrypoint, args=pc.args[local_rank], env=env,
+                                           stdout=stdout, stderr=stderr, local_rank_id=local_rank,
+                                           numa_options=worker_group.spec.numa_options)
+        self._incoming[local_rank] = (handler, n, env, stdout, stderr, error_file)
+        self._tail(worker_group, local_rank, stdout, stderr)
+        log.warning("hot switch: rank %d (pid %d) gets a new process beside it: pid %d%s, incarnation %d",
+                    worker.global_rank, worker.id, handler.proc.pid, " (warm spare)" if warm else "", n)
+        self.hooks.switch_report("started", worker.global_rank, handler.proc.pid)
+        if warm:
+            self._start_spare(worker_group)  # for the next restart or switch
 
     # ------------------------------------------------------------------ restarts
     def _torch_monitor(self, worker_group: WorkerGroup) -> RunResult:
@@ -354,8 +440,8 @@ class WorkerRebootAgent(LocalElasticAgent):
         rank = worker_group.workers[local_rank].global_rank
         if code in HA_VERDICTS:
             return f"exit code {code} is a mindspeed-ha verdict on the job"
-        if self._incarnation[local_rank] >= self.restarts_per_rank:
-            return f"restarted {self._incarnation[local_rank]} times already (limit per rank: --max-restarts " \
+        if self._incarnation[local_rank] - self._switched.get(local_rank, 0) >= self.restarts_per_rank:
+            return f"restarted {self._incarnation[local_rank] - self._switched.get(local_rank, 0)} times already (limit per rank: --max-restarts " \
                    f"{self.restarts_per_rank})"
         return self.hooks.restart_refused(rank, code)
 

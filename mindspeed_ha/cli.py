@@ -17,8 +17,9 @@ Subcommands:
                 memory patterns, p2p and all-reduce bandwidth): pause, check, resume
     relink      rebuild every process group with ranks bound to another address or interface
                 (--back: the original): pause, relink, resume
+    switch      hot switch: move live ranks to new processes at a step boundary
 
-The operator verbs (status, pause, resume, stop, check, relink) reach the job's controller over its
+The operator verbs (status, pause, resume, stop, check, relink, switch) reach the job's controller over its
 authenticated channel (the job key: MINDSPEED_HA_AUTH_KEY or --key-file; the address:
 --addr HOST:PORT, MINDSPEED_HA_LEASE_DIR, CONTROLLER_ADDR/TTP_ADDR and TTP_PORT).
 Exit codes: 0 done, 1 the action failed (check: its code was not 0; relink: it failed and
@@ -141,12 +142,15 @@ def _csv_ranks(text):
 
 
 def _task_params(ns) -> dict:
-    """The request params of ``check`` / ``relink`` ({} for the other verbs). Raises ConfigError."""
+    """The request params of ``check`` / ``relink`` / ``switch`` ({} for the other verbs).
+    Raises ConfigError."""
     import math
 
     from mindspeed_ha.control.policy.pause_task import CHECK_TESTS
     from mindspeed_ha.errors import ConfigError
 
+    if ns.cmd == "switch":
+        return {"ranks": sorted(set(ns.ranks))}
     if ns.cmd not in ("check", "relink"):
         return {}
     if not (math.isfinite(ns.budget) and 0 < ns.budget <= 3600):
@@ -259,12 +263,17 @@ def main(argv=None) -> int:
     ck.add_argument("--test", default="gemm,memory,p2p,allreduce", help="comma-separated: gemm,memory,p2p,allreduce")
     ck.add_argument("--on-fault", default="report", choices=["report", "exit", "switch"],
                     help="on code 2: report (default), exit (graceful stop: checkpoint of the paused iteration, "
-                         "exit 75), switch (the hot switch; not available yet: logged)")
+                         "exit 75), switch (the hot switch of the faulty ranks)")
     rl.add_argument("--addr", dest="link_addr", default=None, metavar="A",
                     help="the ranks' new local address (gloo: the device's hostname)")
     rl.add_argument("--iface", default=None, metavar="I",
                     help="the ranks' new interface (GLOO_/NCCL_/HCCL_SOCKET_IFNAME)")
     rl.add_argument("--back", action="store_true", help="back to the ranks' original address")
+    sw = _operator_parser(sub, "switch", "hot switch: move live ranks to new processes at a step boundary (answers "
+                                         "when it is done or abandoned)")
+    sw.add_argument("--ranks", type=_csv_ranks, required=True, metavar="R[,R..]",
+                    help="global ranks to move to new processes")
+    sw.set_defaults(timeout=300.0)  # the reply comes once the spares started and the switch ended
 
     sub.add_parser("controller", help="standalone controller (see --help of mindspeed_ha.control.controller)",
                    add_help=False)
@@ -282,7 +291,7 @@ def main(argv=None) -> int:
         from mindspeed_ha.control import job_events
 
         return job_events.cli(ns.file, ns.follow, ns.timeout, ns.json)
-    if ns.cmd in ("status", "pause", "resume", "stop", "check", "relink"):
+    if ns.cmd in ("status", "pause", "resume", "stop", "check", "relink", "switch"):
         return _cmd_operator(ns)
     if ns.cmd == "soak":
         from mindspeed_ha.launch.proctree import become_subreaper

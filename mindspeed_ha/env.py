@@ -45,6 +45,9 @@ CONTROLLER_HOSTED = "MINDSPEED_HA_CONTROLLER_HOSTED"
 INCARNATION = "MINDSPEED_HA_INCARNATION"
 #: warm spares per node: pre-imported interpreters a restart takes over (0 or 1)
 WARM_SPARES = "MINDSPEED_HA_WARM_SPARES"
+#: ``1`` in the env of a hot switch's new process (set by the agent): it registers as the
+#: incoming process of its rank, not as the rank (control/switch_desk.py)
+SWITCH = "MINDSPEED_HA_SWITCH"
 #: "1": fork the workers of a node from one pre-imported process (0 or 1, default 0)
 FORKSERVER = "MINDSPEED_HA_FORKSERVER"
 #: comma-separated modules that process imports besides torch and megatron.core

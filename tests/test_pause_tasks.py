@@ -95,9 +95,12 @@ def test_a_flipped_gemm_bit_is_code_2_naming_the_rank_and_on_fault_exit_stops_wi
     assert reply.code == 1 and reply.result["code"] == 2 and reply.result["faulty"] == [1], reply
     assert "rank 1" in reply.detail and "differs bitwise" in reply.detail
     _wait_for(lambda: j.ctl.phase is Phase.RUNNING, what="report only: resumed")
-    reply = _check(j, tests=["gemm"], on_fault="switch")  # the hot switch's hook: not wired yet
-    assert reply.result["faulty"] == [1] and reply.result["after"] == "switch not available; resumed", reply
-    _wait_for(lambda: j.ctl.phase is Phase.RUNNING, what="switch: resumed")
+    reply = _check(j, tests=["gemm"], on_fault="switch")  # the hot switch, raised once the job runs again
+    assert reply.result["faulty"] == [1] and reply.result["after"] == (
+        "hot switch of ranks [1] requested once training runs again; resumed"), reply
+    _wait_for(lambda: j.ctl.phase is Phase.RUNNING and not j.ctl.operators.deferred, what="switch: resumed, raised")
+    (verb, switch, _), = [v for k, v in j.ctl.operators.requests.items() if k.startswith("internal-")]
+    assert verb == "switch" and switch.code == 4 and "--enable-worker-reboot" in switch.detail, switch  # this job has none
     reply = _check(j, tests=["gemm"], on_fault="exit")
     assert reply.result["faulty"] == [1] and "graceful stop" in reply.result["after"], reply
     out = j.ctl.wait_done(20)
@@ -154,8 +157,8 @@ def test_an_internal_check_request_goes_through_the_verb_table(job, closing):
     with j.ctl._lock:
         ok, detail = operator_desk.internal_request(j.ctl, j.ctl.clock(), "check", [2], "test")
     assert ok and "under way" in detail, detail
-    _wait_for(lambda: j.ctl.operators.requests["subhealth-1"][1] is not None, what="the internal check's verdict")
-    reply = j.ctl.operators.requests["subhealth-1"][1]
+    _wait_for(lambda: j.ctl.operators.requests["internal-1"][1] is not None, what="the internal check's verdict")
+    reply = j.ctl.operators.requests["internal-1"][1]
     assert reply.result["code"] == 2 and reply.result["faulty"] == [2] and reply.result["after"] == "resumed"
     _wait_for(lambda: j.ctl.phase is Phase.RUNNING, what="resumed")
     with j.ctl._lock:  # the same through handle() without a connection

@@ -433,7 +433,7 @@ def test_controller_action_exit_is_the_graceful_stop():
     assert j.ctl.state.phase is Phase.DRAINING
 
 
-def test_controller_action_switch_not_in_this_build_is_logged_and_recorded(caplog):
+def test_controller_action_switch_asks_the_hot_switch_and_records_its_refusal(caplog):
     j = Job(("--ha-subhealth-action", "switch"))
     j.run(3.0)
     j.pace[0] = 0.3
@@ -441,8 +441,9 @@ def test_controller_action_switch_not_in_this_build_is_logged_and_recorded(caplo
         j.run(5.0)
     (e,) = j.events("Subhealth")
     assert e.detail["ranks"] == [0] and e.detail["detail"]["action"] == "switch"
-    assert e.detail["detail"]["outcome"].startswith("not available: no operator verb 'switch'")
-    assert "sub-health action switch not available: no operator verb 'switch'" in caplog.text
+    outcome = e.detail["detail"]["outcome"]  # this job has no worker reboot: the switch verb refuses
+    assert outcome.startswith("not available: code 4") and "--enable-worker-reboot" in outcome, outcome
+    assert "sub-health action switch not available: code 4" in caplog.text
     assert j.ctl.state.phase is Phase.RUNNING
 
 
@@ -522,7 +523,7 @@ def test_controller_action_check_reaches_the_operators_verb_with_the_rank(monkey
     j.run(3.0)
     j.pace[3] = 0.3
     j.run(5.0)
-    assert calls == [("check", {"ranks": [3]}, "subhealth-1")]
+    assert calls == [("check", {"ranks": [3]}, "internal-1")]
     (e,) = j.events("Subhealth")
-    assert e.detail["detail"]["outcome"] == "code 0: check of rank(s) queued (request subhealth-1)"
-    assert j.ctl.operators.requests["subhealth-1"][0] == "check"
+    assert e.detail["detail"]["outcome"] == "code 0: check of rank(s) queued (request internal-1)"
+    assert j.ctl.operators.requests["internal-1"][0] == "check"

@@ -47,6 +47,10 @@ def dispatch(ctl: "Controller", now: float, ident: bytes, fd: Optional[int], msg
     if msg.type is wire.MsgType.OPERATOR_REQUEST:  # an operator (mindspeed-ha status | pause | ...)
         ctl.operators.handle(ctl, now, ident, body)
         return
+    incoming = ctl.operators.switches.owns(ident)
+    if incoming is not None:  # a hot switch's new process, not the rank yet (control/switch_desk.py)
+        ctl.operators.switches.incoming_message(ctl, now, incoming, msg)
+        return
     rank = ctl.server.rank_of_ident.get(ident)
     if rank is None or getattr(body, "rank", rank) != rank:
         ctl.codec.rejected["unregistered"] += 1
@@ -78,6 +82,13 @@ def register(ctl: "Controller", now: float, ident: bytes, fd: Optional[int], sen
         ok, detail = False, f"rank {body.rank} outside world size {ctl.world_size}"
     elif body.world_size != ctl.world_size:
         ok, detail = False, f"world size {body.world_size} != controller's {ctl.world_size}"
+    if ok and body.switching:  # a hot switch's new process: not the rank until the switch commits
+        ok, detail = ctl.operators.switches.register_incoming(ctl, now, ident, fd, sender, body)
+        try:
+            ctl.server.send(ident, wire.Registered(body.rank, ok, detail))
+        except zmq.ZMQError as exc:
+            log.warning("controller: cannot answer REGISTER of rank %d's new process: %s", body.rank, exc)
+        return
     if ok:
         _admit(ctl, now, ident, fd, sender, body)
     else:
@@ -201,6 +212,9 @@ def _stop_request(ctl: "Controller", now: float, rank: int, info: RankInfo, body
 
 
 def _action_result(ctl: "Controller", now: float, rank: int, info: RankInfo, body: Any) -> None:
+    if ctl.operators.switches.action_result(now, ("rank", rank), body):
+        log.info("rank %d: hot switch %s %s", rank, "ok" if body.ok else "FAILED", body.detail)
+        return
     p = ctl.state.pending
     if p is not None and p.action_id == body.action_id and rank in p.targets:
         p.results[rank] = (body.ok, body.detail)

@@ -70,6 +70,10 @@ TYPES: Dict[str, str] = {
     "Resumed": NORMAL,  # a graceful pause ended (notes: the pause plan)
     "CheckFinished": NORMAL,  # an online check ran while paused (detail: code; Warning unless 0; pause_tasks.py)
     "RelinkFinished": NORMAL,  # process groups rebuilt on another address while paused (pause_tasks.py)
+    "SwitchRequested": NORMAL,  # a hot switch of ``ranks`` starts its spares (notes: switch_desk)
+    "SwitchReady": NORMAL,  # every spare of the hot switch is READY (phase_seconds: spare_ready)
+    "SwitchFinished": NORMAL,  # the switched ranks train in their new processes (phase_seconds: every phase)
+    "SwitchAborted": WARNING,  # a hot switch given up before its commit point: training goes on (reason)
     "DyingCheckpointCommitted": WARNING,  # the dying checkpoint of ``iteration`` is committed
     "WorkerRestarted": WARNING,  # a worker's process restarted alone (ARF; notes: the restart arbiter)
     "JobExit": NORMAL,  # the job is over (detail: exit_code; Warning unless 0)

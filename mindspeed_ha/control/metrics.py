@@ -142,6 +142,9 @@ class JobMetrics:
         self.restarts = Counter(PREFIX + "worker_restarts", "workers restarted alone (ARF)", registry=r)
         self.subhealth = Counter(PREFIX + "subhealth_flagged", "sub-health flags raised, by signal", ["signal"],
                                  registry=r)
+        self.switches = Counter(PREFIX + "switches", "hot switches ended, by outcome", ["outcome"], registry=r)
+        self.switch_phase = Histogram(PREFIX + "switch_phase_seconds", "each phase of a hot switch", ["phase"],
+                                      registry=r, buckets=DURATION_BUCKETS)
         r.register(_StateCollector(status))
 
     def __call__(self, e: PhaseEvent) -> None:
@@ -173,6 +176,10 @@ class JobMetrics:
             self.restarts.inc()
         elif e.name == "Subhealth":
             self.subhealth.labels(str(detail.get("signal", ""))).inc()
+        elif e.name in ("SwitchFinished", "SwitchAborted"):
+            self.switches.labels(str(detail.get("outcome", ""))).inc()
+            for phase, s in seconds.items():
+                self.switch_phase.labels(phase).observe(s)
         lost = detail.get("steps_lost")
         if isinstance(lost, int) and lost > 0:
             self.steps_lost.inc(lost)

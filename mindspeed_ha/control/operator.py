@@ -122,7 +122,7 @@ def request(verb: str, *, key: bytes, target: Target, timeout_s: float, max_s: f
     """Send one OPERATOR_REQUEST and wait up to ``timeout_s`` for its reply.
 
     ``max_bytes``: the job's frame limit (``MINDSPEED_HA_MAX_MESSAGE_BYTES``), for the reply.
-    ``params``: the verb's arguments (``check``, ``relink``: :mod:`.pause_tasks`).
+    ``params``: the verb's arguments (``check``, ``relink``: :mod:`.pause_tasks`; ``switch``: ``ranks``).
 
     Raises:
         OperatorError: :data:`EXIT_AUTH` (the controller refused the key) or
@@ -222,6 +222,10 @@ def format_status(s: Dict[str, Any]) -> str:
         secs = ", ".join(f"{k} {v:.3f} s" for k, v in rec["phase_seconds"].items())
         lines.append(f"recovery: {rec['kind']} on rank {rec['rank']} at iteration {rec['iteration']} "
                      f"({rec['mode']}): {secs}")
+    for sw in s.get("switches", []):
+        secs = ", ".join(f"{k} {v:.3f} s" for k, v in sw["phase_seconds"].items())
+        lines.append(f"hot switch of ranks {sw['ranks']}: {sw['phase']}" + (f" ({sw['reason']})" if sw["reason"] else "")
+                     + (f": {secs}" if secs else ""))
     lines.append(f"spares: {s['spares'] if s.get('spares') is not None else 'not reported to the controller'}")
     sub = s.get("subhealth")
     if sub is not None:

@@ -1,6 +1,6 @@
 """The controller's side of the operator channel: OPERATOR_REQUEST -> verb -> OPERATOR_REPLY.
 
-An operator (``mindspeed-ha status | pause | resume | stop``, :mod:`.operator`) is one more
+An operator (``mindspeed-ha status | pause | resume | stop | switch``, :mod:`.operator`) is one more
 peer kind on the controller's ROUTER socket: a CURVE client with the job's key (one
 without it never gets a frame through, see :mod:`.auth`), its frames HMAC-checked,
 versioned and size-limited like a rank's (:mod:`.wire`). Its requests are handled on the
@@ -22,14 +22,13 @@ pending, and never acts twice.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import math
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import zmq
 
-from mindspeed_ha.control import job_events, snapshot, wire
+from mindspeed_ha.control import job_events, snapshot, switch_desk, wire
 from mindspeed_ha.control.pause_tasks import PauseTasks
 from mindspeed_ha.control.policy.pause import PAUSE_FAILED
 from mindspeed_ha.control.state import PauseRequest, Phase
@@ -70,6 +69,11 @@ class OperatorDesk:
         self.tasks = PauseTasks()
         #: requests the controller raised itself so far (:func:`internal_request`)
         self.internal = 0
+        #: the hot switches (``switch`` verb)
+        self.switches = switch_desk.SwitchDesk()
+        #: (verb, ranks, reason) the controller raises itself once the job runs again (a check's
+        #: ``--on-fault switch``: the switch needs a running job, the check ends paused)
+        self.deferred: List[Tuple[str, List[int], str]] = []
 
     # ------------------------------------------------------------------ requests
     def handle(self, ctl: "Controller", now: float, ident: Optional[bytes], body: wire.OperatorRequest) -> None:
@@ -141,12 +145,17 @@ class OperatorDesk:
             self._answer(ctl, rid, reply)
         for reply in self.tasks.settle(ctl, now):
             self._answer(ctl, reply.request_id, reply)
+        for rid, reply in self.switches.settle(ctl, now):
+            self._answer(ctl, rid, reply, "switch")
+        while self.deferred and phase is Phase.RUNNING and st.pause is None:
+            verb, ranks, reason = self.deferred.pop(0)
+            internal_request(ctl, now, verb, ranks, reason)
 
-    def _answer(self, ctl: "Controller", rid: str, reply: wire.OperatorReply) -> None:
+    def _answer(self, ctl: "Controller", rid: str, reply: wire.OperatorReply, verb: str = "") -> None:
         """Keep ``reply`` as request ``rid``'s and send it to every connection waiting for it."""
         kept = self.requests.get(rid)
         waiting = kept[2] if kept is not None else []
-        self.requests[rid] = (kept[0] if kept is not None else "", reply, [])
+        self.requests[rid] = (kept[0] if kept is not None else verb, reply, [])
         for ident in waiting:
             self._send(ctl, ident, reply)
 
@@ -245,31 +254,25 @@ VERBS: Dict[str, Callable[["Controller", float, wire.OperatorRequest], Optional[
     "stop": _stop,
     "check": _pause_task,
     "relink": _pause_task,
+    "switch": switch_desk.request,
 }
 
 
 def internal_request(ctl: "Controller", now: float, verb: str, ranks: Any, reason: str) -> Tuple[bool, str]:
     """Run operator verb ``verb`` for ``ranks`` as the controller's own request (the
-    sub-health detector's ``check`` / ``switch``): the same function an operator's request
-    reaches, without a socket; its reply is kept like an operator's (request id
-    ``subhealth-N``). Returns (ok, detail): not ok when this build has no such verb or its
-    request carries no ranks (``detail`` says which), or the verb refused or failed.
+    sub-health detector's ``check`` / ``switch``, a check's ``--on-fault switch``): the same
+    function an operator's request reaches, without a socket; its reply is kept like an
+    operator's (request id ``internal-N``). Returns (ok, detail): not ok when there is no
+    such verb (``detail`` says so), or the verb refused or failed.
     Controller thread, under its lock."""
     fn = VERBS.get(verb)
     if fn is None:
         return False, f"no operator verb {verb!r} in this controller (verbs: {', '.join(sorted(VERBS))})"
-    fields = {f.name for f in dataclasses.fields(wire.OperatorRequest)}
     ranks = [int(r) for r in ranks]
-    if "ranks" in fields:
-        extra: Dict[str, Any] = {"ranks": ranks}
-    elif "params" in fields:
-        extra = {"params": {"ranks": ranks}}
-    else:
-        return False, f"operator requests of this build carry no ranks (verb {verb!r})"
     desk = ctl.operators
     desk.internal += 1
-    rid = f"subhealth-{desk.internal}"
-    reply = fn(ctl, now, wire.OperatorRequest(request_id=rid, verb=verb, **extra))
+    rid = f"internal-{desk.internal}"
+    reply = fn(ctl, now, wire.OperatorRequest(request_id=rid, verb=verb, params={"ranks": ranks}))
     desk.requests[rid] = (verb, reply, [])
     log.warning("controller: %s of ranks %s requested by itself (%s)%s", verb, ranks, reason,
                 "" if reply is None else f": code {reply.code} {reply.detail}")
@@ -322,6 +325,7 @@ def status(ctl: "Controller", now: float) -> Dict[str, Any]:
         "restarts": [dict(r) for r in ctl.arbiter.restarts][-STATUS_RECOVERIES:],
         "spares": ctl.spares, "features": features, "pause": pause, "pauses": ctl.operators.pauses[-5:],
         "pause_tasks": ctl.operators.tasks.done,
+        "switches": ctl.operators.switches.status(), "switching": ctl.operators.switches.busy_ranks(),
         "stop_requested": st.stop_request.reason if st.stop_request is not None else None,
         "exit_code": st.exit_code, "exit_reason": st.exit_reason,
         "subhealth": ctl.subhealth.snapshot() if ctl.subhealth is not None else None,

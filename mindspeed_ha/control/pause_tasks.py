@@ -71,11 +71,14 @@ class Task:
 
 
 def switch_hook(ctl: "Controller", ranks: Sequence[int], why: str) -> str:
-    """A fault found by a check, with ``--on-fault switch``: hand ``ranks`` to the hot switch.
-    The hot switch is not wired yet: logged, nothing else; returns what happened."""
-    log.warning("controller: check found %s on ranks %s: switch not available (the hot switch is not wired); "
-                "the job goes on as without --on-fault", why, list(ranks))
-    return "switch not available"
+    """A fault found by a check, with ``--on-fault switch``: the hot switch of ``ranks``
+    (:mod:`.switch_desk`), raised by the controller itself once the job runs again (a switch
+    needs a running job; refused like an operator's without worker reboot or a spare, see
+    the events). Returns what happens, in words."""
+    ctl.operators.deferred.append(("switch", [int(r) for r in ranks], f"check found {why}"))
+    log.warning("controller: check found %s on ranks %s: their hot switch is requested once training runs again",
+                why, list(ranks))
+    return f"hot switch of ranks {list(ranks)} requested once training runs again"
 
 
 def _ranks(params: Dict[str, Any], world: int, name: str = "ranks") -> List[int]:

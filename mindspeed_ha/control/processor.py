@@ -143,6 +143,8 @@ class Processor:
                                 on_lost=self._orphan.start, end=self._end)
         # ARF: the launcher's restarts of this rank's process, and whether it can rejoin
         self.incarnation = int(os.environ.get(ha_env.INCARNATION, "0") or 0)
+        #: a hot switch's new process: it registers as its rank's incoming process (REGISTER.switching)
+        self.switching = os.environ.get(ha_env.SWITCH) == "1" and self.incarnation > 0
         self.rejoins = False
         #: the sub-health sampler thread (--ha-subhealth; see subhealth_sampler), started with the link
         self.subhealth = None
@@ -396,7 +398,7 @@ class Processor:
         verifies = self._actions.handler(ActionKind.VERIFY) is not None
         return wire.Register(self.rank, self.world_size, os.getpid(), socket.gethostname(), self.layout,
                              self.save_dir, self.run_id, status.value, it, verifies, self.incarnation,
-                             self.rejoins)
+                             self.rejoins, self.switching)
 
     def _handle(self, msg: wire.Message) -> None:
         """A message from the controller (I/O thread)."""

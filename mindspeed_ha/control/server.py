@@ -299,6 +299,12 @@ class ControlServer:
         self._report_closed([c for c in self._closed if c[0] == rank])
         self._rank_of_fd[fd] = rank
 
+    def forget_rank(self, rank: int) -> None:
+        """Connections bound to ``rank`` no longer carry it (a hot switch: the old process's
+        close is not the rank's death); its new connection is bound next (:meth:`bind_fd`)."""
+        for fd in [fd for fd, r in self._rank_of_fd.items() if r == rank]:
+            del self._rank_of_fd[fd]
+
     def flush_closed(self) -> None:
         """Call ``on_disconnect`` for the closes :meth:`drain_monitor` held, once
         :meth:`frames` has read the ROUTER empty since (every frame those ranks sent before

@@ -60,7 +60,8 @@ log = logging.getLogger(__name__)
 #: 9: END_WORKER: the controller asks another node's agent to end a hung worker (ARF)
 #: 10: HEALTH: a rank's sub-health samples (--ha-subhealth)
 #: 11: pause tasks (``mindspeed-ha check | relink``): PAUSE_TASK / PAUSE_TASK_RESULT, OPERATOR_REQUEST.params
-SCHEMA_VERSION = 11
+#: 12: the hot switch (``mindspeed-ha switch --ranks``): OPERATOR_REQUEST.params ranks, REGISTER.switching
+SCHEMA_VERSION = 12
 TAG_BYTES = 32
 DEFAULT_MAX_BYTES = 1 << 20
 #: what CURVE adds to a frame on the wire (MESSAGE command, nonce, MAC: 33 bytes), rounded up
@@ -116,6 +117,7 @@ class Register:
     verifies: bool = False
     incarnation: int = 0  # the launcher's restarts of this rank's process (ARF), 0 for the first
     rejoins: bool = False  # a restarted process of this rank can rejoin the running job (ARF)
+    switching: bool = False  # a hot switch's new process for this rank (schema 10): not the rank yet
 
 
 @dataclasses.dataclass(frozen=True)
@@ -379,7 +381,7 @@ class EndWorker:
 
 # ------------------------------------------------ the operator (mindspeed-ha status | pause | resume | stop)
 #: the verbs an operator may send
-OPERATOR_VERBS = ("status", "pause", "resume", "stop", "check", "relink")
+OPERATOR_VERBS = ("status", "pause", "resume", "stop", "check", "relink", "switch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -391,7 +393,8 @@ class OperatorRequest:
     ``pause``, resume by itself after this many seconds (0: until ``resume``);
     ``then_stop``: at ``max_s``, stop (checkpoint, exit 75) instead of resuming.
     ``params``: the verb's arguments (``check``: ranks, tests, budget_s, on_fault, stay;
-    ``relink``: ranks, addr or iface, back, stay; see :mod:`.pause_tasks`).
+    ``relink``: ranks, addr or iface, back, stay; see :mod:`.pause_tasks`; ``switch``: ranks,
+    the global ranks moved to new processes, :mod:`.switch_desk`).
     """
 
     request_id: str

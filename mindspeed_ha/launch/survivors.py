@@ -97,6 +97,17 @@ class Survivors:
         if self.controller is not None:
             self.controller.spares = [] if pid is None else [{"host": socket.gethostname(), "pid": int(pid)}]
 
+    def switch_wanted(self) -> Dict[int, str]:
+        """Hot switch: what this launcher's agent does per rank (this launcher's controller
+        only: other nodes' switches are not built)."""
+        controller = self.controller
+        return controller.operators.switches.agent_wanted() if controller is not None else {}
+
+    def switch_report(self, what: str, rank: int, value) -> None:
+        controller = self.controller
+        if controller is not None:
+            controller.operators.switches.agent_report(what, rank, value)
+
     def abandoned(self, rank: int, why: str) -> None:
         controller, link = self.controller, self.link
         if controller is not None:

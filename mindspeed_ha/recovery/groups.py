@@ -431,6 +431,15 @@ def _root_store(world, default):
     return _ROOT["store"] if _ROOT["store"] is not None else world.pg_map[default][1]
 
 
+def rendezvous_store():
+    """The store the next rebuild rendezvouses in (:func:`_root_store`), for other groups
+    every generation's members make (the hot switch's :class:`~.pair_link.PairLink`)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    world = c10d._world
+    return _root_store(world, world.default_pg)
+
+
 def _make_default(pg) -> None:
     """torch's own ``_update_default_pg`` (also sets the C++ global rank); else the field."""
     from torch.distributed import distributed_c10d as c10d

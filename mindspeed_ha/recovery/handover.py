@@ -34,6 +34,23 @@ def after(rt, k: int) -> dict:
                             rerun_iteration=_rerun_iteration(rt))
 
 
+def at_pause(rt, k: int) -> dict:
+    """The progress of a rank paused after iteration ``k`` (a hot switch's outgoing rank,
+    its training thread holding in the pause point): as :func:`after`, but the RNG is the
+    process's now (the entry of step k+1: nothing of k+1 ran).
+
+    Raises:
+        RuntimeError: the rank has no snapshot of ``k``.
+    """
+    snap = rt.snapshot
+    if snap is None or snap.iteration != k:
+        raise RuntimeError(f"rank {rt.rank}: no snapshot of iteration {k} to hand to its new process "
+                           f"(have {snap.iteration if snap is not None else None})")
+    args = snap.args if snap.args is not None else _args(rt)
+    return progress.capture(args, k, snap.scheduler_state, megatron_lm.collect_rng_state(), flops=snap.flops,
+                            rerun_iteration=_rerun_iteration(rt))
+
+
 def counters(rt, k: int) -> dict:
     """The counters of k (the last iteration every survivor completed) for a process
     restarted without a replica (plan mode ``reload``): it loads the checkpoint itself

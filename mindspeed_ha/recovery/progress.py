@@ -208,10 +208,13 @@ def send(progress: Dict[str, Any], dst: int, group=None, device: Optional[torch.
     """Send ``progress`` to global rank ``dst`` (which calls :func:`recv`). Returns bytes sent."""
     import torch.distributed as dist
 
+    from mindspeed_ha.recovery.pair_link import PairLink
+
     blob = encode(progress)
     device = device or torch.device("cpu")
-    dist.send(torch.tensor([VERSION, len(blob)], dtype=torch.int64, device=device), dst, group=group)
-    dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device), dst, group=group)
+    send_one = group.send if isinstance(group, PairLink) else (lambda t, peer: dist.send(t, peer, group=group))
+    send_one(torch.tensor([VERSION, len(blob)], dtype=torch.int64, device=device), dst)
+    send_one(torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device), dst)
     return len(blob)
 
 
@@ -223,15 +226,18 @@ def recv(src: int, group=None, device: Optional[torch.device] = None) -> Dict[st
     """
     import torch.distributed as dist
 
+    from mindspeed_ha.recovery.pair_link import PairLink
+
     device = device or torch.device("cpu")
+    recv_one = group.recv if isinstance(group, PairLink) else (lambda t, peer: dist.recv(t, peer, group=group))
     head = torch.zeros(2, dtype=torch.int64, device=device)
-    dist.recv(head, src, group=group)
+    recv_one(head, src)
     version, n = int(head[0]), int(head[1])
     if version != VERSION or not 0 < n <= MAX_BYTES:
         raise ProgressError(f"progress header from rank {src}: version {version}, {n} bytes (expected version "
                             f"{VERSION}, at most {MAX_BYTES})")
     buf = torch.zeros(n, dtype=torch.uint8, device=device)
-    dist.recv(buf, src, group=group)
+    recv_one(buf, src)
     return decode(bytes(buf.cpu().numpy().tobytes()))
 
 

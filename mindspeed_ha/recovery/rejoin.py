@@ -162,7 +162,7 @@ from mindspeed_ha.recovery.startup_blob import FORMAT, KEY, VERSION, decode, enc
 __all__ = [
     "BACKEND", "DONE", "FORMAT", "KEY", "LOAD_OP", "MAX_BLOB_BYTES", "MAX_OUTPUT_BYTES", "RECORD", "REPLAY", "VERSION",
     "RejoinError", "RejoinMismatch", "begin", "decode", "encode", "group_helper", "incarnation", "live", "load",
-    "load_section", "mode", "omitted", "register_backend", "rejoined", "reset", "startup_done",
+    "load_section", "mode", "omitted", "preload", "register_backend", "rejoined", "reset", "startup_done",
 ]
 
 log = logging.getLogger("mindspeed_ha.recovery.rejoin")
@@ -298,6 +298,18 @@ def _end_replay() -> None:
     _replayed = True
     log.info("rejoin: start-up replayed: %d ops served without communicating (%d without data)",
              served, len(_omitted))
+
+
+def preload() -> None:
+    """Replaying: read this rank's start-up record now, if no replayed op read it yet. The
+    rejoin calls it before its group rebuild: the record is in the first generation's store,
+    and after the rebuild the default group is another generation's (a start-up with no
+    collective before the rejoin point, e.g. a job without optimizer replicas, then found no
+    record at its first replayed op after the rejoin: found by the hot switch's job)."""
+    global _blob
+    with _lock:
+        if _mode == REPLAY and _blob is None:
+            _blob = load()
 
 
 @contextlib.contextmanager

@@ -212,6 +212,9 @@ IN_PLACE: Dict[str, Tuple[Tuple[str, Stage], ...]] = {
     "rejoin": _ROLLBACK,
     "forward": (("clean", clean_communication), ("rebuild", rebuild), ("repair", repair_forward)),
     "reload": (("clean", clean), ("rebuild", rebuild), ("reload", reload_in_place), ("repair", send_counters)),
+    # a hot switch (recovery/switch.py): the paused ranks that stay only rebuild, on their
+    # action thread; the outgoing rank hands its state to its new process instead (SWITCH_OUT)
+    "switch": (("rebuild", rebuild),),
 }
 
 
@@ -238,6 +241,7 @@ def rebuild_rejoining(c: RecoveryContext) -> None:
     """Every process group with the survivors (the start-up's deferred groups become real ones)."""
     from mindspeed_ha.recovery import rejoin
 
+    rejoin.preload()  # the record lives in the first generation's store
     with rejoin.live():  # the rejoin's own communication is real, not replayed
         report = _rebuild_groups(c)
         log.info("rank %d: rejoin rebuilt %d groups: %s", c.rank, report.groups_rebuilt, report.groups)
@@ -294,13 +298,62 @@ def receive_counters(c: RecoveryContext) -> None:
     _take_progress(c, received)
 
 
+def _pair_link(c: RecoveryContext, me: int):
+    from mindspeed_ha.recovery import groups
+    from mindspeed_ha.recovery.pair_link import PairLink
+
+    timeout = datetime.timedelta(seconds=c.rt.config.action_timeout_s)
+    return PairLink(groups.rendezvous_store(), c.plan.generation, c.rank, me, timeout)
+
+
+def send_handoff(c: RecoveryContext) -> None:
+    """A hot switch's outgoing rank (paused after ``plan.iteration``): its state (parameters,
+    optimizer shard, host state) and progress (counters, scheduler, RNG at the entry of the
+    next step) to its new process, over a :class:`~.pair_link.PairLink`."""
+    from mindspeed_ha.recovery import handover, progress, transfer
+    from mindspeed_ha.recovery.pair_link import INCOMING, OUTGOING
+
+    link = _pair_link(c, OUTGOING)
+    try:
+        stats = transfer.send_state(c.model, c.optimizer, INCOMING, link)
+        progress.send(handover.at_pause(c.rt, c.plan.iteration), INCOMING, link)
+    finally:
+        link.close()
+    log.warning("rank %d: hot switch: state of iteration %d sent to the new process (%s)", c.rank,
+                c.plan.iteration, stats)
+
+
+def receive_handoff(c: RecoveryContext) -> None:
+    """A hot switch's new process (after the rebuild): the state and progress from the
+    outgoing process of its rank, not from a replica; from now on it is the rank."""
+    from mindspeed_ha.recovery import progress, rejoin, transfer
+    from mindspeed_ha.recovery.pair_link import INCOMING, OUTGOING
+
+    with rejoin.live():
+        link = _pair_link(c, INCOMING)
+        try:
+            transfer.recv_state(c.model, c.optimizer, OUTGOING, link, materialize=True)
+            received = progress.recv(OUTGOING, link)
+        finally:
+            link.close()
+    progress.apply(received, c.args, c.scheduler)
+    _take_progress(c, received)
+    if c.rt.processor is not None:
+        c.rt.processor.switching = False  # a REGISTER again (a new controller) is the rank's
+
+
 _REJOIN = (("rebuild", rebuild_rejoining), ("repair", receive_state))
 #: plan mode -> the stages of a restarted process's rejoin
 REJOINING: Dict[str, Tuple[Tuple[str, Stage], ...]] = {
     "rejoin": _REJOIN,
     "forward": _REJOIN,
     "reload": (("rebuild", rebuild_rejoining), ("reload", reload_rejoining), ("repair", receive_counters)),
+    "switch": (("rebuild", rebuild_rejoining), ("repair", receive_handoff)),
 }
+
+
+#: a hot switch's outgoing rank (recovery/switch.py)
+SWITCH_OUT: Tuple[Tuple[str, Stage], ...] = (("transfer", send_handoff),)
 
 
 def rejoining(plan, rank: int) -> Tuple[Tuple[str, Stage], ...]:

@@ -68,6 +68,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from mindspeed_ha.recovery.pair_link import PairLink
+
 PROTOCOL_VERSION = 2
 #: largest host-state message (bytes): a few hundred per param group and optimizer
 MAX_HOST_BYTES = 1 << 20
@@ -291,19 +293,27 @@ def _plan(tensors: List[Tuple[str, torch.Tensor]], max_message_bytes: int) -> Li
 def _device(group) -> torch.device:
     from mindspeed_ha.accelerator import collective_device
 
+    if isinstance(group, PairLink):
+        return group.device
     return collective_device(group)
 
 
 def _send(t: torch.Tensor, dst: int, group) -> None:
     import torch.distributed as dist
 
-    dist.send(t, dst=dst, group=group)
+    if isinstance(group, PairLink):
+        group.send(t, dst)
+    else:
+        dist.send(t, dst=dst, group=group)
 
 
 def _recv(t: torch.Tensor, src: int, group) -> None:
     import torch.distributed as dist
 
-    dist.recv(t, src=src, group=group)
+    if isinstance(group, PairLink):
+        group.recv(t, src)
+    else:
+        dist.recv(t, src=src, group=group)
 
 
 def _first_mismatch(mine: List[List[Any]], theirs: List[List[Any]]) -> int:
@@ -327,7 +337,9 @@ def send_state(model, optimizer, dst: int, group=None,
 
     Args:
         dst: the receiver's global rank.
-        group: a process group holding both ranks (None: the default group).
+        group: a process group holding both ranks (None: the default group), or a
+            :class:`~mindspeed_ha.recovery.pair_link.PairLink` (the peer is then named by
+            its index in the link, 0 or 1).
         max_message_bytes: largest packed data message (bytes).
 
     Returns:
@@ -399,7 +411,9 @@ def recv_state(model, optimizer, src: int, group=None,
     Args:
         src: the sender's global rank (it calls :func:`send_state` with the same
             ``max_message_bytes``).
-        group: a process group holding both ranks (None: the default group).
+        group: a process group holding both ranks (None: the default group), or a
+            :class:`~mindspeed_ha.recovery.pair_link.PairLink` (the peer is then named by
+            its index in the link, 0 or 1).
         materialize: first create the optimizer state tensors the sender has and this
             rank lacks (:func:`_materialize`; a restarted process's fresh optimizer).
 

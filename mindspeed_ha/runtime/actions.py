@@ -10,6 +10,7 @@ from mindspeed_ha.checkpoint.formats import checkpoint_format
 from mindspeed_ha.checkpoint.integrity import verify_state
 from mindspeed_ha.control.integrity import short_digest
 from mindspeed_ha.faults import EXIT_DYING_CHECKPOINT_SAVED
+from mindspeed_ha.recovery import switch
 
 log = logging.getLogger("mindspeed_ha.runtime")
 
@@ -97,4 +98,5 @@ def on_exit(rt, code: int, reason: str) -> None:
 
 
 #: action kind -> handler(rt, params), registered on the processor at start-up
-HANDLERS = {"verify": on_verify, "dump": on_dump, "assemble": on_assemble, "commit": on_commit}
+HANDLERS = {"verify": on_verify, "dump": on_dump, "assemble": on_assemble, "commit": on_commit,
+            "switch": switch.on_switch}

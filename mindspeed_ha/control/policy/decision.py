@@ -21,7 +21,8 @@ from mindspeed_ha.faults import FaultKind
 class ActionKind(str, enum.Enum):
     """What a decision does. DUMP, ASSEMBLE, COMMIT, EXIT, VERIFY and RETRY travel as an
     ACTION message of that kind; STOP_ALL as STOP, DRAIN as DRAIN; PAUSE (the operator's
-    graceful pause) as DRAIN with ``hold``; RELEASE (the pause ends) as RELEASE; NOOP and
+    graceful pause) as DRAIN with ``hold``; RELEASE (the pause ends) as RELEASE; SWITCH (a hot
+    switch's plan to the paused ranks, control/switch_desk.py) as an ACTION; NOOP and
     RESUME send nothing (RESUME: every rank recovered in place, the job goes back to RUNNING)."""
 
     NOOP = "noop"
@@ -36,6 +37,7 @@ class ActionKind(str, enum.Enum):
     RESUME = "resume"
     PAUSE = "pause"
     RELEASE = "release"
+    SWITCH = "switch"
 
 
 class ActionPlan(Protocol):

@@ -93,6 +93,7 @@ class RecoveryMode(WireEnum):
     FORWARD = "forward"
     RELOAD = "reload"
     REJOIN = "rejoin"
+    SWITCH = "switch"  # a hot switch's new process (its rejoin; control/policy/switch.py)
 
 
 #: every mode's wire string
@@ -177,9 +178,12 @@ def in_place_possible(kind: FaultKind, config: HAConfig) -> Optional[str]:
 
 
 def consecutive_retries(history: Sequence[Mapping[str, Any]], iteration: int) -> int:
-    """How many of the latest recoveries (newest backwards) left the ranks at ``iteration``."""
+    """How many of the latest recoveries (newest backwards) left the ranks at ``iteration``
+    (a hot switch's record, mode ``switch``, is no retry: skipped)."""
     n = 0
     for entry in reversed(history):
+        if entry.get("mode") == RecoveryMode.SWITCH.value:
+            continue
         if int(entry.get("iteration", -1)) != iteration:
             break
         n += 1

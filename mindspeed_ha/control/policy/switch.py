@@ -1,0 +1,292 @@
+"""Hot switch (the operator's ``mindspeed-ha switch --ranks R``): the pure part. No I/O.
+
+A hot switch moves live ranks to new processes at a step boundary, without a restart of
+the job and without losing a step. Its flow (the controller side is
+:mod:`mindspeed_ha.control.switch_desk`):
+
+```
+ RUNNING + switch request (ranks S)          refuse() first: a reason -> REFUSED, nothing happens
+   STARTING   the agent of each rank's node starts its next incarnation (from the warm spare),
+              training goes on; the new process replays the start-up (recovery/rejoin.py) and
+              parks at its rejoin point: READY
+   READY      every spare READY -> the operator's pause plan (policy/pause.py) is asked
+   PAUSING    every rank holds after iteration K (PAUSED)
+   -------- commit point: the switch plan goes out --------
+   COMMITTED  every rank rebuilds its groups with the spare in the switched rank's place; the
+              outgoing process sends its own state (parameters, optimizer shard, host state,
+              progress, RNG) to the spare, then exits 0; RELEASE: training resumes at K+1
+   DONE
+ before the commit point, anything wrong -> ABORTED: training goes on on the old ranks
+ (a spare that dies, READY not within --ha-connect-timeout, a pause that fails, the job
+ leaving RUNNING for a fault or a stop); the reason goes into the operator's reply
+```
+
+:func:`refuse` says whether a request may start; :func:`step` is the decision of one
+controller turn for a switch under way (:class:`SwitchStep`); :class:`Switch` is the record
+of one switch, an explicit state machine (:data:`SWITCH_MOVES`, :meth:`Switch.transition`)
+whose marks give the published phase seconds (:func:`phase_seconds`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+from typing import Dict, FrozenSet, Mapping, Optional, Sequence, Tuple
+
+from mindspeed_ha.config import HAConfig
+from mindspeed_ha.control.state import ClusterState, Phase, summarise_ranks
+
+log = logging.getLogger("mindspeed_ha.control.controller")
+
+#: the most ranks one request may switch (a whole node's worth on the largest hosts)
+MAX_SWITCH_RANKS = 64
+
+
+class SwitchPhase(str, enum.Enum):
+    """Where one hot switch stands (the transitions: :data:`SWITCH_MOVES`)."""
+
+    STARTING = "starting"
+    """The spares start for the switched ranks; training goes on."""
+    READY = "ready"
+    """Every spare parked at its rejoin point; the graceful pause is asked."""
+    PAUSING = "pausing"
+    """The pause plan runs (every rank finishes iteration K and holds)."""
+    COMMITTED = "committed"
+    """Past the commit point: the switch plan was sent (rebuild, transfer, resume)."""
+    DONE = "done"
+    """Training resumed at K+1 with the new processes in the switched ranks' places."""
+    ABORTED = "aborted"
+    """Given up before the commit point: training goes on on the old ranks."""
+    FAILED = "failed"
+    """Failed after the commit point: the job's fault handling took over."""
+
+
+#: phase -> the phases it may move to
+SWITCH_MOVES: Dict[SwitchPhase, FrozenSet[SwitchPhase]] = {
+    SwitchPhase.STARTING: frozenset({SwitchPhase.READY, SwitchPhase.ABORTED}),
+    SwitchPhase.READY: frozenset({SwitchPhase.PAUSING, SwitchPhase.ABORTED}),
+    SwitchPhase.PAUSING: frozenset({SwitchPhase.COMMITTED, SwitchPhase.ABORTED}),
+    SwitchPhase.COMMITTED: frozenset({SwitchPhase.DONE, SwitchPhase.FAILED}),
+    SwitchPhase.DONE: frozenset(),
+    SwitchPhase.ABORTED: frozenset(),
+    SwitchPhase.FAILED: frozenset(),
+}
+#: phases of a switch that is over
+ENDED = frozenset({SwitchPhase.DONE, SwitchPhase.ABORTED, SwitchPhase.FAILED})
+
+
+@dataclasses.dataclass
+class Switch:
+    """One hot switch: its request, its phase and when each phase began (controller clock, s).
+
+    Attributes:
+        request_id: the operator request's id (the reply waits on it).
+        ranks: the global ranks switched, sorted.
+        at: when the request was accepted.
+        phase: where it stands.
+        marks: phase value -> when it was entered (``requested`` at ``at``; the controller
+            adds ``paused``, ``rebuilt``, ``transferred``, ``resumed`` as the ranks report).
+        started: rank -> pid of its new process, as its agent reports it.
+        ready: rank -> pid of its new process, once READY.
+        iteration: K, the iteration every rank holds after (known in PAUSING).
+        reason: why it ended (ABORTED / FAILED) or how (DONE).
+        stage_seconds: the slowest rank's seconds per stage of the commit (``rebuild``,
+            ``transfer``), from the ranks' answers.
+    """
+
+    request_id: str
+    ranks: Tuple[int, ...]
+    at: float
+    phase: SwitchPhase = SwitchPhase.STARTING
+    marks: Dict[str, float] = dataclasses.field(default_factory=dict)
+    started: Dict[int, int] = dataclasses.field(default_factory=dict)
+    ready: Dict[int, int] = dataclasses.field(default_factory=dict)
+    iteration: Optional[int] = None
+    reason: str = ""
+    stage_seconds: Dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.marks.setdefault("requested", self.at)
+
+    @property
+    def ended(self) -> bool:
+        return self.phase in ENDED
+
+    def transition(self, new: SwitchPhase, now: float, why: str = "") -> None:
+        """Move to ``new`` (marked at ``now``), one log line.
+
+        Raises:
+            ValueError: ``new`` is not in :data:`SWITCH_MOVES` of the current phase.
+        """
+        if new not in SWITCH_MOVES[self.phase]:
+            raise ValueError(f"hot switch of ranks {list(self.ranks)}: {self.phase.value} -> {new.value} "
+                             f"is not allowed (allowed: {sorted(p.value for p in SWITCH_MOVES[self.phase])})")
+        log.warning("hot switch of ranks %s: %s -> %s%s", summarise_ranks(self.ranks), self.phase.value, new.value,
+                    f" ({why})" if why else "")
+        self.phase = new
+        self.marks.setdefault(new.value, now)
+        if new in ENDED:
+            self.reason = why
+
+    def mark(self, name: str, now: float) -> None:
+        """Note when ``name`` (a phase boundary the ranks report) happened, once."""
+        self.marks.setdefault(name, now)
+
+
+#: published phase -> (mark it starts at, mark it ends at) on the controller's clock:
+#: ``commit``: the plan sent -> every rank and new process answered (inside it, the ranks'
+#: own ``rebuild`` and ``transfer`` seconds, :attr:`Switch.stage_seconds`); ``pause_window``
+#: is what the training loop sees held (paused -> resumed), independent of the spares' start-up
+PHASE_SPANS: Tuple[Tuple[str, str, str], ...] = (
+    ("spare_ready", "requested", "ready"),
+    ("pause", "ready", "paused"),
+    ("commit", "paused", "answered"),
+    ("resume", "answered", "resumed"),
+    ("pause_window", "paused", "resumed"),
+    ("total", "requested", "resumed"),
+)
+
+
+def phase_seconds(marks: Mapping[str, float], stages: Optional[Mapping[str, float]] = None) -> Dict[str, float]:
+    """The phase seconds of one switch from its marks (:data:`PHASE_SPANS`; a phase whose
+    two marks are not both known is left out) and the ranks' stage seconds ``stages``."""
+    out: Dict[str, float] = {}
+    for name, a, b in PHASE_SPANS:
+        if a in marks and b in marks:
+            out[name] = round(max(0.0, marks[b] - marks[a]), 6)
+    for name, s in (stages or {}).items():
+        out[name] = round(float(s), 6)
+    return out
+
+
+def refuse(state: ClusterState, config: HAConfig, ranks: Sequence[int], spares: Optional[int],
+           switching: Sequence[int] = ()) -> Optional[str]:
+    """Why a hot switch of ``ranks`` may not start now, or None.
+
+    Args:
+        state: the job as the controller sees it.
+        config: the job's config (``worker_reboot``: the new process rejoins as a restarted one).
+        ranks: the global ranks asked for.
+        spares: how many spare processes can be started for them (None: the launcher
+            reported no warm spare; a switch starts its processes from the warm spare).
+        switching: ranks of a switch under way.
+
+    Returns:
+        The reason (the operator's reply, code REFUSED), or None.
+    """
+    if not ranks:
+        return "--ranks: give at least one global rank"
+    if len(ranks) > MAX_SWITCH_RANKS:
+        return f"--ranks: at most {MAX_SWITCH_RANKS} ranks per switch (got {len(ranks)})"
+    bad = sorted({r for r in ranks if not 0 <= r < state.world_size})
+    if bad:
+        return f"--ranks {bad}: outside the job's ranks 0..{state.world_size - 1}"
+    if len(set(ranks)) != len(ranks):
+        return f"--ranks {list(ranks)}: a rank is named twice"
+    if not config.worker_reboot:
+        return "a hot switch needs --enable-worker-reboot (the new process joins as a restarted one does)"
+    busy = sorted(set(ranks) & set(switching))
+    if busy:
+        return f"ranks {summarise_ranks(busy)} are already switching"
+    if switching:
+        return f"a hot switch of ranks {summarise_ranks(switching)} is under way (one switch at a time)"
+    if state.phase is not Phase.RUNNING:
+        return f"the job is {state.phase.value}, not running"
+    if state.fault is not None or any(i.fault is not None for i in state.ranks.values()):
+        return "a fault is being handled"
+    if state.stop_request is not None:
+        return f"a graceful stop was requested ({state.stop_request.reason})"
+    if state.pause is not None:
+        return "a graceful pause is under way"
+    missing = sorted(set(range(state.world_size)) - set(state.ranks))
+    if missing:
+        return f"ranks {summarise_ranks(missing)} have not registered yet"
+    dead = sorted(r for r, i in state.ranks.items() if not i.alive)
+    if dead:
+        return f"ranks {summarise_ranks(dead)} are gone"
+    waiting = sorted(state.rejoin_wait)
+    if waiting:
+        return f"ranks {summarise_ranks(waiting)} are being restarted"
+    no_rejoin = sorted(r for r in ranks if not state.ranks[r].rejoins)
+    if no_rejoin:
+        return f"ranks {summarise_ranks(no_rejoin)} registered without rejoin support"
+    if spares is None or spares < 1:
+        return "no spare: start the job with MINDSPEED_HA_WARM_SPARES=1 (the launcher reported no warm spare)"
+    if spares < len(ranks):
+        return f"{len(ranks)} ranks asked, {spares} spare(s) available"
+    return None
+
+
+class SwitchAction(str, enum.Enum):
+    """What the controller does for a switch under way in this turn."""
+
+    WAIT = "wait"
+    """Nothing yet."""
+    PAUSE = "pause"
+    """Every spare READY: ask the graceful pause (STARTING/READY -> PAUSING)."""
+    COMMIT = "commit"
+    """Every rank holds after K: send the switch plan (PAUSING -> COMMITTED)."""
+    ABORT = "abort"
+    """Give up before the commit point: back to training on the old ranks (the spares end,
+    a pause of this switch is released)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SwitchStep:
+    """One decision for a switch under way: the action and a human-readable reason."""
+
+    action: SwitchAction
+    reason: str
+
+
+def step(now: float, sw: Switch, state: ClusterState, config: HAConfig,
+         spares_gone: Mapping[int, str]) -> SwitchStep:
+    """The decision for ``sw`` in this turn (before the commit point; after it the recovery
+    plan and the job's fault handling decide).
+
+    Args:
+        now: the controller's clock, s.
+        sw: the switch (STARTING, READY or PAUSING).
+        state: the job.
+        config: ``connect_timeout_s`` bounds the wait for READY.
+        spares_gone: switched rank -> why its spare process is gone (exited, killed).
+    """
+    wait = SwitchStep(SwitchAction.WAIT, "")
+    if sw.phase not in (SwitchPhase.STARTING, SwitchPhase.READY, SwitchPhase.PAUSING):
+        return wait
+    gone = sorted(r for r in sw.ranks if r in spares_gone)
+    if gone:
+        why = "; ".join(f"rank {r}: {spares_gone[r]}" for r in gone)
+        return SwitchStep(SwitchAction.ABORT, f"the spare died before the commit point ({why}): training goes on "
+                          "on the old ranks")
+    if sw.phase is SwitchPhase.PAUSING:
+        if state.phase is Phase.PAUSED:
+            return SwitchStep(SwitchAction.COMMIT, f"every rank holds after iteration {state.drain_until}: the "
+                              "switch plan goes out")
+        if state.phase is Phase.PAUSING:
+            return wait
+        return SwitchStep(SwitchAction.ABORT, f"the graceful pause did not hold (job {state.phase.value}): "
+                          "training goes on on the old ranks")
+    if state.phase is not Phase.RUNNING or state.stop_request is not None:
+        return SwitchStep(SwitchAction.ABORT, f"the job left running before the pause (phase "
+                          f"{state.phase.value}{', a stop was requested' if state.stop_request else ''})")
+    gone_ranks = sorted(r for r, i in state.ranks.items() if not i.alive)
+    if gone_ranks:
+        return SwitchStep(SwitchAction.ABORT, f"ranks {summarise_ranks(gone_ranks)} ended before the pause ("
+                          f"{state.ranks[gone_ranks[0]].dead_reason or 'gone'})")
+    if state.fault is not None or any(i.fault is not None for i in state.ranks.values()):
+        return SwitchStep(SwitchAction.ABORT, "a fault came before the pause: its handling goes first")
+    if all(r in sw.ready for r in sw.ranks):
+        return SwitchStep(SwitchAction.PAUSE, f"the spares of ranks {summarise_ranks(sw.ranks)} are READY: "
+                          "graceful pause")
+    bound = config.connect_timeout_s
+    if now - sw.at > bound:
+        late = [r for r in sw.ranks if r not in sw.ready]
+        return SwitchStep(SwitchAction.ABORT, f"the spares of ranks {summarise_ranks(late)} were not READY within "
+                          f"{bound:g} s (--ha-connect-timeout): training goes on on the old ranks")
+    return wait
+
+
+__all__ = ["ENDED", "MAX_SWITCH_RANKS", "PHASE_SPANS", "SWITCH_MOVES", "Switch", "SwitchAction", "SwitchPhase",
+           "SwitchStep", "phase_seconds", "refuse", "step"]

@@ -1,0 +1,406 @@
+"""The controller's side of the hot switch (``mindspeed-ha switch --ranks R``): requests, the
+spares, the commit, events and replies. The decisions before the commit point are
+:mod:`.policy.switch` (pure); this module does what they say, on the controller thread
+under the controller's lock, like :mod:`.operator_desk`.
+
+Entry points:
+
+* :func:`request` (the ``switch`` verb of :data:`.operator_desk.VERBS`, and any internal
+  caller such as a sub-health policy, with the ranks as its parameter): refused at once with
+  a reason (code REFUSED) or recorded (STARTING); the reply waits for the switch's end.
+* the agent of the controller's launcher (its thread; :meth:`SwitchDesk.agent_wanted`,
+  :meth:`SwitchDesk.agent_report`, under a lock of their own): per rank, start a new
+  process, keep it, or (committed) put it in the old process's place once that one exited 0
+  (not counted as a restart); a rank no longer listed: end its new process. The agent
+  reports the pid it started, a new process that died, and the place taken.
+* the new process (REGISTER with ``switching``, :meth:`SwitchDesk.register_incoming`): it
+  is not the rank yet; its frames come here (:meth:`SwitchDesk.owns`,
+  :meth:`SwitchDesk.incoming_message`): FAULT ``where=rejoin`` is READY (parked at its
+  rejoin point), ACTION_RESULT its part of the commit, GOODBYE its end.
+* :meth:`SwitchDesk.settle` (after each decision step, from ``OperatorDesk.settle``): runs
+  :func:`.policy.switch.step` and acts: PAUSE asks the graceful pause
+  (``ClusterState.pause``); ABORT releases a pause this switch asked for (training goes on
+  on the old ranks), ends the new processes and answers FAILED with the reason; COMMIT
+  sends the plan (ACTION ``switch`` to every paused rank, RETRY(mode ``switch``) to each
+  new process, :mod:`mindspeed_ha.recovery.switch`); every answer ok -> the new process
+  becomes the rank (RankInfo, connection), EXIT 0 to the old one, RELEASE: DONE.
+  A failed answer after the commit point: FAILED, the graceful stop of the job (its
+  checkpoint of K; the replica fallback is not built).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
+
+import zmq
+
+from mindspeed_ha.control import job_events, wire
+from mindspeed_ha.control.policy import ActionKind
+from mindspeed_ha.control.policy import switch as policy
+from mindspeed_ha.control.policy.recovery import RecoveryMode, RecoveryPlan
+from mindspeed_ha.control.policy.switch import Switch, SwitchAction, SwitchPhase
+from mindspeed_ha.control.state import OptimizerStatus, PauseRequest, Phase, RankInfo
+from mindspeed_ha.faults import FaultKind
+
+if TYPE_CHECKING:
+    from mindspeed_ha.control.controller import Controller
+
+log = logging.getLogger("mindspeed_ha.control.controller")
+
+#: reply codes (as :mod:`.operator_desk`'s)
+DONE, FAILED, REFUSED = 0, 1, 4
+#: ended switches kept for ``status``
+KEEP_SWITCHES = 5
+
+
+@dataclasses.dataclass
+class Incoming:
+    """A switched rank's new process, registered (not the rank yet)."""
+
+    ident: bytes
+    fd: Optional[int]
+    info: RankInfo
+
+
+class SwitchDesk:
+    """The hot switches of one controller: the one under way and the last ended ones."""
+
+    def __init__(self) -> None:
+        self.current: Optional[Switch] = None
+        self.ended: List[Switch] = []
+        #: switched rank -> why its spare is gone (cleared with each new switch)
+        self.spares_gone: Dict[int, str] = {}
+        #: switched rank -> its new process, once registered
+        self.incoming: Dict[int, Incoming] = {}
+        self._paused_by_switch = False
+        #: the commit: action id -> who answers it ("rank" r or "incoming" r) and the answers
+        self._waiting: Dict[Tuple[str, int], int] = {}
+        self._answers: Dict[Tuple[str, int], Tuple[bool, str]] = {}
+        self._deadline: Optional[float] = None
+        # the agent's side (its thread): guarded by _mail
+        self._mail = threading.Lock()
+        #: global rank -> what its agent does: "start" a new process, "keep" it (parked or
+        #: starting), "commit" (put it in the old process's place once that one exits 0);
+        #: a rank not listed: end its new process, if any
+        self._agent_view: Dict[int, str] = {}
+        self._reports: List[Tuple[str, int, Any]] = []
+
+    # ------------------------------------------------------------------ the agent (its thread)
+    def agent_wanted(self) -> Dict[int, str]:
+        """Global rank -> ``start`` | ``keep`` | ``commit`` (see ``_agent_view``)."""
+        with self._mail:
+            return dict(self._agent_view)
+
+    def agent_report(self, what: str, rank: int, value: Any) -> None:
+        """``started`` (value: pid), ``gone`` (value: why) or ``switched`` (value: pid: the new
+        process took the old one's place) for the new process of ``rank``."""
+        with self._mail:
+            self._reports.append((what, int(rank), value))
+            if what == "started" and self._agent_view.get(int(rank)) == "start":
+                self._agent_view[int(rank)] = "keep"
+            elif what in ("gone", "switched"):
+                self._agent_view.pop(int(rank), None)
+
+    # ------------------------------------------------------------------ inputs
+    def request(self, ctl: "Controller", now: float, request_id: str, ranks: Sequence[int]
+                ) -> Optional[wire.OperatorReply]:
+        """A switch of ``ranks``: the refusal (REFUSED, nothing else happens), or None (the
+        reply comes with the switch's end, from :meth:`settle`)."""
+        ranks = [int(r) for r in ranks]
+        switching = self.busy_ranks()
+        why = policy.refuse(ctl.state, ctl.config, ranks, _spares_available(ctl), switching)
+        if why is not None:
+            log.warning("operator: hot switch of ranks %s refused: %s", ranks, why)
+            return wire.OperatorReply(request_id, REFUSED, why)
+        self.current = sw = Switch(request_id, tuple(sorted(ranks)), now)
+        self.spares_gone, self.incoming = {}, {}
+        self._waiting, self._answers, self._deadline = {}, {}, None
+        with self._mail:
+            self._reports = []
+            self._agent_view.update({r: "start" for r in sw.ranks})
+        job_events.note(ctl.recorder, "SwitchRequested", None, ranks=sw.ranks, reason="operator",
+                        request_id=request_id)
+        log.warning("operator: hot switch of ranks %s: new processes starting (training goes on)", list(sw.ranks))
+        return None
+
+    def spare_ready(self, ctl: "Controller", now: float, rank: int, pid: int) -> bool:
+        """The new process of switched ``rank`` is parked at its rejoin point. False when no
+        switch of that rank is starting."""
+        sw = self.current
+        if sw is None or rank not in sw.ranks or sw.phase is not SwitchPhase.STARTING:
+            return False
+        sw.ready[rank] = int(pid)
+        log.warning("hot switch: the new process of rank %d (pid %d) is READY", rank, pid)
+        if all(r in sw.ready for r in sw.ranks):
+            sw.transition(SwitchPhase.READY, now, "every new process is READY")
+            job_events.note(ctl.recorder, "SwitchReady", None, ranks=sw.ranks,
+                            phase_seconds=policy.phase_seconds(sw.marks), pids=dict(sw.ready))
+        return True
+
+    def spare_gone(self, rank: int, why: str) -> None:
+        """The new process of switched ``rank`` died (before the commit point: the switch aborts)."""
+        if self.current is not None and rank in self.current.ranks:
+            self.spares_gone.setdefault(rank, why)
+
+    def wanted(self) -> Dict[int, Tuple[str, int]]:
+        """Switched rank -> (request id, 0) for each new process still to be READY."""
+        sw = self.current
+        if sw is None or sw.phase is not SwitchPhase.STARTING:
+            return {}
+        return {r: (sw.request_id, 0) for r in sw.ranks if r not in sw.ready and r not in self.spares_gone}
+
+    # ------------------------------------------------------------------ the new process's frames
+    def register_incoming(self, ctl: "Controller", now: float, ident: bytes, fd: Optional[int], sender: str,
+                          body: wire.Register) -> Tuple[bool, str]:
+        """REGISTER with ``switching``: admitted as the incoming process of its rank while a
+        switch of that rank is starting (a repeat is answered again)."""
+        sw = self.current
+        if sw is None or body.rank not in sw.ranks or sw.phase is not SwitchPhase.STARTING:
+            return False, f"no hot switch of rank {body.rank} is starting"
+        old = self.incoming.get(body.rank)
+        if old is not None and old.info.sender == sender:
+            old.ident, old.fd = ident, fd
+            return True, ""
+        info = RankInfo(rank=body.rank, layout=body.layout, last_heartbeat=now, pid=body.pid, host=body.host,
+                        save_dir=body.save_dir, sender=sender)
+        info.incarnation, info.rejoins, info.verifies = body.incarnation, body.rejoins, body.verifies
+        self.incoming[body.rank] = Incoming(ident, fd, info)
+        log.info("hot switch: the new process of rank %d registered (pid %d, incarnation %d)", body.rank, body.pid,
+                 body.incarnation)
+        return True, ""
+
+    def owns(self, ident: bytes) -> Optional[int]:
+        """The rank whose new process speaks on connection ``ident``, or None."""
+        for rank, inc in self.incoming.items():
+            if inc.ident == ident:
+                return rank
+        return None
+
+    def incoming_message(self, ctl: "Controller", now: float, rank: int, msg: wire.Message) -> None:
+        """A frame of the new process of ``rank`` (see the module doc)."""
+        inc, body = self.incoming[rank], msg.body
+        inc.info.last_heartbeat = now
+        if msg.type is wire.MsgType.FAULT and body.where == "rejoin":
+            self.spare_ready(ctl, now, rank, inc.info.pid)
+        elif msg.type is wire.MsgType.ACTION_RESULT:
+            self.action_result(now, ("incoming", rank), body)
+        elif msg.type is wire.MsgType.GOODBYE:
+            self.spare_gone(rank, f"its new process ended (exit code {getattr(body, 'exit_code', '?')})")
+
+    def action_result(self, now: float, who: Tuple[str, int], body: Any) -> bool:
+        """An answer to the commit's actions; False when it is not one."""
+        if self._waiting.get(who) != body.action_id:
+            return False
+        self._answers[who] = (bool(body.ok), str(body.detail))
+        return True
+
+    # ------------------------------------------------------------------ the controller's turn
+    def settle(self, ctl: "Controller", now: float) -> List[Tuple[str, wire.OperatorReply]]:
+        """After the decision step: act for the switch under way; returns the replies of
+        switches that ended (request id, reply)."""
+        sw = self.current
+        if sw is None:
+            return []
+        self._read_mail(ctl, now, sw)
+        st = ctl.state
+        if sw.phase is SwitchPhase.COMMITTED:
+            return self._committing(ctl, now, sw)
+        if sw.phase is SwitchPhase.PAUSING and st.phase is Phase.PAUSED:
+            sw.iteration = st.drain_until
+            sw.mark("paused", now)
+        decision = policy.step(now, sw, st, ctl.config, self.spares_gone)
+        if decision.action is SwitchAction.PAUSE:
+            if sw.phase is SwitchPhase.STARTING:
+                sw.transition(SwitchPhase.READY, now, "every new process is READY")
+            st.pause = PauseRequest(now, 0.0, False)
+            self._paused_by_switch = True
+            ctl.operators.pause_asked(now)
+            sw.transition(SwitchPhase.PAUSING, now, decision.reason)
+            job_events.note(ctl.recorder, "PauseRequested", None, reason="hot switch", max_s=0.0, then_stop=False)
+        elif decision.action is SwitchAction.COMMIT:
+            self._commit(ctl, now, sw, decision.reason)
+        elif decision.action is SwitchAction.ABORT:
+            return self._abort(ctl, now, decision.reason)
+        return []
+
+    def _read_mail(self, ctl: "Controller", now: float, sw: Switch) -> None:
+        with self._mail:
+            reports, self._reports = self._reports, []
+        for what, rank, value in reports:
+            if what == "started":
+                sw.started[rank] = int(value)
+                log.warning("hot switch: the agent started the new process of rank %d: pid %d", rank, value)
+            elif what == "gone":
+                self.spare_gone(rank, str(value))
+
+    def _commit(self, ctl: "Controller", now: float, sw: Switch, why: str) -> None:
+        """The commit point: the switch plan to every paused rank and every new process."""
+        st = ctl.state
+        k = int(st.drain_until)
+        generation = 1 + max([int(r.get("generation") or 0) for r in st.recoveries] + [0])
+        plan = RecoveryPlan(iteration=k, generation=generation, kind=FaultKind.PROCESS, fault_rank=sw.ranks[0],
+                            repairs={r: r for r in sw.ranks}, mode=RecoveryMode.SWITCH, rejoin=sw.ranks,
+                            reason=f"hot switch of ranks {list(sw.ranks)} after iteration {k}")
+        params = plan.to_params()
+        st.recoveries.append({"iteration": k, "kind": "switch", "mode": "switch", "rank": sw.ranks[0],
+                              "generation": generation, "repairs": params["repairs"], "evidence_at": sw.at,
+                              "stop_at": sw.marks.get("paused"), "abort_at": None, "retry_at": now,
+                              "done_at": None, "ranks": {}})
+        ctl.failover.roster_dirty = True
+        sw.transition(SwitchPhase.COMMITTED, now, why)
+        self._deadline = now + 2 * ctl.config.action_timeout_s
+        aid = next(ctl.action_ids)
+        for r in range(st.world_size):
+            self._waiting[("rank", r)] = aid
+        ctl.server.send_to_ranks(range(st.world_size), wire.Action(aid, ActionKind.SWITCH.value, params))
+        for r in sw.ranks:
+            raid = next(ctl.action_ids)
+            self._waiting[("incoming", r)] = raid
+            self._send(ctl, self.incoming[r].ident, wire.Action(raid, ActionKind.RETRY.value, params))
+        log.warning("hot switch of ranks %s: the plan goes out (generation %d, iteration %d)", list(sw.ranks),
+                    generation, k)
+
+    def _committing(self, ctl: "Controller", now: float, sw: Switch) -> List[Tuple[str, wire.OperatorReply]]:
+        failed = {who: detail for who, (ok, detail) in self._answers.items() if not ok}
+        late = [who for who in self._waiting if who not in self._answers]
+        if not failed and late and now < (self._deadline or now):
+            return []
+        if failed or late:
+            why = "; ".join(f"{w[0]} {w[1]}: {d}" for w, d in sorted(failed.items())) or \
+                f"no answer from {sorted(late)} within {2 * ctl.config.action_timeout_s:g} s"
+            return self._fail(ctl, now, sw, why)
+        stages: Dict[str, float] = {}
+        for (_, _), (_, detail) in self._answers.items():
+            try:
+                seconds = json.loads(detail)
+            except ValueError:
+                continue
+            for name, key in (("rebuild", "rebuild"), ("transfer", "transfer"), ("transfer", "repair")):
+                if isinstance(seconds.get(key), (int, float)):
+                    stages[name] = max(stages.get(name, 0.0), float(seconds[key]))
+        sw.mark("answered", now)
+        old_pids = {r: ctl.state.ranks[r].pid for r in sw.ranks}
+        for r in sw.ranks:
+            self._take_place(ctl, now, r, sw.iteration)
+        ctl.state.recoveries[-1]["done_at"] = now
+        if ctl.state.pause is not None:
+            ctl.state.pause.resume_at = now  # RELEASE: training resumes at K+1
+        self._paused_by_switch = False
+        sw.mark("resumed", now)
+        sw.stage_seconds = stages
+        sw.transition(SwitchPhase.DONE, now, f"ranks {list(sw.ranks)} moved from pids "
+                      f"{[old_pids[r] for r in sw.ranks]} to {[ctl.state.ranks[r].pid for r in sw.ranks]}")
+        return [self._end(ctl, sw, DONE, f"hot switch of ranks {list(sw.ranks)} done after iteration "
+                          f"{sw.iteration}: {sw.reason}", "SwitchFinished")]
+
+    def _take_place(self, ctl: "Controller", now: float, rank: int, k: Optional[int]) -> None:
+        """The new process becomes ``rank``; the old one is told EXIT 0 (switched out)."""
+        st, server = ctl.state, ctl.server
+        inc = self.incoming.pop(rank)
+        old_ident = server.ident.get(rank)
+        info = inc.info
+        info.status, info.iteration, info.last_heartbeat = OptimizerStatus.UPDATED, int(k if k is not None else -1), now
+        st.ranks[rank] = info
+        if old_ident is not None:
+            server.rank_of_ident.pop(old_ident, None)
+        server.forget_rank(rank)  # the old connection's close is not this rank's death
+        server.ident[rank] = inc.ident
+        server.rank_of_ident[inc.ident] = rank
+        server.bind_fd(inc.fd, rank)
+        ctl.failover.roster_dirty = True
+        with self._mail:
+            self._agent_view[rank] = "commit"
+        if old_ident is not None:
+            self._send(ctl, old_ident, wire.Action(next(ctl.action_ids), ActionKind.EXIT.value, {
+                "code": 0, "reason": f"hot switch: rank {rank} goes on in pid {info.pid}"}))
+
+    def _fail(self, ctl: "Controller", now: float, sw: Switch, why: str) -> List[Tuple[str, wire.OperatorReply]]:
+        """After the commit point: the job's own handling (a graceful stop: the checkpoint of K)."""
+        for r, inc in sorted(self.incoming.items()):
+            self._send(ctl, inc.ident, wire.Action(next(ctl.action_ids), ActionKind.EXIT.value, {
+                "code": 1, "reason": f"hot switch failed: {why}"}))
+        self.incoming = {}
+        ctl.state.request_stop(now, -1, f"hot switch failed after its commit point: {why}")
+        sw.transition(SwitchPhase.FAILED, now, why)
+        return [self._end(ctl, sw, FAILED, f"hot switch of ranks {list(sw.ranks)} failed after its commit point: "
+                          f"{why}; the job stops gracefully (checkpoint of iteration {sw.iteration})",
+                          "SwitchAborted")]
+
+    def _abort(self, ctl: "Controller", now: float, why: str) -> List[Tuple[str, wire.OperatorReply]]:
+        sw = self.current
+        assert sw is not None
+        st = ctl.state
+        if self._paused_by_switch and st.pause is not None and st.phase in (Phase.PAUSING, Phase.PAUSED):
+            st.pause.resume_at = now  # the pause plan releases every rank: training goes on
+        self._paused_by_switch = False
+        for r, inc in sorted(self.incoming.items()):  # each new process ends; its agent reports it gone
+            self._send(ctl, inc.ident, wire.Action(next(ctl.action_ids), ActionKind.EXIT.value, {
+                "code": 0, "reason": f"hot switch abandoned: {why}"}))
+        self.incoming = {}
+        sw.transition(SwitchPhase.ABORTED, now, why)
+        return [self._end(ctl, sw, FAILED, f"hot switch of ranks {list(sw.ranks)} abandoned: {why}",
+                          "SwitchAborted")]
+
+    def _end(self, ctl: "Controller", sw: Switch, code: int, detail: str, event: str
+             ) -> Tuple[str, wire.OperatorReply]:
+        seconds = policy.phase_seconds(sw.marks, sw.stage_seconds)
+        job_events.note(ctl.recorder, event, sw.iteration, ranks=sw.ranks, reason=sw.reason, phase_seconds=seconds,
+                        outcome=sw.phase.value, request_id=sw.request_id)
+        self.ended.append(sw)
+        del self.ended[:-KEEP_SWITCHES]
+        self.current = None
+        with self._mail:  # the new processes not switched in end (their agent ends them)
+            for r in sw.ranks:
+                if self._agent_view.get(r) != "commit":
+                    self._agent_view.pop(r, None)
+        self._waiting, self._answers = {}, {}
+        return sw.request_id, wire.OperatorReply(sw.request_id, code, detail, describe(sw))
+
+    @staticmethod
+    def _send(ctl: "Controller", ident: bytes, body: Any) -> None:
+        try:
+            ctl.server.send(ident, body)
+        except (zmq.ZMQError, wire.WireError) as exc:
+            log.warning("hot switch: cannot send %s: %s", type(body).__name__, exc)
+
+    # ------------------------------------------------------------------ status
+    def busy_ranks(self) -> List[int]:
+        """The ranks of the switch under way and those whose switched-out process has not
+        exited yet (a new switch of any rank waits for them)."""
+        with self._mail:
+            return sorted(set(self.current.ranks if self.current is not None else ())
+                          | {r for r, v in self._agent_view.items() if v == "commit"})
+
+    def status(self) -> List[Dict[str, Any]]:
+        """The switch under way and the last ended ones (``mindspeed-ha status``)."""
+        rows = [describe(s) for s in self.ended]
+        if self.current is not None:
+            rows.append(describe(self.current))
+        return rows
+
+
+def describe(sw: Switch) -> Dict[str, Any]:
+    """One switch as ``status`` and the operator's reply show it (JSON-able)."""
+    return {"ranks": list(sw.ranks), "phase": sw.phase.value, "iteration": sw.iteration, "reason": sw.reason,
+            "started": {str(r): p for r, p in sorted(sw.started.items())},
+            "spares": {str(r): p for r, p in sorted(sw.ready.items())},
+            "phase_seconds": policy.phase_seconds(sw.marks, sw.stage_seconds)}
+
+
+def _spares_available(ctl: "Controller") -> Optional[int]:
+    """How many spares a switch can start from: the warm spares the hosting launcher reported
+    (None: nothing reported)."""
+    spares = getattr(ctl, "spares", None)
+    return None if spares is None else len(spares)
+
+
+def request(ctl: "Controller", now: float, body: wire.OperatorRequest) -> Optional[wire.OperatorReply]:
+    """The ``switch`` verb (:data:`.operator_desk.VERBS`): ``body.params["ranks"]`` to new processes."""
+    return ctl.operators.switches.request(ctl, now, body.request_id, list(body.params.get("ranks") or ()))
+
+
+__all__ = ["Incoming", "SwitchDesk", "describe", "request"]

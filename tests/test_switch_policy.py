@@ -1,0 +1,179 @@
+"""The hot switch's pure part (control/policy/switch.py): refusals, the decision of each
+turn before the commit point, the phase machine and the published phase seconds."""
+
+import dataclasses
+
+import pytest
+
+from mindspeed_ha.control.policy.switch import (SWITCH_MOVES, Switch, SwitchAction, SwitchPhase, phase_seconds,
+                                                refuse, step)
+from mindspeed_ha.control.state import ClusterState, PauseRequest, Phase, StopRequest
+from mindspeed_ha.faults import FaultKind
+
+from test_control import CFG
+from test_policy import cluster
+
+ARF = dataclasses.replace(CFG, worker_reboot=True, heartbeat_timeout_s=100.0, connect_timeout_s=30.0)
+
+
+def _running(**kw):
+    st = ClusterState(world_size=4, ranks=cluster(1, 1, 4, 2, it=7), phase=Phase.RUNNING, phase_since=0.0, **kw)
+    for info in st.ranks.values():
+        info.stopped, info.rejoins, info.last_heartbeat = False, True, 10.0
+    return st
+
+
+def _dead(st):
+    st.ranks[2].alive = False
+    return st
+
+
+def _fault(st):
+    st.ranks[3].fault = FaultKind.NETWORK
+    return st
+
+
+def _unregistered(st):
+    del st.ranks[3]
+    return st
+
+
+def _no_rejoin(st):
+    st.ranks[1].rejoins = False
+    return st
+
+
+def _restarting(st):
+    st.rejoin_wait[2] = 5.0
+    return st
+
+
+@pytest.mark.parametrize("case,ranks,spares,switching,change,cfg,expect", [
+    ("ok", [1], 1, (), None, ARF, None),
+    ("rank 0 too", [0], 1, (), None, ARF, None),
+    ("no ranks", [], 1, (), None, ARF, "at least one"),
+    ("outside", [4], 1, (), None, ARF, "outside the job's ranks 0..3"),
+    ("negative", [-1], 1, (), None, ARF, "outside"),
+    ("twice", [1, 1], 2, (), None, ARF, "named twice"),
+    ("worker reboot off", [1], 1, (), None, CFG, "--enable-worker-reboot"),
+    ("already switching", [1], 1, (1,), None, ARF, "already switching"),
+    ("another switch", [1], 1, (2,), None, ARF, "one switch at a time"),
+    ("no spare reported", [1], None, (), None, ARF, "no spare"),
+    ("no spare left", [1], 0, (), None, ARF, "no spare"),
+    ("fewer spares", [1, 2], 1, (), None, ARF, "2 ranks asked, 1 spare"),
+    ("a rank is gone", [1], 1, (), _dead, ARF, "are gone"),
+    ("a fault", [1], 1, (), _fault, ARF, "a fault"),
+    ("unregistered", [1], 1, (), _unregistered, ARF, "not registered"),
+    ("restarting", [1], 1, (), _restarting, ARF, "being restarted"),
+    ("no rejoin support", [1], 1, (), _no_rejoin, ARF, "without rejoin support"),
+])
+def test_refusals(case, ranks, spares, switching, change, cfg, expect):
+    st = _running()
+    if change is not None:
+        st = change(st)
+    why = refuse(st, cfg, ranks, spares, switching)
+    if expect is None:
+        assert why is None, why
+    else:
+        assert why is not None and expect in why, why
+
+
+@pytest.mark.parametrize("phase", [Phase.PAUSED, Phase.RECOVERING, Phase.DRAINING, Phase.STOPPING])
+def test_refused_outside_running(phase):
+    st = _running()
+    st.phase = phase
+    assert "not running" in refuse(st, ARF, [1], 1)
+
+
+def test_refused_during_a_stop_or_a_pause():
+    st = _running(stop_request=StopRequest(1.0, -1, "SIGTERM"))
+    assert "graceful stop" in refuse(st, ARF, [1], 1)
+    st = _running(pause=PauseRequest(1.0))
+    assert "pause" in refuse(st, ARF, [1], 1)
+
+
+def _switch(phase=SwitchPhase.STARTING, ready=(), at=10.0):
+    sw = Switch("r1", (1,), at)
+    sw.phase = phase
+    sw.ready = {r: 100 + r for r in ready}
+    return sw
+
+
+@pytest.mark.parametrize("case,sw,job,now,gone,expect,words", [
+    ("spare starting", _switch(), Phase.RUNNING, 20.0, {}, SwitchAction.WAIT, ""),
+    ("spare READY", _switch(ready=(1,)), Phase.RUNNING, 20.0, {}, SwitchAction.PAUSE, "graceful pause"),
+    ("READY never comes", _switch(), Phase.RUNNING, 40.5, {}, SwitchAction.ABORT, "not READY within 30 s"),
+    ("spare died", _switch(), Phase.RUNNING, 20.0, {1: "exit -9"}, SwitchAction.ABORT, "spare died"),
+    ("spare died while pausing", _switch(SwitchPhase.PAUSING, (1,)), Phase.PAUSING, 20.0, {1: "exit -9"},
+     SwitchAction.ABORT, "before the commit point"),
+    ("pausing", _switch(SwitchPhase.PAUSING, (1,)), Phase.PAUSING, 20.0, {}, SwitchAction.WAIT, ""),
+    ("paused: commit", _switch(SwitchPhase.PAUSING, (1,)), Phase.PAUSED, 20.0, {}, SwitchAction.COMMIT, "iteration"),
+    ("pause failed", _switch(SwitchPhase.PAUSING, (1,)), Phase.RUNNING, 20.0, {}, SwitchAction.ABORT,
+     "did not hold"),
+    ("a fault came first", _switch(), Phase.RECOVERING, 20.0, {}, SwitchAction.ABORT, "left running"),
+    ("after the commit point", _switch(SwitchPhase.COMMITTED, (1,)), Phase.PAUSED, 99.0, {1: "gone"},
+     SwitchAction.WAIT, ""),
+])
+def test_decisions_before_the_commit_point(case, sw, job, now, gone, expect, words):
+    st = _running()
+    st.phase, st.drain_until = job, 9
+    d = step(now, sw, st, ARF, gone)
+    assert d.action is expect, d
+    assert words in d.reason
+
+
+def test_a_fault_of_a_rank_aborts_a_starting_switch():
+    st = _fault(_running())
+    d = step(20.0, _switch(ready=(1,)), st, ARF, {})
+    assert d.action is SwitchAction.ABORT and "fault" in d.reason
+
+
+def test_a_rank_that_ended_aborts_a_starting_switch():
+    """Training ended on a rank (GOODBYE 0) while the new process was starting."""
+    st = _dead(_running())
+    st.ranks[2].dead_reason = "said goodbye (exit code 0)"
+    d = step(20.0, _switch(ready=(1,)), st, ARF, {})
+    assert d.action is SwitchAction.ABORT and "ranks [2] ended before the pause (said goodbye" in d.reason
+
+
+def test_phase_machine_rejects_illegal_moves_and_marks_each_phase():
+    sw = _switch()
+    with pytest.raises(ValueError, match="starting -> committed is not allowed"):
+        sw.transition(SwitchPhase.COMMITTED, 11.0)
+    sw.transition(SwitchPhase.READY, 12.0)
+    sw.transition(SwitchPhase.PAUSING, 12.0)
+    sw.mark("paused", 12.5)
+    sw.transition(SwitchPhase.COMMITTED, 12.5)
+    for name, at in (("answered", 13.0), ("resumed", 13.25)):
+        sw.mark(name, at)
+    sw.transition(SwitchPhase.DONE, 13.25, "switched")
+    assert sw.ended and sw.reason == "switched"
+    assert phase_seconds(sw.marks, {"rebuild": 0.125, "transfer": 0.25}) == {
+        "spare_ready": 2.0, "pause": 0.5, "commit": 0.5, "resume": 0.25, "pause_window": 0.75, "total": 3.25,
+        "rebuild": 0.125, "transfer": 0.25}
+    with pytest.raises(ValueError):
+        sw.transition(SwitchPhase.ABORTED, 14.0)  # an ended switch stays ended
+
+
+def test_every_phase_has_its_moves_and_ended_phases_none():
+    assert set(SWITCH_MOVES) == set(SwitchPhase)
+    for p in (SwitchPhase.DONE, SwitchPhase.ABORTED, SwitchPhase.FAILED):
+        assert SWITCH_MOVES[p] == frozenset()
+    # before the commit point every phase may abort; after it never (the job's fault handling takes over)
+    for p in (SwitchPhase.STARTING, SwitchPhase.READY, SwitchPhase.PAUSING):
+        assert SwitchPhase.ABORTED in SWITCH_MOVES[p]
+    assert SwitchPhase.ABORTED not in SWITCH_MOVES[SwitchPhase.COMMITTED]
+
+
+def test_phase_seconds_leave_out_what_is_not_known():
+    assert phase_seconds({"requested": 1.0, "ready": 3.5}) == {"spare_ready": 2.5}
+
+
+def test_a_switch_record_is_no_retry_of_its_iteration():
+    """The switch's generation is kept in ``ClusterState.recoveries`` (mode ``switch``); a fault
+    right after it, rolled back to the same iteration, is still a first retry."""
+    from mindspeed_ha.control.policy.recovery import consecutive_retries
+
+    history = [{"iteration": 9, "mode": "rollback"}, {"iteration": 12, "mode": "switch", "generation": 2}]
+    assert consecutive_retries(history, 12) == 0
+    assert consecutive_retries(history + [{"iteration": 12, "mode": "rollback"}], 12) == 1
