@@ -403,24 +403,12 @@ class WorkerRebootAgent(LocalElasticAgent):
     def _start_incoming(self, worker_group: WorkerGroup, local_rank: int) -> None:
         """Start the next incarnation of ``local_rank`` beside its running process (hot
         switch): its argv and env, ``MINDSPEED_HA_SWITCH=1``, from the warm spare when one is parked."""
-        pc = self._pcontext
         worker = worker_group.workers[local_rank]
         n = self._incarnation[local_rank] + 1
         self._incarnation[local_rank] = n  # the number is taken, whatever becomes of this process
         self._switched[local_rank] = self._switched.get(local_rank, 0) + 1
-        env = dict(pc.envs[local_rank])
-        env[ENV_INCARNATION], env[ha_env.SWITCH] = str(n), "1"
-        stdout = incarnation_path(pc.stdouts[local_rank], n)
-        stderr = incarnation_path(pc.stderrs[local_rank], n)
-        error_file = incarnation_path(pc.error_files.get(local_rank, ""), n)
-        if env.get("TORCHELASTIC_ERROR_FILE"):
-            env["TORCHELASTIC_ERROR_FILE"] = error_file
-        handler = self._adopt_spare(worker_group, local_rank, env, stdout, stderr)
-        warm = handler is not None
-        if handler is None:
-            handler = forked.start_handler(entrypoint=pc.entrypoint, args=pc.args[local_rank], env=env,
-                                           stdout=stdout, stderr=stderr, local_rank_id=local_rank,
-                                           numa_options=worker_group.spec.numa_options)
+        handler, warm, env, stdout, stderr, error_file = self._start_incarnation(
+            worker_group, local_rank, n, {ha_env.SWITCH: "1"})
         self._incoming[local_rank] = (handler, n, env, stdout, stderr, error_file)
         self._tail(worker_group, local_rank, stdout, stderr)
         log.warning("hot switch: rank %d (pid %d) gets a new process beside it: pid %d%s, incarnation %d",
@@ -458,19 +446,7 @@ class WorkerRebootAgent(LocalElasticAgent):
             old.close(death_sig=signal.SIGKILL)
         except ProcessLookupError:
             pass
-        env = dict(pc.envs[local_rank])
-        env[ENV_INCARNATION] = str(n)
-        stdout = incarnation_path(pc.stdouts[local_rank], n)
-        stderr = incarnation_path(pc.stderrs[local_rank], n)
-        error_file = incarnation_path(pc.error_files.get(local_rank, ""), n)
-        if env.get("TORCHELASTIC_ERROR_FILE"):
-            env["TORCHELASTIC_ERROR_FILE"] = error_file
-        handler = self._adopt_spare(worker_group, local_rank, env, stdout, stderr)
-        warm = handler is not None
-        if handler is None:
-            handler = forked.start_handler(entrypoint=pc.entrypoint, args=pc.args[local_rank], env=env,
-                                           stdout=stdout, stderr=stderr, local_rank_id=local_rank,
-                                           numa_options=worker_group.spec.numa_options)
+        handler, warm, env, stdout, stderr, error_file = self._start_incarnation(worker_group, local_rank, n, {})
         pc.subprocess_handlers[local_rank] = handler
         pc.envs[local_rank], pc.stdouts[local_rank], pc.stderrs[local_rank] = env, stdout, stderr
         if local_rank in pc.error_files:
@@ -485,6 +461,27 @@ class WorkerRebootAgent(LocalElasticAgent):
         self.hooks.restarted(worker.global_rank, n, handler.proc.pid, code)
         if warm:
             self._start_spare(worker_group)  # for the next restart
+
+    def _start_incarnation(self, worker_group: WorkerGroup, local_rank: int, n: int, extra_env: Dict[str, str]):
+        """Start incarnation ``n`` of ``local_rank`` (a restart, or a hot switch's new process):
+        the worker's argv and env with ``MINDSPEED_HA_INCARNATION=n`` and ``extra_env``, its
+        logs and error file per incarnation, from the warm spare when one is parked.
+        Returns (handler, warm, env, stdout, stderr, error_file)."""
+        pc = self._pcontext
+        env = dict(pc.envs[local_rank], **extra_env)
+        env[ENV_INCARNATION] = str(n)
+        stdout = incarnation_path(pc.stdouts[local_rank], n)
+        stderr = incarnation_path(pc.stderrs[local_rank], n)
+        error_file = incarnation_path(pc.error_files.get(local_rank, ""), n)
+        if env.get("TORCHELASTIC_ERROR_FILE"):
+            env["TORCHELASTIC_ERROR_FILE"] = error_file
+        handler = self._adopt_spare(worker_group, local_rank, env, stdout, stderr)
+        warm = handler is not None
+        if handler is None:
+            handler = forked.start_handler(entrypoint=pc.entrypoint, args=pc.args[local_rank], env=env,
+                                           stdout=stdout, stderr=stderr, local_rank_id=local_rank,
+                                           numa_options=worker_group.spec.numa_options)
+        return handler, warm, env, stdout, stderr, error_file
 
     # ------------------------------------------------------------------ warm spare
     def _start_spare(self, worker_group: WorkerGroup) -> None:
