@@ -197,6 +197,7 @@ class Controller:
             thread.join(timeout)
             if thread.is_alive():  # it still owns the sockets: it closes them when it ends
                 log.error("controller thread did not stop within %.1f s", timeout)
+        self.failover.close()
         self.observers.stop()
 
     def __enter__(self) -> "Controller":

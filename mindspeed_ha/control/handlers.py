@@ -134,7 +134,7 @@ def _admit(ctl: "Controller", now: float, ident: bytes, fd: Optional[int], sende
         st.registering_until = None
         for other in st.ranks.values():
             other.last_heartbeat = max(other.last_heartbeat, now)
-    ctl.failover.roster_dirty = True
+    ctl.failover.note_rank(info)
     if not st.run_id:
         st.run_id = body.run_id
     log.info("rank %d registered (pid %d on %s, layout %s); %d/%d ranks", body.rank, body.pid,
