@@ -229,7 +229,7 @@ class Sim:
                     "last_stop": max((self.stop_at[r] for r in live if r in self.stop_at), default=None),
                     "retries": len(self.retry_at), "last_retry": max(self.retry_at.values(), default=None),
                     "exits": len(self.exit_at), "rejected": self.rejected, "live": len(live), "sent": self.sent,
-                    "hb_late": self.hb_late}
+                    "hb_late": self.hb_late, "cpu_s": cpu_s()}
         return None
 
     # ---- the loop
@@ -485,9 +485,12 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
         # 2. steady state
         time.sleep(2.0)
         probe.on = True
+        s0 = sum(r["cpu_s"] for r in ask(pipes, "report"))
         c0, w0 = cpu_split(), time.monotonic()
         time.sleep(steady_s)
         c1, w1 = cpu_split(), time.monotonic()
+        s1 = sum(r["cpu_s"] for r in ask(pipes, "report"))
+        out["simulators_cores"] = (s1 - s0) / (w1 - w0)  # what sending the ranks' frames costs here
         probe.on = False
         out["controller_cores"] = (c1["process"] - c0["process"]) / (w1 - w0)
         out["loop_cores"] = (c1["thread"] - c0["thread"]) / (w1 - w0)
@@ -498,7 +501,7 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
         out["turn_max_ms"] = max(probe.turns, default=0.0) * 1e3
         out["turn_p99_ms"] = pct(probe.turns, 0.99) * 1e3
         log(f"N={n}: steady {out['controller_cores']:.2f} cores ({out['loop_cores']:.2f} the loop thread), "
-            f"{out['frames_per_s']:.0f} frames/s, "
+            f"{out['frames_per_s']:.0f} of {2 * n} frames/s (simulators {out['simulators_cores']:.2f} cores), "
             f"p50 {out['frame_p50_us']:.0f} us, p99 {out['frame_p99_us']:.0f} us, turns max "
             f"{out['turn_max_ms']:.1f} ms, RSS {out['rss_mb']:.0f} MB")
         # 3. UCE -> RETRY at every rank
