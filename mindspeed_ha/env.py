@@ -17,6 +17,10 @@ CONTROLLER_ADDR = "CONTROLLER_ADDR"
 #: this rank's own interface address (Kubernetes pod network)
 PROCESSOR_ADDR = "PROCESSOR_ADDR"
 
+#: torchrun's: workers per node (a node's ranks are consecutive); sizes the fallback groups
+#: for deciding without the controller (``runtime.bootstrap.fallback_group``)
+LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+
 # ---------------------------------------------------------------- job settings (HAConfig)
 #: seconds between a processor's heartbeats
 HEARTBEAT_INTERVAL = "MINDSPEED_HA_HEARTBEAT_INTERVAL"

@@ -73,13 +73,15 @@ class Sim:
     """The ranks of one simulator process."""
 
     def __init__(self, conn, sim_id: int, ranks: List[int], world: int, port: int, key: bytes, slow_s: float,
-                 save_dir: str):
+                 save_dir: str, connect_rate: float = 0.0):
         from mindspeed_ha.control import auth, wire
         from mindspeed_ha.control import link as link_mod
 
         self.wire = wire
         self.conn, self.sim_id, self.ranks, self.world, self.key = conn, sim_id, ranks, world, key
         self.slow_s, self.save_dir = slow_s, save_dir
+        #: connections this simulator opens per second (0: all at once, as ranks that start together)
+        self.connect_rate = connect_rate
         self.v = wire.SCHEMA_VERSION
         self.backoff_cls = getattr(link_mod, "RegisterBackoff", None)
         self.ctx = zmq.Context(io_threads=1)
@@ -227,23 +229,26 @@ class Sim:
                     "last_stop": max((self.stop_at[r] for r in live if r in self.stop_at), default=None),
                     "retries": len(self.retry_at), "last_retry": max(self.retry_at.values(), default=None),
                     "exits": len(self.exit_at), "rejected": self.rejected, "live": len(live), "sent": self.sent,
-                    "hb_late": self.hb_late}
+                    "hb_late": self.hb_late, "cpu_s": cpu_s()}
         return None
 
     # ---- the loop
     def run(self) -> None:
         if self.slow_s:
             os.nice(10)
-        now = time.monotonic()
-        for r in self.ranks:
-            self.socks[r].connect(self.wire.endpoint("127.0.0.1", self.port))
-            self.register(r, now)
+        now = t_start = time.monotonic()
+        pending = list(self.ranks)  # not connected yet (--connect-rate paces them)
         poller = zmq.Poller()
-        for s in self.socks.values():
-            poller.register(s, zmq.POLLIN)
         poller.register(self.conn.fileno(), zmq.POLLIN)
         self.conn.send(("started", now))
         while True:
+            due = len(pending) if not self.connect_rate else \
+                min(len(pending), int((now - t_start) * self.connect_rate) + 1 - (len(self.ranks) - len(pending)))
+            for r in pending[:max(0, due)]:
+                self.socks[r].connect(self.wire.endpoint("127.0.0.1", self.port))
+                poller.register(self.socks[r], zmq.POLLIN)
+                self.register(r, now)
+            del pending[:max(0, due)]
             events = poller.poll(20)
             now = time.monotonic()
             for s, _ in events:
@@ -288,11 +293,11 @@ class Sim:
         self.ctx.term()
 
 
-def sim_main(conn, sim_id, ranks, world, port, key, slow_s, save_dir, pythonpath):
+def sim_main(conn, sim_id, ranks, world, port, key, slow_s, save_dir, pythonpath, connect_rate=0.0):
     sys.path.insert(0, pythonpath)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    sim = Sim(conn, sim_id, ranks, world, port, key, slow_s, save_dir)
+    sim = Sim(conn, sim_id, ranks, world, port, key, slow_s, save_dir, connect_rate)
     sim.port = port
     sim.run()
 
@@ -383,8 +388,27 @@ def ask(pipes, cmd, arg=None):
     return [p.recv() for p in pipes]
 
 
+def thread_cpu_s(tid: Optional[int]) -> float:
+    """CPU seconds (user + system) of one thread of this process (Linux ``/proc``)."""
+    if tid is None:
+        return float("nan")
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_split() -> Dict[str, float]:
+    """CPU seconds so far of the process and of its controller thread (the Python loop); the
+    rest is libzmq's I/O threads (CURVE handshakes, TCP) and the bench's own waiting."""
+    import threading
+
+    tid = next((t.native_id for t in threading.enumerate() if t.name == "mindspeed-ha-controller"), None)
+    return {"process": cpu_s(), "thread": thread_cpu_s(tid)}
+
+
 def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
-            profile: Optional[str] = None, register_wait: float = 60.0) -> Dict[str, Any]:
+            profile: Optional[str] = None, register_wait: float = 60.0,
+            connect_rate: float = 0.0) -> Dict[str, Any]:
     from mindspeed_ha.config import HAConfig
     from mindspeed_ha.control.controller import Controller
     from mindspeed_ha.control.policy import ActionKind
@@ -420,12 +444,14 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
         for i in range(sims):
             a, b = spawn.Pipe()
             p = spawn.Process(target=sim_main, args=(b, i, per[i], n, ctl.port, key,
-                                                     slow_s if i < slow else 0.0, save_dir, tree),
+                                                     slow_s if i < slow else 0.0, save_dir, tree,
+                                                     connect_rate / sims),
                               daemon=True)
             p.start()
             pipes.append(a)
             procs.append(p)
         overflows = listen_overflows()
+        cpu_reg0 = cpu_split()
         starts = [p.recv()[1] for p in pipes]
         t0 = min(starts)
         # 1. registration (the processor gives up after 60 s; the bench waits up to --register-wait)
@@ -438,6 +464,9 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
             if k >= n:
                 break
             time.sleep(0.2)
+        cpu_reg1 = cpu_split()
+        out["registration_cpu_s"] = cpu_reg1["process"] - cpu_reg0["process"]
+        out["registration_loop_cpu_s"] = cpu_reg1["thread"] - cpu_reg0["thread"]
         time.sleep(0.5)
         reps = ask(pipes, "report")
         regd = sum(r["registered"] for r in reps)
@@ -449,24 +478,30 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
         out["handshakes_failed"] = sum(ctl.transport_rejected.totals.values())
         out["duplicate_registers"] = getattr(ctl, "duplicate_registers", None)
         log(f"N={n}: registered {regd}/{n} in {out['registration_s']} s, REGISTER frames "
-            f"{out['register_frames']} (max {out['register_max_per_rank']} per rank)")
+            f"{out['register_frames']} (max {out['register_max_per_rank']} per rank); CPU {out['registration_cpu_s']:.1f} s "
+            f"({out['registration_loop_cpu_s']:.1f} s the loop thread)")
         if regd < n:
             return out
         # 2. steady state
         time.sleep(2.0)
         probe.on = True
-        c0, w0 = cpu_s(), time.monotonic()
+        s0 = sum(r["cpu_s"] for r in ask(pipes, "report"))
+        c0, w0 = cpu_split(), time.monotonic()
         time.sleep(steady_s)
-        c1, w1 = cpu_s(), time.monotonic()
+        c1, w1 = cpu_split(), time.monotonic()
+        s1 = sum(r["cpu_s"] for r in ask(pipes, "report"))
+        out["simulators_cores"] = (s1 - s0) / (w1 - w0)  # what sending the ranks' frames costs here
         probe.on = False
-        out["controller_cores"] = (c1 - c0) / (w1 - w0)
+        out["controller_cores"] = (c1["process"] - c0["process"]) / (w1 - w0)
+        out["loop_cores"] = (c1["thread"] - c0["thread"]) / (w1 - w0)
         out["rss_mb"] = rss_mb()
         out["frame_p50_us"] = pct(probe.frames, 0.5) * 1e6
         out["frame_p99_us"] = pct(probe.frames, 0.99) * 1e6
         out["frames_per_s"] = len(probe.frames) / (w1 - w0)
         out["turn_max_ms"] = max(probe.turns, default=0.0) * 1e3
         out["turn_p99_ms"] = pct(probe.turns, 0.99) * 1e3
-        log(f"N={n}: steady {out['controller_cores']:.2f} cores, {out['frames_per_s']:.0f} frames/s, "
+        log(f"N={n}: steady {out['controller_cores']:.2f} cores ({out['loop_cores']:.2f} the loop thread), "
+            f"{out['frames_per_s']:.0f} of {2 * n} frames/s (simulators {out['simulators_cores']:.2f} cores), "
             f"p50 {out['frame_p50_us']:.0f} us, p99 {out['frame_p99_us']:.0f} us, turns max "
             f"{out['turn_max_ms']:.1f} ms, RSS {out['rss_mb']:.0f} MB")
         # 3. UCE -> RETRY at every rank
@@ -557,8 +592,12 @@ def main() -> None:
                     help="seconds the bench waits for every rank to register before it gives up (>= 60; the "
                          "processors' own timeout is 60 s: later ones are counted as unregistered_60s)")
     ap.add_argument("--profile", default=None, help="write the controller thread's cProfile stats to PROFILE.<N>")
+    ap.add_argument("--connect-rate", type=float, default=0.0,
+                    help="connections opened per second by all simulators together (default 0: every rank at once)")
     ap.add_argument("--json", default=None, help="append the figures to this file (one JSON line per N)")
     ns = ap.parse_args()
+    if not ns.connect_rate >= 0:
+        ap.error(f"--connect-rate={ns.connect_rate} must be >= 0 (0: all at once)")
     if not 1 <= ns.sims <= 64 or not 0 <= ns.slow <= ns.sims:
         ap.error(f"--sims={ns.sims} must be 1..64 and --slow={ns.slow} 0..--sims")
     if any(n < ns.sims for n in ns.ranks):
@@ -570,7 +609,8 @@ def main() -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     say = lambda s: print(time.strftime("%H:%M:%S"), s, flush=True)  # noqa: E731
     for n in ns.ranks:
-        res = one_run(n, ns.sims, ns.slow, ns.slow_s, ns.steady_s, say, ns.profile, ns.register_wait)
+        res = one_run(n, ns.sims, ns.slow, ns.slow_s, ns.steady_s, say, ns.profile, ns.register_wait,
+                      ns.connect_rate)
         say(json.dumps(res))
         if ns.json:
             with open(ns.json, "a") as f:

@@ -352,3 +352,77 @@ def test_a_host_name_that_resolves_to_loopback_keeps_torchs_wildcard(monkeypatch
         [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.1.1", 0))] if name == "node0" else real(name, *a, **k)))
     assert stores._loopback_alias("node0")
     assert not any(map(stores._loopback_alias, ("127.0.0.1", "[::1]", "localhost", "10.0.0.1")))
+
+
+# ---------------------------------------------------------------------- the roster (issue 19)
+class _Recording:
+    """A lease directory stand-in: records each roster payload; the first write may be held."""
+
+    path = "<recording>"
+
+    def __init__(self):
+        self.payloads = []
+        self.hold = threading.Event()
+        self.hold.set()
+
+    def write_roster_payload(self, payload):
+        self.hold.wait(10)
+        self.payloads.append(payload)
+
+
+def test_roster_writer_writes_the_newest_version_off_the_thread_and_never_an_older_one_after_it():
+    from mindspeed_ha.control.failover import RosterWriter
+
+    fenced = []
+    writer = RosterWriter(lambda: not fenced, min_interval_s=60.0)  # the thread waits until flushed
+    lease = _Recording()
+    try:
+        writer.submit(lease, lambda: b"v1")
+        assert writer.flush()
+        writer.submit(lease, lambda: b"v2")  # superseded before the thread's interval is over
+        writer.submit(lease, lambda: b"v3")
+        assert writer.flush()
+        assert lease.payloads == [b"v1", b"v3"]
+        writer.submit(lease, lambda: b"v4")  # pending, then overtaken by the I/O thread's own write
+        writer.write_now(lease, b"v5")
+        assert writer.flush()
+        assert lease.payloads == [b"v1", b"v3", b"v5"]
+        fenced.append(True)  # a fenced leader writes nothing any more
+        writer.submit(lease, lambda: b"v6")
+        writer.write_now(lease, b"v7")
+        assert writer.flush()
+        assert lease.payloads == [b"v1", b"v3", b"v5"]
+    finally:
+        writer.close()
+    assert not any(t.name == "mindspeed-ha-roster" and t.is_alive() for t in threading.enumerate())
+
+
+def test_roster_is_kept_per_rank_and_reads_back_as_registered(tmp_path):
+    """The roster a successor reads: each rank's registration (made once, when it registered)
+    and the recoveries so far, the same JSON object as built from the ranks' state."""
+    from mindspeed_ha.config import HAConfig
+    from mindspeed_ha.control.controller import Controller
+    from mindspeed_ha.control.state import Layout, RankInfo
+
+    ctl = Controller(HAConfig(enabled=True, auth_key=KEY, controller_addr="127.0.0.1"), 3, port=0)
+    ctl.lease = LeaseDir(str(tmp_path / "lease"), KEY)
+    try:
+        for r in range(3):
+            info = RankInfo(rank=r, layout=Layout(tp_rank=r % 2, tp_size=2, dp_size=2, dp_rank=r // 2), pid=100 + r,
+                            host=f"h{r}", save_dir="/ckpt", sender=f"s{r}")
+            info.incarnation, info.rejoins, info.verifies = r, bool(r % 2), True
+            ctl.state.ranks[r] = info
+            ctl.failover.note_rank(info)
+        ctl.state.recoveries.append({"iteration": 3, "generation": 1, "ranks": {0: "x"}})
+        expected = {"ranks": {str(r): {"layout": dataclasses.asdict(i.layout), "pid": i.pid, "host": i.host,
+                                       "save_dir": "/ckpt", "incarnation": r, "rejoins": bool(r % 2), "verifies": True}
+                              for r, i in ctl.state.ranks.items()},
+                    "recoveries": [{"iteration": 3, "generation": 1, "ranks": {}}]}
+        assert ctl.roster() == expected
+        assert ctl.failover.may_decide(0.0)  # the roster changed: handed to the writer thread
+        assert ctl.failover.writer.flush()
+        assert ctl.lease.read_roster() == expected and ctl.failover.writer.writes == 1
+        ctl.failover.write_roster()  # the one a RETRY needs: written at once
+        assert ctl.failover.writer.writes == 2
+    finally:
+        ctl.failover.close()

@@ -145,11 +145,19 @@ def _admit(ctl: "Controller", now: float, ident: bytes, fd: Optional[int], sende
         st.registering_until = None
         for other in st.ranks.values():
             other.last_heartbeat = max(other.last_heartbeat, now)
-    ctl.failover.roster_dirty = True
+    ctl.failover.note_rank(info)
     if not st.run_id:
         st.run_id = body.run_id
-    log.info("rank %d registered (pid %d on %s, layout %s); %d/%d ranks", body.rank, body.pid,
-             body.host, body.layout, len(st.ranks), ctl.world_size)
+    n, world = len(st.ranks), ctl.world_size
+    # a line per rank for the first ones and every eighth of the job, the others at DEBUG
+    # (16,384 lines at a large job's start cost the I/O thread ~1 s and tell nothing more)
+    level = logging.INFO if n <= REGISTER_LINES or n == world or n % max(1, world // 8) == 0 else logging.DEBUG
+    log.log(level, "rank %d registered (pid %d on %s, layout %s); %d/%d ranks", body.rank, body.pid,
+            body.host, body.layout, n, world)
+
+
+#: registrations logged one line each at INFO before the log goes to one line per eighth of the job
+REGISTER_LINES = 16
 
 
 # ---------------------------------------------------------------------- a registered rank's messages

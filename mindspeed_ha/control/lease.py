@@ -202,7 +202,11 @@ class LeaseDir:
 
     def write_roster(self, roster: dict) -> None:
         """Replace ``roster.json`` (the leader's registrations, for a successor) atomically."""
-        self._write("roster.json", json.dumps(roster).encode())
+        self.write_roster_payload(json.dumps(roster).encode())
+
+    def write_roster_payload(self, payload: bytes) -> None:
+        """Replace ``roster.json`` with ``payload`` (a JSON object, already encoded) atomically."""
+        self._write("roster.json", payload)
 
     def drop_roster(self) -> None:
         """Remove ``roster.json`` (an earlier run's: a new leader writes its own)."""

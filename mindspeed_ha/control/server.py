@@ -318,6 +318,11 @@ class ControlServer:
             self.closes_reported += 1
             self.on_disconnect(*item)
 
+    @property
+    def input_empty(self) -> bool:
+        """Whether the last :meth:`frames` read the ROUTER empty (no frame left queued)."""
+        return self._input_empty
+
     def frames(self, limit: int = MAX_FRAMES_PER_TURN) -> Iterator[Tuple[float, bytes, Optional[int], wire.Message]]:
         """Read at most ``limit`` frames; yield ``(now, identity, fd, message)`` for each one
         that passes its peer's budget and the codec, registered ranks' frames first."""

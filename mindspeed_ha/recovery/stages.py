@@ -104,7 +104,7 @@ def _rebuild_groups(c: RecoveryContext):
     of waiting Megatron's --distributed-timeout-minutes."""
     from mindspeed_ha.recovery import groups
 
-    exclude = [g for g in (c.rt.fallback_group,) if g is not None]
+    exclude = c.rt.fallback_group.groups() if c.rt.fallback_group is not None else []
     return groups.rebuild_process_groups(c.plan.generation, exclude=exclude,
                                          timeout=datetime.timedelta(seconds=c.rt.config.action_timeout_s))
 

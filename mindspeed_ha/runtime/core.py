@@ -76,7 +76,8 @@ class HARuntime:
         state: the step's recovery state (:class:`~mindspeed_ha.runtime.state.StepState`).
         recoveries: in-place recoveries done. events: this rank's phase events.
         injector: the fault points (:class:`NoFaults` unless a fault injector is attached).
-        fallback_group: the start-up gloo group for deciding without the controller.
+        fallback_group: the start-up gloo groups for deciding without the controller
+            (:class:`bootstrap.FallbackGroups`: the node's, and the nodes' leaders').
         script_loader: the training script's (load_checkpoint, get_args), for a reload.
     """
 
