@@ -19,7 +19,9 @@ def main() -> None:
     launcher does not read, refused by the rank's ``parse_args``) ends the rank with one
     ``error:`` line and status 2, as argparse ends on a bad flag."""
     from mindspeed_ha.errors import ConfigError
+    from mindspeed_ha.teardown import skip_final_collection
 
+    skip_final_collection()  # first: it runs after the runtime's exit hooks
     try:
         try:
             _run()

@@ -396,6 +396,9 @@ def main(argv=None) -> int:
     and, after a signal (a graceful stop too), ends whatever is left of its tree before it
     exits.
     """
+    from mindspeed_ha.teardown import skip_final_collection
+
+    skip_final_collection()  # first: it runs after every other exit handler
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         level = checks.log_level()
