@@ -165,9 +165,17 @@ def test_lost_node0_controller_fails_over_and_node0_rejoins(tmp_path, baseline):
         assert (c0, c1) == (0, 0), log
         assert "this launcher (node 1) leads term 1" in job.output(1), log
         assert "ranks [0, 1] start as incarnations [1, 1] and rejoin it" in job.output(0), log
-        for r in (2, 3):  # the recovery failed on the lost store; the successor's plan was followed
-            assert re.search(rf"rank {r}: the recovery failed \(rebuild_process_groups: .*\); the controller's "
-                             r"next plan \(rejoin\) is carried out", job.output(1)), log
+        # Ranks 2 and 3 carry out the successor's rejoin plan (above: exit 0, the rejoin done, the
+        # losses below). Whether the lost controller's RETRY reached them before node 0 died
+        # depends on the order its frames left (CI, 2026-12-05: it did not): when it did, their
+        # rebuild failed on the dead store and that failure followed the successor's plan
+        # (before: re-raised, exit 1, nothing saved) - then it says so.
+        for r in (2, 3):
+            failed = re.search(rf"rank {r}: the recovery failed \((.*)\); the controller's next plan \((\w+)\) is "
+                               r"carried out", job.output(1))
+            assert failed is None or (failed.group(1).startswith("rebuild_process_groups")
+                                      and failed.group(2) == "rejoin"), (r, failed.group(0))
+            assert f"rank {r}: recovered in place (process, rejoin" in job.output(1), log
         rep = json.load(open(reports[1]))  # the successor's report
         assert sorted((e["rank"], e["incarnation"]) for e in rep["restarts"]) == [(0, 1), (1, 1)], rep["restarts"]
         recs = rep.get("recoveries") or []
