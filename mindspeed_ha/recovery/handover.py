@@ -18,6 +18,19 @@ def _rerun_iteration(rt):
     return rerun if isinstance(rerun, int) else None
 
 
+def _snapshot_of(rt, k: int, to_whom: str):
+    """The holder's snapshot of iteration ``k`` and the args it was taken with.
+
+    Raises:
+        RuntimeError: the holder has no snapshot of ``k``.
+    """
+    snap = rt.snapshot
+    if snap is None or snap.iteration != k:
+        raise RuntimeError(f"rank {rt.rank}: no snapshot of iteration {k} to hand to {to_whom} "
+                           f"(have {snap.iteration if snap is not None else None})")
+    return snap, (snap.args if snap.args is not None else _args(rt))
+
+
 def after(rt, k: int) -> dict:
     """The holder's progress at the end of iteration ``k``: the loop's counters and the
     scheduler as the snapshot of ``k`` holds them, the RNG at the entry of step k+1.
@@ -25,11 +38,7 @@ def after(rt, k: int) -> dict:
     Raises:
         RuntimeError: the holder has no snapshot of ``k``.
     """
-    snap = rt.snapshot
-    if snap is None or snap.iteration != k:
-        raise RuntimeError(f"rank {rt.rank}: no snapshot of iteration {k} to hand to a restarted process "
-                           f"(have {snap.iteration if snap is not None else None})")
-    args = snap.args if snap.args is not None else _args(rt)
+    snap, args = _snapshot_of(rt, k, "a restarted process")
     return progress.capture(args, k, snap.scheduler_state, rt.state.entry_rng, flops=snap.flops,
                             rerun_iteration=_rerun_iteration(rt))
 
@@ -42,11 +51,7 @@ def at_pause(rt, k: int) -> dict:
     Raises:
         RuntimeError: the rank has no snapshot of ``k``.
     """
-    snap = rt.snapshot
-    if snap is None or snap.iteration != k:
-        raise RuntimeError(f"rank {rt.rank}: no snapshot of iteration {k} to hand to its new process "
-                           f"(have {snap.iteration if snap is not None else None})")
-    args = snap.args if snap.args is not None else _args(rt)
+    snap, args = _snapshot_of(rt, k, "its new process")
     return progress.capture(args, k, snap.scheduler_state, megatron_lm.collect_rng_state(), flops=snap.flops,
                             rerun_iteration=_rerun_iteration(rt))
 
