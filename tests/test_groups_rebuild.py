@@ -121,6 +121,37 @@ def test_every_kind_of_holder_is_swapped(tmp_path):
 
 
 # ------------------------------------------------------------------ one rank (script mode)
+_RETAIN_SCRIPT = r"""
+import json, sys, psutil, torch, torch.distributed as dist
+from mindspeed_ha.recovery import groups
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+dist.new_group([0])
+kept, rows = [], []
+for gen in range(1, 7):
+    # a finished Work of the generation about to be replaced, kept: it holds the gloo context,
+    # and through it the device (C++ shared_ptr), as something in C++ did in the soak run
+    w = dist.all_reduce(torch.ones(1), async_op=True)
+    w.wait()
+    kept.append(w)
+    groups.rebuild_process_groups(gen)
+    rows.append(psutil.Process().num_fds())
+print(json.dumps(rows))
+"""
+
+
+def test_what_c_plus_plus_keeps_of_an_old_generation_holds_no_descriptor(tmp_path):
+    """A rebuilt group uses its root's pooled gloo device (recovery/gloo_devices.py), so a
+    context kept alive past its group's destruction keeps no socket, epoll or pipe. Without
+    the pool: +4 descriptors per rebuild here (18, 22, 26, ...), the soak run's signature."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("GLOO_SOCKET_IFNAME", None)
+    p = subprocess.run([sys.executable, "-c", _RETAIN_SCRIPT], capture_output=True, text=True, timeout=120,
+                       env=env, cwd=str(tmp_path))
+    assert p.returncode == 0, p.stderr[-3000:]
+    fds = json.loads(p.stdout.strip().splitlines()[-1])
+    assert len(set(fds)) == 1, fds
+
+
 _KEEP = {}  # module-level holders the rebuild must find (a tuple, a timer, a partial, the excluded group)
 
 

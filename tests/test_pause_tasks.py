@@ -259,6 +259,9 @@ out["bad"] = link_switch.switch_links(0, [0], {"addr": "192.0.2.1"}, 10, timeout
 out["ok"] = link_switch.switch_links(0, [0], {"addr": "127.0.0.2"}, 12, timeout_s=5)
 out["current"] = link_switch.current()
 out["failed"] = link_switch.switch_links(0, [0], None, 14, timeout_s=5, inject_failure=True)
+from mindspeed_ha.recovery import groups
+groups.rebuild_process_groups(16)  # an in-place recovery after the relink: the binding stays
+out["after_recovery"] = sorted({lo[0] for st, lo, _ in link_switch.tcp_endpoints() if st == "LISTEN"})
 t = torch.ones(2); dist.all_reduce(t); out["works"] = t.tolist()
 print(json.dumps(out))
 """
@@ -276,4 +279,5 @@ def test_link_switch_preflight_refuses_a_foreign_address_and_a_failed_rebuild_sw
     assert "127.0.0.2" in out["ok"][2]["listen_addrs"], out["ok"]  # the new groups' gloo device
     code, detail, res = out["failed"]
     assert code == 2 and res["switched_back"] and res["bound"] == {"addr": "127.0.0.2"}, out["failed"]
+    assert out["after_recovery"] == ["127.0.0.2"], out["after_recovery"]
     assert out["works"] == [1.0, 1.0]

@@ -79,7 +79,7 @@ import time
 from datetime import timedelta
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
-from mindspeed_ha.recovery import holders, reachable
+from mindspeed_ha.recovery import gloo_devices, holders, reachable
 from mindspeed_ha.recovery.deferred import INTENDED_BACKENDS, intended_backend
 
 log = logging.getLogger("mindspeed_ha.recovery.groups")
@@ -492,7 +492,8 @@ def _create_like(old, name: str, ranks: List[int], me: int, store, timeout: Opti
     kw["backend_options" if "backend_options" in params else "pg_options"] = _options_like(old)
     if "group_desc" in params:
         kw["group_desc"] = getattr(old, "group_desc", None)
-    new, _ = helper(len(ranks), ranks.index(me), ranks, backend_name, store, name, **kw)
+    with gloo_devices.constructing(_SUFFIX.sub("", name), str(backend_name)):  # one device per root, kept
+        new, _ = helper(len(ranks), ranks.index(me), ranks, backend_name, store, name, **kw)
     world.pg_group_ranks[new] = {g: i for i, g in enumerate(ranks)}
     if timeout is not None and timeout != keep and hasattr(new, "set_timeout"):
         new.set_timeout(keep)  # the rendezvous bound is not the collectives' timeout

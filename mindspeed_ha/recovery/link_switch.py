@@ -15,10 +15,9 @@ How (every rank, on its training thread, :func:`switch_links`):
    fails the relink on every rank before any group changed: code 2, nothing to switch back.
 2. Rebuild (:func:`~mindspeed_ha.recovery.groups.rebuild_process_groups`, generation chosen
    by the controller, the start-up fallback group kept) with the binding in force on the
-   moving ranks only (:func:`bound`): gloo groups get the bound device (torch's
-   ``_new_process_group_helper`` builds ``ProcessGroupGloo(store, rank, size, timeout)``,
-   which takes the default device or ``GLOO_SOCKET_IFNAME``; inside the scope that name is a
-   subclass whose constructor passes options with the bound device); for NCCL / HCCL the
+   moving ranks only (:func:`bound`): each gloo group gets its pooled device made for the
+   binding (:mod:`mindspeed_ha.recovery.gloo_devices`); once committed, every later rebuild
+   of this rank (an in-place recovery, a rejoin, a switch) keeps the binding; for NCCL / HCCL the
    scope sets ``NCCL_SOCKET_IFNAME`` / ``HCCL_SOCKET_IFNAME`` (and ``NCCL_IB_HCA`` when
    given). Untested on NCCL / HCCL (no device here): NCCL reads its socket interface when
    it initialises its network in the process, so a new communicator may keep the old one.
@@ -39,68 +38,37 @@ import os
 from datetime import timedelta
 from typing import Any, Dict, Iterable, Iterator, List, Optional
 
+from mindspeed_ha.recovery import gloo_devices
+
 log = logging.getLogger("mindspeed_ha.recovery.groups")
 
-#: the binding this process's groups use now (None: the default), for ``back`` and reports
-_BOUND: Dict[str, Optional[Dict[str, str]]] = {"now": None}
 ENV_OF_IFACE = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "HCCL_SOCKET_IFNAME")
 
 
 def current() -> Optional[Dict[str, str]]:
     """The binding of this rank's groups: ``{"addr": A}`` / ``{"iface": I}``, None: the original."""
-    return _BOUND["now"]
+    return gloo_devices.committed()
 
 
-def make_device(binding: Dict[str, str]):
-    """The gloo device of ``binding``. Raises RuntimeError (torch's) when it cannot bind."""
-    from torch.distributed import ProcessGroupGloo
-
-    if binding.get("addr"):
-        return ProcessGroupGloo.create_device(hostname=binding["addr"])
-    return ProcessGroupGloo.create_device(interface=binding["iface"])
-
-
-#: the device the groups made inside :func:`bound` get (None outside it); read by the class of
-#: :func:`_bound_gloo`, so no closure keeps a device (and its listening socket) alive after its groups
-_SCOPE: Dict[str, Any] = {"device": None, "cls": None}
-
-
-def _bound_gloo(base):
-    """The subclass of torch's ProcessGroupGloo that ``bound`` puts in its place (made once)."""
-    if _SCOPE["cls"] is None or _SCOPE["cls"].__bases__[0] is not base:
-        class BoundGloo(base):  # what _new_process_group_helper constructs, with the scope's device
-            def __init__(self, store, rank, size, timeout=timedelta(minutes=30)):
-                opts = base._Options()
-                opts._timeout = timeout
-                opts._devices = [_SCOPE["device"]]
-                super().__init__(store, rank, size, opts)
-
-        _SCOPE["cls"] = BoundGloo
-    return _SCOPE["cls"]
+#: the gloo device of a binding (RuntimeError, torch's, when it cannot bind)
+make_device = gloo_devices.make_device
 
 
 @contextlib.contextmanager
 def bound(binding: Optional[Dict[str, str]]) -> Iterator[None]:
-    """Inside: the process groups torch creates on this rank use ``binding`` (None: no change)."""
-    if not binding:
-        yield
-        return
-    from torch.distributed import distributed_c10d as c10d
-
-    base = c10d.ProcessGroupGloo
+    """Inside: the process groups a rebuild creates on this rank use ``binding`` (None: the
+    default): gloo groups get their pooled device for it
+    (:mod:`mindspeed_ha.recovery.gloo_devices`), NCCL / HCCL read the interface variables."""
     saved = {k: os.environ.get(k) for k in ENV_OF_IFACE + ("NCCL_IB_HCA",)}
-    _SCOPE["device"] = make_device(binding)
-    c10d.ProcessGroupGloo = _bound_gloo(base)
     try:
-        if binding.get("iface"):
-            for k in ENV_OF_IFACE[1:]:
-                os.environ[k] = binding["iface"]
-        if binding.get("hca"):
-            os.environ["NCCL_IB_HCA"] = binding["hca"]
-        yield
+        with gloo_devices.trying(binding):
+            if binding and binding.get("iface"):
+                for k in ENV_OF_IFACE[1:]:
+                    os.environ[k] = binding["iface"]
+            if binding and binding.get("hca"):
+                os.environ["NCCL_IB_HCA"] = binding["hca"]
+            yield
     finally:
-        c10d.ProcessGroupGloo = base
-        _SCOPE["device"] = None
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -189,7 +157,7 @@ def switch_links(rank: int, moving: Iterable[int], binding: Optional[Dict[str, s
             {"bound": before, "switched_back": True, "rebuilt": True, "groups": report.groups_rebuilt,
              "rebuild_seconds": round(report.seconds, 6)}
     if me_moves:
-        _BOUND["now"] = dict(binding) if binding else None
+        gloo_devices.commit(binding)
     now = tcp_endpoints()
     return 0, "", {"bound": current(), "switched_back": False, "rebuilt": True, "groups": report.groups_rebuilt,
                    "rebuild_seconds": round(report.seconds, 6),

@@ -13,18 +13,14 @@ Resources: each rank writes its open file descriptors, threads and resident memo
 every recovery (``MINDSPEED_HA_RECOVERY_LOG``); :func:`resource_drift` compares, per
 process, the record after its last recovery with the one after its first (a restarted
 process's first record, its own rejoin before it trained an iteration, is left out).
-Limits (:data:`LIMITS`, the issue's): fds and threads within 2 % of the first, plus
-:data:`RETAINED` per started group of :data:`RETAINED_EVERY` recoveries; RSS within 5 %
-over the second half of the process's recoveries (RSS grows with iterations, faults or
-not: docs/RESULTS.md; against the first record a long run would fail without saying
-whether recoveries leak). The allowance is what was measured and is not explained yet:
-now and then a recovery leaves one gloo device of a replaced group alive (one more
-listening socket, epoll, wake pipe and event-loop thread; no Python object holds it: a
-``gc`` scan after the recovery finds no ``Work`` and no process group of the old
-generation), more often in the repair source of a restarted rank and on a loaded machine,
-sometimes released by a later recovery: 0 to 5 of them per process over 30-40 recoveries.
-Before the rebuild released what it replaced, every recovery leaked ~113 fds and ~72
-threads per rank, which these limits catch at the first recovery.
+Limits (:data:`LIMITS`, the issue's): fds and threads within 2 % of the first record; RSS
+within 5 % over the second half of the process's recoveries (RSS grows with iterations,
+faults or not: docs/RESULTS.md; against the first record a long run would fail without
+saying whether recoveries leak). No allowance: before rebuilt groups took their gloo device
+from a per-process pool (:mod:`mindspeed_ha.recovery.gloo_devices`), now and then C++ kept
+a piece of an old generation's context and with it that group's device (4 fds and a
+thread; 0 to 5 per process over 30-40 recoveries); before the rebuild released what it
+replaced, every recovery leaked ~113 fds and ~72 threads per rank.
 :func:`growth_by_kind` reports the change split by the kind of recovery.
 
 Costs (2 cores): an in-place recovery ~0.2-1.5 s, a worker restart ~5 s (a new
@@ -49,11 +45,6 @@ SOAK_FLAGS = ("--enable-hbmfault-repair", "--ha-network-retries", "3", "--enable
 #: resource limits after the last recovery (fractions): fds and threads vs the first
 #: record, RSS vs the record halfway through the process's recoveries
 LIMITS = {"fds": 0.02, "threads": 0.02, "rss": 0.05}
-#: on top of LIMITS, per started group of RETAINED_EVERY recoveries: one retained gloo
-#: device (its listening socket, epoll and wake pipe: 4 fds; its event-loop thread, and the
-#: comm-wait helper's high-water mark: 2 threads); see the module docstring
-RETAINED = {"fds": 4, "threads": 2, "rss": 0}
-RETAINED_EVERY = 8
 DEFAULT_WEIGHTS = {"uce": 4, "network": 4, "kill": 1, "hang": 1}
 
 
@@ -85,9 +76,8 @@ def resource_drift(records: Sequence[Mapping]) -> List[dict]:
         one dict per process with >= 4 usable records (a restarted process's first record,
         its rejoin, is not): rank, pid, first_iteration, from_iteration (halfway),
         to_iteration, recoveries (first -> last), and for each of fds/threads/rss
-        ``[first, halfway, last]`` and ``<key>_drift``: (last - allowance) / base - 1, the
-        base being the first record for fds and threads (the allowance :data:`RETAINED`
-        per started group of :data:`RETAINED_EVERY` recoveries) and the halfway one for RSS.
+        ``[first, halfway, last]`` and ``<key>_drift``: last / base - 1, the base being the
+        first record for fds and threads and the halfway one for RSS.
     """
     by_pid: Dict[int, List[Mapping]] = {}
     for rec in records:
@@ -104,8 +94,7 @@ def resource_drift(records: Sequence[Mapping]) -> List[dict]:
         for key in LIMITS:
             row[key] = [first[key], half[key], last[key]]
             base = half[key] if key == "rss" else first[key]
-            allowed = RETAINED[key] * -(-row["recoveries"] // RETAINED_EVERY)
-            row[key + "_drift"] = (last[key] - allowed) / base - 1 if base else 0.0
+            row[key + "_drift"] = last[key] / base - 1 if base else 0.0
         out.append(row)
     return out
 
@@ -147,8 +136,7 @@ def growth_by_kind(records: Sequence[Mapping], kinds: Mapping[int, str]) -> List
 def over_limits(drift: Sequence[Mapping]) -> List[str]:
     """One line per process and resource beyond :data:`LIMITS` (empty: flat)."""
     return [f"rank {row['rank']} (pid {row['pid']}): {key} {'/'.join(map(str, row[key]))} (first/halfway/last; "
-            f"{row[key + '_drift']:+.1%} > {limit:.0%}"
-            f"{f' after {RETAINED[key]} per {RETAINED_EVERY} recoveries' if RETAINED[key] else ''})"
+            f"{row[key + '_drift']:+.1%} > {limit:.0%})"
             f" over iterations {row['first_iteration']}..{row['to_iteration']}"
             for row in drift for key, limit in LIMITS.items() if row[key + "_drift"] > limit]
 
