@@ -48,6 +48,12 @@ def release_mp_tempdir() -> None:
         _shutdown_write_results_manager()
     except Exception:  # noqa: BLE001 - best effort on the way out
         pass
+    release_own_tempdir()
+
+
+def release_own_tempdir() -> None:
+    """Remove this process's ``multiprocessing`` temp directory, if it made one (the one
+    named in its own config, ``pymp-*``, not a link). Never raises."""
     try:
         from multiprocessing import process
 

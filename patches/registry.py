@@ -192,8 +192,37 @@ def _call(patch: Patch, wrapped, instance, args, kwargs):
         running.discard(patch.name)
 
 
+def _by_name(module: str, qualname: str):
+    """The object ``module.qualname``, imported (how pickle finds a function by reference)."""
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class _BoundGate(wrapt.BoundFunctionWrapper):
+    """A layer of ours bound to an instance or class: pickled as a bound method is, the
+    attribute looked up again on its owner (in another process: that process's own)."""
+
+    def __reduce_ex__(self, protocol):
+        owner = self._self_instance if self._self_instance is not None else self._self_owner
+        return getattr, (owner, self.__name__)
+
+
 class _Gate(wrapt.FunctionWrapper):
-    """One layer of ours around a target; ``_self_patch`` tells our layers from others'."""
+    """One layer of ours around a target; ``_self_patch`` tells our layers from others'.
+
+    Pickled by reference like the function it wraps (wrapt's proxies refuse to be pickled):
+    a ``spawn`` child given a patched target (``multiprocessing`` pickles a manager's
+    ``type(self)._run_server``) looks it up by name. Without this, with this package
+    imported, ``multiprocessing.get_context("spawn").Manager()`` raised NotImplementedError
+    ("object proxy must define __reduce__()").
+    """
+
+    __bound_function_wrapper__ = _BoundGate
+
+    def __reduce_ex__(self, protocol):
+        return _by_name, (self.__module__, self.__qualname__)
 
     def __init__(self, wrapped, patch: Patch):
         super().__init__(wrapped, functools.partial(_call, patch))

@@ -247,28 +247,51 @@ def _data_injection(wrapped, instance, args, kwargs):
 
 
 def _helper_dies_with_rank(wrapped, instance, args, kwargs):
-    """The server process of a ``multiprocessing`` manager started by a rank (Megatron-LM's
+    """``BaseManager.start`` in a rank: the manager's server process (Megatron-LM's
     ``torch_dist`` save starts one, megatron/core/dist_checkpointing/strategies/
     filesystem_async.py ``_get_write_results_queue``, and stops it only at a normal
-    interpreter exit): it gets SIGKILL when the rank dies, by a signal or by the
-    ``os._exit`` that ends a rank after a dying checkpoint. Otherwise it outlives the rank
-    forever, holding the rank's stdout and stderr, so whatever reads them (torchrun's
-    logs, a test harness) never sees them close. Linux ``prctl(PR_SET_PDEATHSIG)``
-    (linux/prctl.h: 1); elsewhere a no-op. Runs in the server process (forked)."""
+    interpreter exit) runs :func:`_manager_server_setup` first, then the caller's own
+    initializer. Runs in the rank; the setup in the server (a ``spawn`` child)."""
+    import inspect
+
+    bound = inspect.signature(wrapped).bind(*args, **kwargs)
+    user = bound.arguments.get("initializer")
+    user_args = tuple(bound.arguments.get("initargs") or ())
+    return wrapped(initializer=_manager_server_setup, initargs=(user, user_args))
+
+
+def _manager_server_setup(user=None, user_args=()) -> None:
+    """In a rank's manager server: it ends when the rank dies, by a signal or by the
+    ``os._exit`` that ends a rank after a dying checkpoint (Linux
+    ``prctl(PR_SET_PDEATHSIG, SIGTERM)``, linux/prctl.h: 1), and on SIGTERM (that, or
+    torchrun ending the worker's session) it removes its own ``multiprocessing`` directory
+    (its listener socket; made by this process, named in its own config), then exits.
+    Otherwise a killed rank's server outlived it, holding the rank's stdout and stderr (so
+    whatever reads them never saw them close), and was later SIGKILLed with the rank's
+    session, leaving its ``pymp-*`` directory in the temp dir. Elsewhere than Linux: only
+    the caller's initializer."""
     import os
     import signal
+
+    def end(signum, frame):  # noqa: ARG001 - signal handler signature
+        from mindspeed_ha.mp_tempdir import release_own_tempdir
+
+        release_own_tempdir()
+        os._exit(0)
 
     parent = os.getppid()
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))
     except (OSError, AttributeError):  # no libc prctl: not Linux
         pass
     else:
+        signal.signal(signal.SIGTERM, end)
         if os.getppid() != parent:  # the rank died before prctl took effect
             os._exit(0)
-    return wrapped(*args, **kwargs)
+    if user is not None:
+        user(*user_args)
 
 
 def _grad_sync_injection(wrapped, instance, args, kwargs):
@@ -400,11 +423,11 @@ PATCHES = [
     Patch(
         name="ha.helper_dies_with_rank",
         module="multiprocessing.managers",
-        attribute="BaseManager._run_server",
+        attribute="BaseManager.start",
         wrapper=_helper_dies_with_rank,
         feature="ha",
         versions=None,
-        doc="a multiprocessing manager's server process (torch_dist save) is killed when its rank dies",
+        doc="a multiprocessing manager's server process (torch_dist save) ends, and removes its temp dir, when its rank dies",
     ),
     Patch(
         name="testing.inject_eval",

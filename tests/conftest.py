@@ -1,10 +1,5 @@
 """Session-wide test set-up.
 
-* One temporary directory for the whole session (``TMPDIR``, inherited by xdist workers and
-  every process a test starts), removed when the session ends, failed or not: what a
-  SIGKILLed process cannot remove itself (a rank's ``multiprocessing`` directories; the
-  listener of the manager a ``torch_dist`` save starts, whose server a killed rank takes
-  with it: about 170 ``pymp-*`` directories per suite run before) stays inside it.
 * The embedded corpus is built into a temporary cache, so the suite leaves nothing in
   ``~/.cache`` (every launched rank inherits the variable).
 * ``shared_path`` / fixtures ``megatron_lm_tarball``, ``corpus_text_file``: files of the project's read-only
@@ -16,8 +11,6 @@
 """
 
 import os
-import shutil
-import tempfile
 
 import pytest
 
@@ -88,28 +81,6 @@ HEAVY_FIRST = (
     "test_replica_equivalence.py", "test_in_place_reload.py", "test_mindspeed_llm.py", "test_switch_job.py",
     "test_dying_checkpoint.py", "test_training.py",
 )
-
-
-def pytest_configure(config):
-    if hasattr(config, "workerinput"):  # an xdist worker: it inherited the controller's
-        return
-    path = tempfile.mkdtemp(prefix="mindspeed_ha_tests_")
-    config._mindspeed_ha_tmpdir = (path, os.environ.get("TMPDIR"))
-    os.environ["TMPDIR"] = path
-    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
-
-
-def pytest_unconfigure(config):
-    saved = getattr(config, "_mindspeed_ha_tmpdir", None)
-    if saved is None:
-        return
-    path, old = saved
-    if old is None:
-        os.environ.pop("TMPDIR", None)
-    else:
-        os.environ["TMPDIR"] = old
-    tempfile.tempdir = None
-    shutil.rmtree(path, ignore_errors=True)  # made by mkdtemp above: ours
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker

@@ -214,6 +214,51 @@ def test_a_rank_ending_with_os_exit_leaves_no_multiprocessing_temp_dir(tmp_path,
     assert not [n for n in os.listdir(tmp_path) if n.startswith("pymp-")], os.listdir(tmp_path)
 
 
+_KILLED_RANK = r"""
+import os, signal, sys, multiprocessing as mp
+import mindspeed_ha
+from mindspeed_ha.patches import registry
+registry.enable("ha")
+from megatron.core.dist_checkpointing.strategies import filesystem_async as f
+q = f._get_write_results_queue()  # megatron-core's own spawn manager
+from multiprocessing.managers import SyncManager
+m = SyncManager(ctx=mp.get_context("spawn"))  # with an initializer of the caller's: still run
+m.start(initializer=open, initargs=(sys.argv[1], "w"))
+print(q._manager._process.pid, os.path.dirname(q._manager.address), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_rank_s_manager_server_ends_and_removes_its_directory(tmp_path):
+    """A rank SIGKILLed after a ``torch_dist`` save made megatron-core's write-results
+    manager (a ``spawn`` child): the server ends with it and removes its ``pymp-*``
+    directory (``ha.helper_dies_with_rank``). Before: with this package imported the
+    manager could not even be made outside Megatron-LM's script (its patched
+    ``_run_server`` could not be pickled: NotImplementedError); where it was made, the
+    server outlived its rank and, SIGKILLed with the rank's session, left the directory."""
+    import psutil
+
+    marker = tmp_path / "initializer_ran"
+    r = subprocess.run([sys.executable, "-c", _KILLED_RANK, str(marker)], capture_output=True, text=True,
+                       timeout=100, env=dict(os.environ, TMPDIR=str(tmp_path)))
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    pid, path = r.stdout.split()[:2]
+    try:
+        server = psutil.Process(int(pid))
+    except psutil.NoSuchProcess:
+        server = None
+    try:
+        if server is not None:
+            server.wait(60)  # it ends by itself (its parent is gone: no zombie to reap here)
+    finally:
+        for p in psutil.process_iter(["cmdline"]):  # both managers' servers, whatever happened
+            if "spawn_main" in " ".join(p.info["cmdline"] or ()) and str(tmp_path) in str(p.environ().get("TMPDIR")):
+                p.kill()
+    assert path.startswith(str(tmp_path)) and not os.path.exists(path), os.listdir(tmp_path)
+    assert marker.exists()
+
+
 @pytest.mark.timeout(120)
 def test_a_worker_skips_the_final_collection_of_its_teardown(tmp_path):
     """``mindspeed_ha.boot`` (every worker of ``mindspeed-ha-run``) freezes what is alive
