@@ -1,4 +1,4 @@
-"""Hot switch (the operator's ``mindspeed-ha switch --ranks R``): the pure part. No I/O.
+"""Hot switch (the operator's ``mindspeed-ha switch --ranks R | --node HOST``): the pure part. No I/O.
 
 A hot switch moves live ranks to new processes at a step boundary, without a restart of
 the job and without losing a step. Its flow (the controller side is
@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
-from typing import Dict, FrozenSet, Mapping, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 from mindspeed_ha.config import HAConfig
 from mindspeed_ha.control.state import ClusterState, Phase, summarise_ranks
@@ -41,6 +41,8 @@ log = logging.getLogger("mindspeed_ha.control.controller")
 
 #: the most ranks one request may switch (a whole node's worth on the largest hosts)
 MAX_SWITCH_RANKS = 64
+#: the node of the launcher that hosts the controller (its agent is called in process)
+LOCAL_NODE = "local"
 
 
 class SwitchPhase(str, enum.Enum):
@@ -160,17 +162,32 @@ def phase_seconds(marks: Mapping[str, float], stages: Optional[Mapping[str, floa
     return out
 
 
-def refuse(state: ClusterState, config: HAConfig, ranks: Sequence[int], spares: Optional[int],
-           switching: Sequence[int] = ()) -> Optional[str]:
+def node_ranks(state: ClusterState, host: str) -> Tuple[List[int], Optional[str]]:
+    """The ranks whose processes registered from ``host`` (``switch --node HOST``: every rank
+    of that node moves in one switch), or ([], why not)."""
+    on = sorted(r for r, i in state.ranks.items() if i.host == host)
+    if not on:
+        return [], (f"--node {host!r}: no rank registered from it (hosts: "
+                    f"{sorted({i.host for i in state.ranks.values()})})")
+    return on, None
+
+
+def refuse(state: ClusterState, config: HAConfig, ranks: Sequence[int], spares: Optional[Mapping[str, int]],
+           switching: Sequence[int] = (), node_of: Optional[Mapping[int, str]] = None) -> Optional[str]:
     """Why a hot switch of ``ranks`` may not start now, or None.
 
     Args:
         state: the job as the controller sees it.
         config: the job's config (``worker_reboot``: the new process rejoins as a restarted one).
         ranks: the global ranks asked for.
-        spares: how many spare processes can be started for them (None: the launcher
-            reported no warm spare; a switch starts its processes from the warm spare).
+        spares: node -> warm spares parked there, as the nodes' launchers reported them
+            (None: no launcher reported a warm spare). Every node of a switched rank needs
+            one: it starts that node's first new process; the node's other switched ranks
+            (a whole node) start theirs cold, while training goes on (the pause waits for
+            every one READY, so the pause window does not depend on it).
         switching: ranks of a switch under way.
+        node_of: global rank -> its node (the keys of ``spares``); a rank not in it is on
+            :data:`LOCAL_NODE`, the launcher hosting the controller (None: every rank).
 
     Returns:
         The reason (the operator's reply, code REFUSED), or None.
@@ -211,10 +228,15 @@ def refuse(state: ClusterState, config: HAConfig, ranks: Sequence[int], spares: 
     no_rejoin = sorted(r for r in ranks if not state.ranks[r].rejoins)
     if no_rejoin:
         return f"ranks {summarise_ranks(no_rejoin)} registered without rejoin support"
-    if spares is None or spares < 1:
-        return "no spare: start the job with MINDSPEED_HA_WARM_SPARES=1 (the launcher reported no warm spare)"
-    if spares < len(ranks):
-        return f"{len(ranks)} ranks asked, {spares} spare(s) available"
+    if spares is None:
+        return "no spare: start the job with MINDSPEED_HA_WARM_SPARES=1 (no launcher reported a warm spare)"
+    nodes: Dict[str, List[int]] = {}
+    for r in ranks:
+        nodes.setdefault((node_of or {}).get(r, LOCAL_NODE), []).append(r)
+    bare = sorted(r for n, rs in nodes.items() if spares.get(n, 0) < 1 for r in rs)
+    if bare:
+        return (f"no spare parked on the node of ranks {summarise_ranks(bare)} (its launcher needs "
+                "MINDSPEED_HA_WARM_SPARES=1; a new spare is started after each use)")
     return None
 
 
@@ -288,5 +310,5 @@ def step(now: float, sw: Switch, state: ClusterState, config: HAConfig,
     return wait
 
 
-__all__ = ["ENDED", "MAX_SWITCH_RANKS", "PHASE_SPANS", "SWITCH_MOVES", "Switch", "SwitchAction", "SwitchPhase",
-           "SwitchStep", "phase_seconds", "refuse", "step"]
+__all__ = ["ENDED", "LOCAL_NODE", "MAX_SWITCH_RANKS", "PHASE_SPANS", "SWITCH_MOVES", "Switch", "SwitchAction", "SwitchPhase",
+           "SwitchStep", "node_ranks", "phase_seconds", "refuse", "step"]
