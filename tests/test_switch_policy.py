@@ -5,8 +5,8 @@ import dataclasses
 
 import pytest
 
-from mindspeed_ha.control.policy.switch import (SWITCH_MOVES, Switch, SwitchAction, SwitchPhase, node_ranks,
-                                                phase_seconds, refuse, step)
+from mindspeed_ha.control.policy.switch import (SWITCH_MOVES, Switch, SwitchAction, SwitchPhase, committed,
+                                                node_ranks, phase_seconds, refuse, step)
 from mindspeed_ha.control.state import ClusterState, PauseRequest, Phase, StopRequest
 from mindspeed_ha.faults import FaultKind
 
@@ -208,3 +208,43 @@ def test_a_switch_record_is_no_retry_of_its_iteration():
     history = [{"iteration": 9, "mode": "rollback"}, {"iteration": 12, "mode": "switch", "generation": 2}]
     assert consecutive_retries(history, 12) == 0
     assert consecutive_retries(history + [{"iteration": 12, "mode": "rollback"}], 12) == 1
+
+
+def _paused_after(k=9):
+    st = _running()
+    st.phase, st.drain_until = Phase.PAUSED, k
+    return st
+
+
+def _outgoing_died(st):
+    st.ranks[1].alive, st.ranks[1].dead_reason = False, "control connection closed"
+    return st
+
+
+def _stopping(st):
+    st.phase = Phase.STOPPING
+    return st
+
+
+@pytest.mark.parametrize("case,change,gone,failed,late,now,expect,stop,words", [
+    ("every answer ok", None, {}, {}, [], 20.0, SwitchAction.FINISH, False, "answered"),
+    ("answers due", None, {}, {}, [("rank", 1)], 20.0, SwitchAction.WAIT, False, ""),
+    ("answers late", None, {}, {}, [("rank", 1)], 31.0, SwitchAction.FAIL, True, "no answer from [('rank', 1)]"),
+    ("a failed answer", None, {}, {("incoming", 1): "recv timed out"}, [], 20.0, SwitchAction.FAIL, True,
+     "incoming 1: recv timed out"),
+    ("the new process died", None, {1: "exited with -9"}, {}, [("incoming", 1)], 20.0, SwitchAction.FAIL, True,
+     "a new process died after the commit point (rank 1: exited with -9)"),
+    # the outgoing process dies in the middle of its handoff: the controller saw its death as
+    # a fault during the pause (its handling: the dying checkpoint of K); no stop asked on top
+    ("the outgoing process died", _outgoing_died, {}, {}, [("rank", 1), ("incoming", 1)], 20.0,
+     SwitchAction.FAIL, False, "ranks [1] ended after the commit point (control connection closed)"),
+    ("the job left the pause", _stopping, {}, {}, [("rank", 1)], 20.0, SwitchAction.FAIL, False,
+     "left the pause"),
+])
+def test_decisions_after_the_commit_point(case, change, gone, failed, late, now, expect, stop, words):
+    st = _paused_after()
+    if change is not None:
+        st = change(st)
+    d = committed(now, _switch(SwitchPhase.COMMITTED, (1,)), st, gone, failed, late, deadline=30.0)
+    assert d.action is expect and d.stop is stop, d
+    assert words in d.reason

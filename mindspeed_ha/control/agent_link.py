@@ -200,7 +200,8 @@ class AgentLink:
 
     def _answer(self, cls: type, qid: int, timeout_s: float):
         """The first ``cls`` answer with ``query_id`` ``qid`` within ``timeout_s`` (END_WORKER
-        kept for :meth:`end_requests`, the last SWITCH_VIEW for :meth:`switch_view`, others dropped); ``timeout_s`` 0: what has arrived."""
+        kept for :meth:`end_requests`, the last SWITCH_VIEW for :meth:`switch_view`, others
+        dropped); ``timeout_s`` 0: what has arrived."""
         end = time.monotonic() + timeout_s
         while True:
             left = end - time.monotonic()

@@ -281,12 +281,12 @@ class SwitchDesk:
     def _committing(self, ctl: "Controller", now: float, sw: Switch) -> List[Tuple[str, wire.OperatorReply]]:
         failed = {who: detail for who, (ok, detail) in self._answers.items() if not ok}
         late = [who for who in self._waiting if who not in self._answers]
-        if not failed and late and now < (self._deadline or now):
+        decision = policy.committed(now, sw, ctl.state, self.spares_gone, failed, late,
+                                    self._deadline if self._deadline is not None else now)
+        if decision.action is SwitchAction.WAIT:
             return []
-        if failed or late:
-            why = "; ".join(f"{w[0]} {w[1]}: {d}" for w, d in sorted(failed.items())) or \
-                f"no answer from {sorted(late)} within {2 * ctl.config.action_timeout_s:g} s"
-            return self._fail(ctl, now, sw, why)
+        if decision.action is SwitchAction.FAIL:
+            return self._fail(ctl, now, sw, decision.reason, decision.stop)
         stages: Dict[str, float] = {}
         for (_, _), (_, detail) in self._answers.items():
             try:
@@ -333,17 +333,23 @@ class SwitchDesk:
             self._send(ctl, old_ident, wire.Action(next(ctl.action_ids), ActionKind.EXIT.value, {
                 "code": 0, "reason": f"hot switch: rank {rank} goes on in pid {info.pid}"}))
 
-    def _fail(self, ctl: "Controller", now: float, sw: Switch, why: str) -> List[Tuple[str, wire.OperatorReply]]:
-        """After the commit point: the job's own handling (a graceful stop: the checkpoint of K)."""
+    def _fail(self, ctl: "Controller", now: float, sw: Switch, why: str, stop: bool = True
+              ) -> List[Tuple[str, wire.OperatorReply]]:
+        """After the commit point: the new processes end; the graceful stop of the job (the
+        checkpoint of K) when ``stop``, else the fault handling under way decides."""
         for r, inc in sorted(self.incoming.items()):
             self._send(ctl, inc.ident, wire.Action(next(ctl.action_ids), ActionKind.EXIT.value, {
                 "code": 1, "reason": f"hot switch failed: {why}"}))
         self.incoming = {}
-        ctl.state.request_stop(now, -1, f"hot switch failed after its commit point: {why}")
+        if stop:
+            ctl.state.request_stop(now, -1, f"hot switch failed after its commit point: {why}")
+        self._paused_by_switch = False
         sw.transition(SwitchPhase.FAILED, now, why)
+        then = (f"the job stops gracefully (checkpoint of iteration {sw.iteration})" if stop else
+                f"the job's fault handling goes on (dying checkpoint of iteration {sw.iteration} where a replica "
+                "holds each dead rank's state)")
         return [self._end(ctl, sw, FAILED, f"hot switch of ranks {list(sw.ranks)} failed after its commit point: "
-                          f"{why}; the job stops gracefully (checkpoint of iteration {sw.iteration})",
-                          "SwitchAborted")]
+                          f"{why}; {then}", "SwitchAborted")]
 
     def _abort(self, ctl: "Controller", now: float, why: str) -> List[Tuple[str, wire.OperatorReply]]:
         sw = self.current

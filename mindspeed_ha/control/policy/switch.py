@@ -15,7 +15,8 @@ the job and without losing a step. Its flow (the controller side is
    COMMITTED  every rank rebuilds its groups with the spare in the switched rank's place; the
               outgoing process sends its own state (parameters, optimizer shard, host state,
               progress, RNG) to the spare, then exits 0; RELEASE: training resumes at K+1
-   DONE
+   DONE       (committed(): a failure after the commit point is FAILED: the graceful stop
+              of the job, or, when an old process died, its fault handling)
  before the commit point, anything wrong -> ABORTED: training goes on on the old ranks
  (a spare that dies, READY not within --ha-connect-timeout, a pause that fails, the job
  leaving RUNNING for a fault or a stop); the reason goes into the operator's reply
@@ -252,6 +253,11 @@ class SwitchAction(str, enum.Enum):
     ABORT = "abort"
     """Give up before the commit point: back to training on the old ranks (the spares end,
     a pause of this switch is released)."""
+    FINISH = "finish"
+    """After the commit point, every answer ok: the new processes take the ranks' places, RELEASE."""
+    FAIL = "fail"
+    """After the commit point, a failure: the new processes end; the job stops gracefully
+    (``SwitchStep.stop``) or its fault handling, already under way, decides."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,6 +266,9 @@ class SwitchStep:
 
     action: SwitchAction
     reason: str
+    stop: bool = False
+    """FAIL: ask the graceful stop of the job (its checkpoint of K); False: a fault's
+    handling (the dying checkpoint) or a stop is under way already."""
 
 
 def step(now: float, sw: Switch, state: ClusterState, config: HAConfig,
@@ -310,5 +319,49 @@ def step(now: float, sw: Switch, state: ClusterState, config: HAConfig,
     return wait
 
 
-__all__ = ["ENDED", "LOCAL_NODE", "MAX_SWITCH_RANKS", "PHASE_SPANS", "SWITCH_MOVES", "Switch", "SwitchAction", "SwitchPhase",
-           "SwitchStep", "node_ranks", "phase_seconds", "refuse", "step"]
+def committed(now: float, sw: Switch, state: ClusterState, spares_gone: Mapping[int, str],
+              failed: Mapping[Tuple[str, int], str], late: Sequence[Tuple[str, int]],
+              deadline: float) -> SwitchStep:
+    """The decision for ``sw`` after the commit point (COMMITTED), in this turn.
+
+    Args:
+        now: the controller's clock, s.
+        sw: the switch.
+        state: the job (PAUSED after K while the plan runs).
+        spares_gone: switched rank -> why its new process is gone.
+        failed: who (``("rank", r)`` or ``("incoming", r)``) -> the detail of a failed answer.
+        late: who has not answered yet.
+        deadline: when the answers are due (2 x ``--ha-action-timeout`` after the plan went out).
+
+    Returns:
+        WAIT; FINISH (every answer ok); FAIL with ``stop`` True (an answer failed or is late,
+        or a new process died, while every old process lives: the graceful stop of the job,
+        which writes the checkpoint of K from the old processes, replicas or not) or False
+        (an old process died, e.g. the outgoing one in the middle of its handoff, or the job
+        left PAUSED: its fault handling took over, the dying checkpoint of K, which needs a
+        replica of a dead rank's optimizer shard; the state is not fetched from a replica
+        into the new process).
+    """
+    dead = sorted(r for r, i in state.ranks.items() if not i.alive)
+    if dead:
+        return SwitchStep(SwitchAction.FAIL, f"ranks {summarise_ranks(dead)} ended after the commit point ("
+                          f"{state.ranks[dead[0]].dead_reason or 'gone'}): the job's fault handling takes over")
+    if state.phase is not Phase.PAUSED:
+        return SwitchStep(SwitchAction.FAIL, f"the job left the pause after the commit point (phase "
+                          f"{state.phase.value}): its own handling takes over")
+    gone = sorted(r for r in sw.ranks if r in spares_gone)
+    if gone:
+        why = "; ".join(f"rank {r}: {spares_gone[r]}" for r in gone)
+        return SwitchStep(SwitchAction.FAIL, f"a new process died after the commit point ({why})", stop=True)
+    if failed:
+        why = "; ".join(f"{w[0]} {w[1]}: {d}" for w, d in sorted(failed.items()))
+        return SwitchStep(SwitchAction.FAIL, why, stop=True)
+    if late and now >= deadline:
+        return SwitchStep(SwitchAction.FAIL, f"no answer from {sorted(late)} in time", stop=True)
+    if late:
+        return SwitchStep(SwitchAction.WAIT, "")
+    return SwitchStep(SwitchAction.FINISH, "every rank and new process answered")
+
+
+__all__ = ["ENDED", "LOCAL_NODE", "MAX_SWITCH_RANKS", "PHASE_SPANS", "SWITCH_MOVES", "Switch", "SwitchAction",
+           "SwitchPhase", "SwitchStep", "committed", "node_ranks", "phase_seconds", "refuse", "step"]
