@@ -198,7 +198,7 @@ def test_pause_status_wrong_key_resume_max_a_kill_during_a_pause_then_stop_while
         assert code == 0, out
         s = op.status_until(lambda s: min(_iterations(s)) >= k1 + 2, "training after resume")
         _pause_tasks(op, pids)
-        pids = _switch(op, pids, SWITCHED)
+        switched_out, pids = pids[SWITCHED], _switch(op, pids, SWITCHED)
 
         code, out = op("pause", "--max", "1")
         assert code == 0, out
@@ -220,6 +220,10 @@ def test_pause_status_wrong_key_resume_max_a_kill_during_a_pause_then_stop_while
         job.wait()
     log = out_path.read_text()
     assert rc == EXIT_DYING_CHECKPOINT_SAVED, log[-6000:]
+    # the switched-out process ended by itself with exit 0, its new one took its place (no restart)
+    assert (f"worker rank {SWITCHED} (pid {switched_out}) switched out with exit 0; pid {pids[SWITCHED]}"
+            in log), log[-6000:]
+    assert "restarted alone as pid" not in log
     assert _tracker(save) == k3
 
     # the same job again from the dying checkpoint of K3 (--load): trains on, is paused at K4,
