@@ -340,7 +340,9 @@ class WorkerRebootAgent(LocalElasticAgent):
                 self._handed_over = True
                 return self._torch_monitor(worker_group)
             self._restart_one(worker_group, local_rank, code)
-        if all(code == 0 for code in codes.values()):  # final: torch's poll sees the same and succeeds
+        if all(code == 0 for code in codes.values()) and not self._incoming:
+            # final: torch's poll sees the same and succeeds (not while a hot switch's new process
+            # is there: on another node its old process may exit 0 before the commit view arrives)
             return self._torch_monitor(worker_group)
         timeout = self._uninterruptible_state_timeout
         if timeout > 0:

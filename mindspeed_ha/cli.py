@@ -150,7 +150,9 @@ def _task_params(ns) -> dict:
     from mindspeed_ha.errors import ConfigError
 
     if ns.cmd == "switch":
-        return {"ranks": sorted(set(ns.ranks))}
+        if (ns.ranks is None) == (ns.node is None):
+            raise ConfigError("switch: give exactly one of --ranks R[,R..] and --node HOST")
+        return {"ranks": sorted(set(ns.ranks))} if ns.ranks is not None else {"node": ns.node}
     if ns.cmd not in ("check", "relink"):
         return {}
     if not (math.isfinite(ns.budget) and 0 < ns.budget <= 3600):
@@ -271,8 +273,11 @@ def main(argv=None) -> int:
     rl.add_argument("--back", action="store_true", help="back to the ranks' original address")
     sw = _operator_parser(sub, "switch", "hot switch: move live ranks to new processes at a step boundary (answers "
                                          "when it is done or abandoned)")
-    sw.add_argument("--ranks", type=_csv_ranks, required=True, metavar="R[,R..]",
+    sw.add_argument("--ranks", type=_csv_ranks, default=None, metavar="R[,R..]",
                     help="global ranks to move to new processes")
+    sw.add_argument("--node", default=None, metavar="HOST",
+                    help="every rank whose process runs on HOST (the host status lists), in one switch "
+                         "(instead of --ranks)")
     sw.set_defaults(timeout=300.0)  # the reply comes once the spares started and the switch ended
 
     sub.add_parser("controller", help="standalone controller (see --help of mindspeed_ha.control.controller)",

@@ -9,6 +9,9 @@ K1), the CLI with a wrong key (exit 6, the job unaffected: still paused at K1, s
 after on every rank), ``check`` of rank 1 whose GEMM result the injector flips one bit of
 (code 2 naming rank 1), ``relink --ranks 1 --addr 127.0.0.2`` (rank 1's new groups' gloo device
 listens on 127.0.0.2, seen in its process's sockets) and ``relink --ranks 1 --back`` (127.0.0.2 gone);
+``switch --ranks 3`` (the hot switch of the last pipeline stage's rank, which logs the losses:
+code 0, only rank 3's PID changed, to its new process's; this job runs with
+``--enable-worker-reboot`` and ``MINDSPEED_HA_WARM_SPARES=1``);
 ``pause --max 1`` (resumes by itself: ``status`` shows the job running again and
 the pause's held seconds); ``pause`` a third time and SIGKILL a rank while every rank holds
 at K3: the fault is handled as during a graceful stop, the dying checkpoint of K3, exit 75.
@@ -16,8 +19,9 @@ Then the same job again with ``--load`` (a second job: the scheduler's requeue):
 from K3, is paused at K4 and ``stop``-ped while every rank holds: the checkpoint of K4 (no
 step lost), exit 75.
 Standard of proof: the per-iteration losses of 1..K3 (two pauses and resumes among them)
-and K3+1..K4 (after --load, nothing re-run, nothing past K4) (and grad norms; the two checks
-and the two relinks among 1..K3) are bitwise
+and K3+1..K4 (after --load, nothing re-run, nothing past K4) (and grad norms; the two checks,
+the two relinks and the switch among 1..K3; the dying checkpoint of K3 holds rank 3's new
+process's state) are bitwise
 equal to an uninterrupted run of the same job, HA off, stopped at K4 by Megatron-LM's
 ``--exit-interval``. Synchronisation
 is on the job's observable state (``status`` output), never on time.
@@ -41,6 +45,8 @@ from mindspeed_ha.testing.harness import free_port, launcher_command, read_rank_
 
 #: the injector's test double: rank 1's second online check gets one bit of its GEMM result flipped
 CHECK_FLIP = "rank=1,iteration=2,point=check,fault=corrupt,what=gemm,how=bitflip"
+#: the rank the hot switch moves: the last pipeline stage (its new process logs the losses after the switch)
+SWITCHED = 3
 #: long enough never to end before a pause (the kill during the third, the stop during the fourth end the jobs)
 ITERS = 400
 pytestmark = pytest.mark.timeout(600)
@@ -134,6 +140,25 @@ def _pause_tasks(op, pids):
     assert out["result"]["phase"] == "running" and [x["pid"] for x in out["result"]["ranks"]] == pids
 
 
+def _switch(op, pids, rank):
+    """``switch --ranks rank`` once a warm spare is parked: code 0, only that rank's PID changed,
+    to its new process's; returns the PIDs after it."""
+    op.status_until(lambda s: s["phase"] == "running" and s.get("spares") and not s.get("switching"),
+                    "a warm spare parked")
+    code, out = op("switch", "--ranks", str(rank))
+    r = out["result"]
+    assert code == 0 and r["phase"] == "done", out
+    assert {"spare_ready", "pause", "rebuild", "transfer", "pause_window"} <= set(r["phase_seconds"]), r
+    k = r["iteration"]
+    s = op.status_until(lambda s: s["phase"] == "running" and not s.get("switching") and min(_iterations(s)) >= k + 2,
+                        "training after the switch")
+    after = [x["pid"] for x in s["ranks"]]
+    assert after[rank] == int(r["spares"][str(rank)]) != pids[rank], (pids, after, r)
+    assert [p for i, p in enumerate(after) if i != rank] == [p for i, p in enumerate(pids) if i != rank]
+    print("switch phase seconds", r["phase_seconds"])
+    return after
+
+
 def test_pause_status_wrong_key_resume_max_a_kill_during_a_pause_then_stop_while_paused(tmp_path, megatron_lm_tarball,
                                                                                         as_users_run):
     root = mlm.unpack(megatron_lm_tarball, str(tmp_path / "megatron_lm"))
@@ -146,7 +171,9 @@ def test_pause_status_wrong_key_resume_max_a_kill_during_a_pause_then_stop_while
                                                   "MINDSPEED_HA_LOSS_LOG": loss_log, **extra}))
 
     port, out_path = free_port(), tmp_path / "job.out"
-    job = _start(root, args, env(port, loss_log, MINDSPEED_HA_INJECT=CHECK_FLIP), out_path)
+    # the first job also has what a hot switch needs: worker reboot and a warm spare
+    job = _start(root, args + ["--enable-worker-reboot"],
+                 env(port, loss_log, MINDSPEED_HA_INJECT=CHECK_FLIP, MINDSPEED_HA_WARM_SPARES="1"), out_path)
     try:
         op = Operator(port, key, job)
         op.status_until(lambda s: s["phase"] == "running" and min(_iterations(s)) >= 2, "iteration 2")
@@ -171,6 +198,7 @@ def test_pause_status_wrong_key_resume_max_a_kill_during_a_pause_then_stop_while
         assert code == 0, out
         s = op.status_until(lambda s: min(_iterations(s)) >= k1 + 2, "training after resume")
         _pause_tasks(op, pids)
+        switched_out, pids = pids[SWITCHED], _switch(op, pids, SWITCHED)
 
         code, out = op("pause", "--max", "1")
         assert code == 0, out
@@ -192,6 +220,10 @@ def test_pause_status_wrong_key_resume_max_a_kill_during_a_pause_then_stop_while
         job.wait()
     log = out_path.read_text()
     assert rc == EXIT_DYING_CHECKPOINT_SAVED, log[-6000:]
+    # the switched-out process ended by itself with exit 0, its new one took its place (no restart)
+    assert (f"worker rank {SWITCHED} (pid {switched_out}) switched out with exit 0; pid {pids[SWITCHED]}"
+            in log), log[-6000:]
+    assert "restarted alone as pid" not in log
     assert _tracker(save) == k3
 
     # the same job again from the dying checkpoint of K3 (--load): trains on, is paused at K4,

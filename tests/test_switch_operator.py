@@ -6,6 +6,7 @@ operator's reply (code 1) says why and gives the phase seconds; the events recor
 
 import dataclasses
 import json
+import socket
 import threading
 
 import pytest
@@ -113,3 +114,76 @@ def test_the_verb_is_callable_inside_the_controller(job, closing):
     with j.ctl._lock:
         reply = VERBS["switch"](j.ctl, j.ctl.clock(), wire.OperatorRequest("internal-1", "switch", params={"ranks": [3]}))
     assert reply is not None and reply.code == REFUSED and "no spare" in reply.detail
+
+
+def test_a_whole_node_in_one_switch(job, closing, monkeypatch, capsys):
+    """``switch --node HOST``: every rank registered from HOST in one switch (one pause, one
+    plan); its one warm spare is enough (the other new processes start cold); an unknown
+    host, or --node with --ranks, is refused with the reason; the CLI wants exactly one."""
+    j = _ready_job(job, closing)
+    host = j.ctl.state.ranks[0].host
+    r = _ask(j, "switch", params={"node": "no-such-host"})
+    assert r.code == REFUSED and "--node 'no-such-host': no rank registered from it" in r.detail, r
+    assert host in r.detail
+    r = _ask(j, "switch", params={"node": host, "ranks": [1]})
+    assert r.code == REFUSED and "not both" in r.detail, r
+    monkeypatch.setenv("MINDSPEED_HA_AUTH_KEY", KEY.hex())
+    addr = ["--addr", f"127.0.0.1:{j.ctl.port}"]
+    for flags in ([], ["--ranks", "1", "--node", host]):
+        assert cli.main(["switch", "--json", *flags, *addr]) == 2, flags
+        assert "exactly one of --ranks" in json.loads(capsys.readouterr().out)["detail"]
+    assert not j.ctl.recorder.events("SwitchRequested")
+
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("reply", _ask(j, "switch", params={"node": host},
+                                                                      request_id="node1", timeout_s=30.0)))
+    t.start()
+    closing.callback(t.join, 30)
+    _wait_for(lambda: j.ctl.operators.switches.current is not None, what="the switch recorded")
+    desk = j.ctl.operators.switches
+    with j.ctl._lock:
+        ranks, wanted = desk.current.ranks, desk.agent_wanted()
+        desk.spare_gone(2, "its new process exited with 1")
+    assert ranks == (0, 1, 2, 3) and wanted == {0: "start", 1: "start", 2: "start", 3: "start"}
+    (requested,) = j.ctl.recorder.events("SwitchRequested")
+    assert list(requested.detail["ranks"]) == [0, 1, 2, 3] and requested.detail["detail"]["node"] == host
+    t.join(30)
+    reply = out["reply"]
+    assert reply.code == FAILED and "rank 2: its new process exited with 1" in reply.detail, reply
+    assert desk.agent_wanted() == {} and j.ctl.phase is Phase.RUNNING
+
+
+def test_another_nodes_agent_gets_its_ranks_view_and_reports_over_its_link(job, closing):
+    """Ranks 2 and 3 on another node: its agent link reports that node's warm spare (a switch
+    of rank 1, whose node has none, is refused), gets SWITCH_VIEW ``start`` for rank 3,
+    reports the new process started (its view says ``keep``) then gone: the switch is
+    abandoned with that reason and the view empties."""
+    from mindspeed_ha.control.agent_link import AgentLink
+
+    j = _ready_job(job, closing, spare=False)
+    link = AgentLink(dataclasses.replace(ARF, controller_addr="127.0.0.1", controller_port=j.ctl.port), 1,
+                     timeout_s=5.0)
+    closing.callback(link.close)
+    link.ranks = [2, 3]  # what AGENT_HELLO set (the ranks are alive here: no hello)
+    link.report_spare(5555)
+    _wait_for(lambda: j.ctl.operators.switches.remote_spares, what="the other node's spare")
+    with j.ctl._lock:
+        j.ctl.arbiter.agent_of[3] = j.ctl.arbiter.agent_of[2]  # a report for rank 3 would map it too
+        (node,) = j.ctl.operators.switches.remote_spares
+    assert node.startswith("agent a1-")
+    status = _ask(j, "status").result
+    assert status["spares"] == [{"host": socket.gethostname(), "pid": 5555, "node": node}]
+    r = _ask(j, "switch", params={"ranks": [1]})
+    assert r.code == REFUSED and "no spare parked on the node of ranks [1]" in r.detail, r
+
+    t, out = _switch_in_thread(j, closing, "remote1", ranks=(3,))
+    _wait_for(lambda: link.switch_view() == {3: "start"}, what="SWITCH_VIEW start")
+    link.report_switch("started", 3, 4321)
+    assert link.switch_view() == {3: "keep"}  # at once: a start already reported
+    _wait_for(lambda: _ask(j, "status").result["switches"][-1]["started"] == {"3": 4321}, what="started reported")
+    link.report_switch("gone", 3, "its new process (pid 4321) exited with -9")
+    t.join(30)
+    reply = out["reply"]
+    assert reply.code == FAILED and "exited with -9" in reply.detail, reply
+    _wait_for(lambda: link.switch_view() == {}, what="the emptied view")
+    assert j.ctl.phase is Phase.RUNNING and not j.ctl.arbiter.restarts

@@ -5,8 +5,8 @@ import dataclasses
 
 import pytest
 
-from mindspeed_ha.control.policy.switch import (SWITCH_MOVES, Switch, SwitchAction, SwitchPhase, phase_seconds,
-                                                refuse, step)
+from mindspeed_ha.control.policy.switch import (SWITCH_MOVES, Switch, SwitchAction, SwitchPhase, committed,
+                                                node_ranks, phase_seconds, refuse, step)
 from mindspeed_ha.control.state import ClusterState, PauseRequest, Phase, StopRequest
 from mindspeed_ha.faults import FaultKind
 
@@ -48,24 +48,30 @@ def _restarting(st):
     return st
 
 
+ONE = {"local": 1}  # the hosting launcher's warm spare
+#: ranks 2 and 3 on another node (its agent link's routing id)
+TWO_NODES = {2: "agent a1-x", 3: "agent a1-x"}
+
+
 @pytest.mark.parametrize("case,ranks,spares,switching,change,cfg,expect", [
-    ("ok", [1], 1, (), None, ARF, None),
-    ("rank 0 too", [0], 1, (), None, ARF, None),
-    ("no ranks", [], 1, (), None, ARF, "at least one"),
-    ("outside", [4], 1, (), None, ARF, "outside the job's ranks 0..3"),
-    ("negative", [-1], 1, (), None, ARF, "outside"),
-    ("twice", [1, 1], 2, (), None, ARF, "named twice"),
-    ("worker reboot off", [1], 1, (), None, CFG, "--enable-worker-reboot"),
-    ("already switching", [1], 1, (1,), None, ARF, "already switching"),
-    ("another switch", [1], 1, (2,), None, ARF, "one switch at a time"),
+    ("ok", [1], ONE, (), None, ARF, None),
+    ("rank 0 too", [0], ONE, (), None, ARF, None),
+    ("no ranks", [], ONE, (), None, ARF, "at least one"),
+    ("outside", [4], ONE, (), None, ARF, "outside the job's ranks 0..3"),
+    ("negative", [-1], ONE, (), None, ARF, "outside"),
+    ("twice", [1, 1], ONE, (), None, ARF, "named twice"),
+    ("worker reboot off", [1], ONE, (), None, CFG, "--enable-worker-reboot"),
+    ("already switching", [1], ONE, (1,), None, ARF, "already switching"),
+    ("another switch", [1], ONE, (2,), None, ARF, "one switch at a time"),
     ("no spare reported", [1], None, (), None, ARF, "no spare"),
-    ("no spare left", [1], 0, (), None, ARF, "no spare"),
-    ("fewer spares", [1, 2], 1, (), None, ARF, "2 ranks asked, 1 spare"),
-    ("a rank is gone", [1], 1, (), _dead, ARF, "are gone"),
-    ("a fault", [1], 1, (), _fault, ARF, "a fault"),
-    ("unregistered", [1], 1, (), _unregistered, ARF, "not registered"),
-    ("restarting", [1], 1, (), _restarting, ARF, "being restarted"),
-    ("no rejoin support", [1], 1, (), _no_rejoin, ARF, "without rejoin support"),
+    ("no spare left", [1], {"local": 0}, (), None, ARF, "no spare parked on the node of ranks [1]"),
+    # a whole node: one warm spare starts the first new process, the others start cold
+    ("a whole node, one spare", [0, 1, 2, 3], ONE, (), None, ARF, None),
+    ("a rank is gone", [1], ONE, (), _dead, ARF, "are gone"),
+    ("a fault", [1], ONE, (), _fault, ARF, "a fault"),
+    ("unregistered", [1], ONE, (), _unregistered, ARF, "not registered"),
+    ("restarting", [1], ONE, (), _restarting, ARF, "being restarted"),
+    ("no rejoin support", [1], ONE, (), _no_rejoin, ARF, "without rejoin support"),
 ])
 def test_refusals(case, ranks, spares, switching, change, cfg, expect):
     st = _running()
@@ -78,18 +84,43 @@ def test_refusals(case, ranks, spares, switching, change, cfg, expect):
         assert why is not None and expect in why, why
 
 
+@pytest.mark.parametrize("case,ranks,spares,expect", [
+    ("the other node's rank, its spare", [2], {"local": 1, "agent a1-x": 1}, None),
+    ("the other node's rank, a spare only here", [3], {"local": 1}, "no spare parked on the node of ranks [3]"),
+    ("this node's rank, a spare only there", [1], {"local": 0, "agent a1-x": 1}, "node of ranks [1]"),
+    ("both nodes, both spares", [1, 2], {"local": 1, "agent a1-x": 1}, None),
+    ("both nodes, one spare", [1, 2, 3], {"local": 1}, "node of ranks [2, 3]"),
+])
+def test_each_node_of_a_switched_rank_needs_its_spare(case, ranks, spares, expect):
+    why = refuse(_running(), ARF, ranks, spares, (), TWO_NODES)
+    if expect is None:
+        assert why is None, why
+    else:
+        assert why is not None and expect in why, why
+
+
+def test_node_ranks_are_the_ranks_registered_from_that_host():
+    st = _running()
+    for r, info in st.ranks.items():
+        info.host = "n0" if r < 2 else "n1"
+    assert node_ranks(st, "n1") == ([2, 3], None)
+    assert node_ranks(st, "n0") == ([0, 1], None)
+    ranks, why = node_ranks(st, "n9")
+    assert ranks == [] and "--node 'n9': no rank registered from it (hosts: ['n0', 'n1'])" in why
+
+
 @pytest.mark.parametrize("phase", [Phase.PAUSED, Phase.RECOVERING, Phase.DRAINING, Phase.STOPPING])
 def test_refused_outside_running(phase):
     st = _running()
     st.phase = phase
-    assert "not running" in refuse(st, ARF, [1], 1)
+    assert "not running" in refuse(st, ARF, [1], ONE)
 
 
 def test_refused_during_a_stop_or_a_pause():
     st = _running(stop_request=StopRequest(1.0, -1, "SIGTERM"))
-    assert "graceful stop" in refuse(st, ARF, [1], 1)
+    assert "graceful stop" in refuse(st, ARF, [1], ONE)
     st = _running(pause=PauseRequest(1.0))
-    assert "pause" in refuse(st, ARF, [1], 1)
+    assert "pause" in refuse(st, ARF, [1], ONE)
 
 
 def _switch(phase=SwitchPhase.STARTING, ready=(), at=10.0):
@@ -177,3 +208,43 @@ def test_a_switch_record_is_no_retry_of_its_iteration():
     history = [{"iteration": 9, "mode": "rollback"}, {"iteration": 12, "mode": "switch", "generation": 2}]
     assert consecutive_retries(history, 12) == 0
     assert consecutive_retries(history + [{"iteration": 12, "mode": "rollback"}], 12) == 1
+
+
+def _paused_after(k=9):
+    st = _running()
+    st.phase, st.drain_until = Phase.PAUSED, k
+    return st
+
+
+def _outgoing_died(st):
+    st.ranks[1].alive, st.ranks[1].dead_reason = False, "control connection closed"
+    return st
+
+
+def _stopping(st):
+    st.phase = Phase.STOPPING
+    return st
+
+
+@pytest.mark.parametrize("case,change,gone,failed,late,now,expect,stop,words", [
+    ("every answer ok", None, {}, {}, [], 20.0, SwitchAction.FINISH, False, "answered"),
+    ("answers due", None, {}, {}, [("rank", 1)], 20.0, SwitchAction.WAIT, False, ""),
+    ("answers late", None, {}, {}, [("rank", 1)], 31.0, SwitchAction.FAIL, True, "no answer from [('rank', 1)]"),
+    ("a failed answer", None, {}, {("incoming", 1): "recv timed out"}, [], 20.0, SwitchAction.FAIL, True,
+     "incoming 1: recv timed out"),
+    ("the new process died", None, {1: "exited with -9"}, {}, [("incoming", 1)], 20.0, SwitchAction.FAIL, True,
+     "a new process died after the commit point (rank 1: exited with -9)"),
+    # the outgoing process dies in the middle of its handoff: the controller saw its death as
+    # a fault during the pause (its handling: the dying checkpoint of K); no stop asked on top
+    ("the outgoing process died", _outgoing_died, {}, {}, [("rank", 1), ("incoming", 1)], 20.0,
+     SwitchAction.FAIL, False, "ranks [1] ended after the commit point (control connection closed)"),
+    ("the job left the pause", _stopping, {}, {}, [("rank", 1)], 20.0, SwitchAction.FAIL, False,
+     "left the pause"),
+])
+def test_decisions_after_the_commit_point(case, change, gone, failed, late, now, expect, stop, words):
+    st = _paused_after()
+    if change is not None:
+        st = change(st)
+    d = committed(now, _switch(SwitchPhase.COMMITTED, (1,)), st, gone, failed, late, deadline=30.0)
+    assert d.action is expect and d.stop is stop, d
+    assert words in d.reason

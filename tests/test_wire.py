@@ -26,6 +26,7 @@ BODIES = [
     wire.Action(7, "dump", {"iteration": 10, "shard_savers": [[0, 0, 0, 3]], "save_dir": None}),
     wire.ActionResult(7, 3, False, "disk full"),
     wire.Goodbye(3, 75),
+    wire.SwitchView("sw-1", [2, 3], ["start", "commit"]),
 ]
 
 

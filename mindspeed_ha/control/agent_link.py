@@ -17,6 +17,10 @@ from the agent's monitor thread only (the launcher's main thread), request by re
   :meth:`report_rank_exit`: what the agent did (no answer).
 * :meth:`AgentLink.end_requests`: the END_WORKER the controller sent unasked (a worker
   of this node is hung: the agent SIGKILLs it and restarts it, ARF), read every monitor turn.
+* hot switch: :meth:`AgentLink.switch_view` (the last SWITCH_VIEW the controller sent
+  unasked: per rank of this node, start / keep / commit a new process), read every monitor
+  turn; :meth:`AgentLink.report_switch` and :meth:`AgentLink.report_spare` (AGENT_REPORT,
+  no answer): what became of the new processes, and this node's parked warm spare.
 
 A controller that does not answer within ``timeout_s`` refuses the restart (the job is
 then in the hands of the processors' own controller-loss handling).
@@ -31,7 +35,7 @@ import os
 import secrets
 import socket
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Set, Tuple
 
 import zmq
 
@@ -67,6 +71,9 @@ class AgentLink:
         keys = auth.derive_keys(config.auth_key)
         self._ids = itertools.count(1)
         self._ends: List[wire.EndWorker] = []  # END_WORKER received, not yet taken
+        self._view: Optional[wire.SwitchView] = None  # the last SWITCH_VIEW received
+        self._started: Set[Tuple[str, int]] = set()  # (switch request id, rank): new process started
+        self.ranks: List[int] = []  # this node's global ranks (AGENT_HELLO)
         self._ctx = zmq.Context()
         try:
             self._sock = self._ctx.socket(zmq.DEALER)
@@ -121,6 +128,7 @@ class AgentLink:
             if ans is None:
                 continue
             if ans.accepted:
+                self.ranks = list(ranks)
                 return dict(zip(ranks, ans.incarnations))
             why = ans.detail
             if not ans.wait:
@@ -153,6 +161,35 @@ class AgentLink:
         out, self._ends = self._ends, []
         return out
 
+    def switch_view(self) -> Dict[int, str]:
+        """Hot switch: global rank of this node -> ``start`` | ``keep`` | ``commit``, as the
+        last SWITCH_VIEW says (without waiting; a ``start`` already reported started for the
+        same switch is a ``keep``: a view sent before the controller read that report)."""
+        self._answer(wire.EndWorker, -1, 0.0)
+        view = self._view
+        if view is None:
+            return {}
+        return {int(r): ("keep" if w == "start" and (view.request_id, int(r)) in self._started else str(w))
+                for r, w in zip(view.ranks, view.wanted)}
+
+    def report_switch(self, what: str, rank: int, value) -> None:
+        """Hot switch: the new process of ``rank`` ``started`` (value: pid), is ``gone``
+        (value: why) or ``switched`` (value: pid), as AGENT_REPORT ``switch_started`` /
+        ``switch_gone`` / ``switched``."""
+        if what == "started" and self._view is not None:
+            self._started.add((self._view.request_id, int(rank)))
+        pid = int(value) if what in ("started", "switched") else 0
+        detail = str(value)[:512] if what == "gone" else ""
+        self._send(wire.AgentReport(int(rank), "switched" if what == "switched" else f"switch_{what}", pid=pid,
+                                    detail=detail))
+
+    def report_spare(self, pid: Optional[int]) -> None:
+        """This node's parked warm spare is now ``pid`` (None: none), as AGENT_REPORT ``spare``
+        (for the controller's switch refusals and ``status``); nothing before AGENT_HELLO."""
+        if self.ranks:
+            self._send(wire.AgentReport(int(self.ranks[0]), "spare", pid=int(pid or 0),
+                                        detail=socket.gethostname()[:512]))
+
     # ------------------------------------------------------------------ transport
     def _send(self, body) -> None:
         self._follow()
@@ -163,7 +200,8 @@ class AgentLink:
 
     def _answer(self, cls: type, qid: int, timeout_s: float):
         """The first ``cls`` answer with ``query_id`` ``qid`` within ``timeout_s`` (END_WORKER
-        kept for :meth:`end_requests`, others dropped); ``timeout_s`` 0: what has arrived."""
+        kept for :meth:`end_requests`, the last SWITCH_VIEW for :meth:`switch_view`, others
+        dropped); ``timeout_s`` 0: what has arrived."""
         end = time.monotonic() + timeout_s
         while True:
             left = end - time.monotonic()
@@ -173,6 +211,8 @@ class AgentLink:
                                         now=time.monotonic())
             if msg is not None and isinstance(msg.body, wire.EndWorker):
                 self._ends.append(msg.body)
+            elif msg is not None and isinstance(msg.body, wire.SwitchView):
+                self._view = msg.body
             elif msg is not None and isinstance(msg.body, cls) and msg.body.query_id == qid:
                 return msg.body
 

@@ -147,6 +147,7 @@ class OperatorDesk:
             self._answer(ctl, reply.request_id, reply)
         for rid, reply in self.switches.settle(ctl, now):
             self._answer(ctl, rid, reply, "switch")
+        self.switches.push_views(ctl, now)
         while self.deferred and phase is Phase.RUNNING and st.pause is None:
             verb, ranks, reason = self.deferred.pop(0)
             internal_request(ctl, now, verb, ranks, reason)
@@ -323,7 +324,8 @@ def status(ctl: "Controller", now: float) -> Dict[str, Any]:
         "world_size": st.world_size, "run_id": st.run_id, "ranks": ranks, "by_state": by_state,
         "recoveries": [_recovery(r) for r in st.recoveries[-STATUS_RECOVERIES:]],
         "restarts": [dict(r) for r in ctl.arbiter.restarts][-STATUS_RECOVERIES:],
-        "spares": ctl.spares, "features": features, "pause": pause, "pauses": ctl.operators.pauses[-5:],
+        "spares": switch_desk.spares_listed(ctl), "features": features, "pause": pause,
+        "pauses": ctl.operators.pauses[-5:],
         "pause_tasks": ctl.operators.tasks.done,
         "switches": ctl.operators.switches.status(), "switching": ctl.operators.switches.busy_ranks(),
         "stop_requested": st.stop_request.reason if st.stop_request is not None else None,

@@ -233,6 +233,11 @@ _REPORTS: Dict[str, Callable[[RestartArbiter, Any, float], None]] = {
     "exit": lambda a, b, now: a.rank_exited(b.rank, b.exit_code, now),
     "restarted": lambda a, b, now: a.rank_restarted(b.rank, b.incarnation, b.pid, b.exit_code, now),
     "abandoned": lambda a, b, now: a.restart_abandoned(b.rank, b.detail, now),
+    # hot switch (control/switch_desk.py): that node's agent, as the controller's own calls it in process
+    "switch_started": lambda a, b, now: a.ctl.operators.switches.agent_report("started", b.rank, b.pid),
+    "switch_gone": lambda a, b, now: a.ctl.operators.switches.agent_report("gone", b.rank, b.detail),
+    "switched": lambda a, b, now: a.ctl.operators.switches.agent_report("switched", b.rank, b.pid),
+    "spare": lambda a, b, now: a.ctl.operators.switches.node_spare(a.ctl, b.rank, b.pid, b.detail),
 }
 
 
@@ -264,11 +269,12 @@ def agent_message(ctl: "Controller", now: float, ident: bytes, msg: wire.Message
     if handler is None:
         ctl.codec.rejected["bad_body"] += 1
         return
-    reply = handler(ctl, now, msg.body)
     body = msg.body
-    ranks = list(body.ranks) if isinstance(body, wire.AgentHello) else [body.rank]
-    if not isinstance(body, wire.AgentHello) or reply.accepted:
-        for r in ranks:
+    if not isinstance(body, wire.AgentHello) and 0 <= body.rank < ctl.world_size:
+        ctl.arbiter.agent_of[body.rank] = ident  # before the handler: a ``spare`` report is that node's
+    reply = handler(ctl, now, body)
+    if isinstance(body, wire.AgentHello) and reply.accepted:
+        for r in body.ranks:
             if 0 <= r < ctl.world_size:
                 ctl.arbiter.agent_of[r] = ident
     if reply is not None:

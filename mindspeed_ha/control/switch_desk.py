@@ -1,5 +1,5 @@
-"""The controller's side of the hot switch (``mindspeed-ha switch --ranks R``): requests, the
-spares, the commit, events and replies. The decisions before the commit point are
+"""The controller's side of the hot switch (``mindspeed-ha switch --ranks R | --node HOST``):
+requests, the spares, the commit, events and replies. The decisions before the commit point are
 :mod:`.policy.switch` (pure); this module does what they say, on the controller thread
 under the controller's lock, like :mod:`.operator_desk`.
 
@@ -55,6 +55,8 @@ log = logging.getLogger("mindspeed_ha.control.controller")
 DONE, FAILED, REFUSED = 0, 1, 4
 #: ended switches kept for ``status``
 KEEP_SWITCHES = 5
+#: seconds between two SWITCH_VIEW of the same content to another node's agent (while not empty)
+VIEW_RESEND_S = 1.0
 
 
 @dataclasses.dataclass
@@ -88,6 +90,10 @@ class SwitchDesk:
         #: a rank not listed: end its new process, if any
         self._agent_view: Dict[int, str] = {}
         self._reports: List[Tuple[str, int, Any]] = []
+        #: other nodes (agent connection) -> (the view last sent, when); controller thread
+        self._pushed: Dict[bytes, Tuple[Dict[int, str], float]] = {}
+        #: other nodes' parked warm spares: node -> {"host", "pid", "node"} (AGENT_REPORT ``spare``)
+        self.remote_spares: Dict[str, Dict[str, Any]] = {}
 
     # ------------------------------------------------------------------ the agent (its thread)
     def agent_wanted(self) -> Dict[int, str]:
@@ -106,13 +112,21 @@ class SwitchDesk:
                 self._agent_view.pop(int(rank), None)
 
     # ------------------------------------------------------------------ inputs
-    def request(self, ctl: "Controller", now: float, request_id: str, ranks: Sequence[int]
-                ) -> Optional[wire.OperatorReply]:
-        """A switch of ``ranks``: the refusal (REFUSED, nothing else happens), or None (the
-        reply comes with the switch's end, from :meth:`settle`)."""
+    def request(self, ctl: "Controller", now: float, request_id: str, ranks: Sequence[int],
+                node: Optional[str] = None) -> Optional[wire.OperatorReply]:
+        """A switch of ``ranks``, or of every rank registered from host ``node`` (``--node``:
+        one switch, one pause, every group rebuilt once): the refusal (REFUSED, nothing else
+        happens), or None (the reply comes with the switch's end, from :meth:`settle`)."""
         ranks = [int(r) for r in ranks]
+        if node is not None:
+            if ranks:
+                return wire.OperatorReply(request_id, REFUSED, f"--node {node!r}: give --ranks or --node, not both")
+            ranks, why = policy.node_ranks(ctl.state, str(node))
+            if why is not None:
+                log.warning("operator: hot switch refused: %s", why)
+                return wire.OperatorReply(request_id, REFUSED, why)
         switching = self.busy_ranks()
-        why = policy.refuse(ctl.state, ctl.config, ranks, _spares_available(ctl), switching)
+        why = policy.refuse(ctl.state, ctl.config, ranks, spares_by_node(ctl), switching, node_of(ctl))
         if why is not None:
             log.warning("operator: hot switch of ranks %s refused: %s", ranks, why)
             return wire.OperatorReply(request_id, REFUSED, why)
@@ -123,7 +137,7 @@ class SwitchDesk:
             self._reports = []
             self._agent_view.update({r: "start" for r in sw.ranks})
         job_events.note(ctl.recorder, "SwitchRequested", None, ranks=sw.ranks, reason="operator",
-                        request_id=request_id)
+                        request_id=request_id, **({"node": str(node)} if node is not None else {}))
         log.warning("operator: hot switch of ranks %s: new processes starting (training goes on)", list(sw.ranks))
         return None
 
@@ -267,12 +281,12 @@ class SwitchDesk:
     def _committing(self, ctl: "Controller", now: float, sw: Switch) -> List[Tuple[str, wire.OperatorReply]]:
         failed = {who: detail for who, (ok, detail) in self._answers.items() if not ok}
         late = [who for who in self._waiting if who not in self._answers]
-        if not failed and late and now < (self._deadline or now):
+        decision = policy.committed(now, sw, ctl.state, self.spares_gone, failed, late,
+                                    self._deadline if self._deadline is not None else now)
+        if decision.action is SwitchAction.WAIT:
             return []
-        if failed or late:
-            why = "; ".join(f"{w[0]} {w[1]}: {d}" for w, d in sorted(failed.items())) or \
-                f"no answer from {sorted(late)} within {2 * ctl.config.action_timeout_s:g} s"
-            return self._fail(ctl, now, sw, why)
+        if decision.action is SwitchAction.FAIL:
+            return self._fail(ctl, now, sw, decision.reason, decision.stop)
         stages: Dict[str, float] = {}
         for (_, _), (_, detail) in self._answers.items():
             try:
@@ -314,21 +328,28 @@ class SwitchDesk:
         ctl.failover.roster_dirty = True
         with self._mail:
             self._agent_view[rank] = "commit"
+        self.push_views(ctl, now)  # another node's agent knows before its old process exits 0
         if old_ident is not None:
             self._send(ctl, old_ident, wire.Action(next(ctl.action_ids), ActionKind.EXIT.value, {
                 "code": 0, "reason": f"hot switch: rank {rank} goes on in pid {info.pid}"}))
 
-    def _fail(self, ctl: "Controller", now: float, sw: Switch, why: str) -> List[Tuple[str, wire.OperatorReply]]:
-        """After the commit point: the job's own handling (a graceful stop: the checkpoint of K)."""
+    def _fail(self, ctl: "Controller", now: float, sw: Switch, why: str, stop: bool = True
+              ) -> List[Tuple[str, wire.OperatorReply]]:
+        """After the commit point: the new processes end; the graceful stop of the job (the
+        checkpoint of K) when ``stop``, else the fault handling under way decides."""
         for r, inc in sorted(self.incoming.items()):
             self._send(ctl, inc.ident, wire.Action(next(ctl.action_ids), ActionKind.EXIT.value, {
                 "code": 1, "reason": f"hot switch failed: {why}"}))
         self.incoming = {}
-        ctl.state.request_stop(now, -1, f"hot switch failed after its commit point: {why}")
+        if stop:
+            ctl.state.request_stop(now, -1, f"hot switch failed after its commit point: {why}")
+        self._paused_by_switch = False
         sw.transition(SwitchPhase.FAILED, now, why)
+        then = (f"the job stops gracefully (checkpoint of iteration {sw.iteration})" if stop else
+                f"the job's fault handling goes on (dying checkpoint of iteration {sw.iteration} where a replica "
+                "holds each dead rank's state)")
         return [self._end(ctl, sw, FAILED, f"hot switch of ranks {list(sw.ranks)} failed after its commit point: "
-                          f"{why}; the job stops gracefully (checkpoint of iteration {sw.iteration})",
-                          "SwitchAborted")]
+                          f"{why}; {then}", "SwitchAborted")]
 
     def _abort(self, ctl: "Controller", now: float, why: str) -> List[Tuple[str, wire.OperatorReply]]:
         sw = self.current
@@ -367,6 +388,42 @@ class SwitchDesk:
         except (zmq.ZMQError, wire.WireError) as exc:
             log.warning("hot switch: cannot send %s: %s", type(body).__name__, exc)
 
+    # ------------------------------------------------------------------ other nodes' agents
+    def push_views(self, ctl: "Controller", now: float) -> None:
+        """SWITCH_VIEW to each other node's agent whose ranks' view changed since the last one
+        sent, or again after :data:`VIEW_RESEND_S` while not empty (controller thread; after
+        every decision step, from ``OperatorDesk.settle``)."""
+        agents = ctl.arbiter.agent_of
+        if not agents:
+            return
+        with self._mail:
+            view = dict(self._agent_view)
+        sw = self.current if self.current is not None else (self.ended[-1] if self.ended else None)
+        rid = sw.request_id if sw is not None else ""
+        by_agent: Dict[bytes, Dict[int, str]] = {}
+        for r, ident in agents.items():
+            if r not in ctl.hosted_ranks:
+                mine = by_agent.setdefault(ident, {})
+                if r in view:
+                    mine[r] = view[r]
+        for ident, mine in by_agent.items():
+            last = self._pushed.get(ident)
+            if (last is None and not mine) or (last is not None and last[0] == mine
+                                               and (not mine or now - last[1] < VIEW_RESEND_S)):
+                continue
+            self._pushed[ident] = (mine, now)
+            self._send(ctl, ident, wire.SwitchView(rid, sorted(mine), [mine[r] for r in sorted(mine)]))
+
+    def node_spare(self, ctl: "Controller", rank: int, pid: int, host: str) -> None:
+        """Another node's agent (that of ``rank``) reports its parked warm spare ``pid`` (0: none)."""
+        node = node_of(ctl).get(int(rank))
+        if node is None:
+            return
+        if pid:
+            self.remote_spares[node] = {"host": str(host), "pid": int(pid), "node": node}
+        else:
+            self.remote_spares.pop(node, None)
+
     # ------------------------------------------------------------------ status
     def busy_ranks(self) -> List[int]:
         """The ranks of the switch under way and those whose switched-out process has not
@@ -391,16 +448,40 @@ def describe(sw: Switch) -> Dict[str, Any]:
             "phase_seconds": policy.phase_seconds(sw.marks, sw.stage_seconds)}
 
 
-def _spares_available(ctl: "Controller") -> Optional[int]:
-    """How many spares a switch can start from: the warm spares the hosting launcher reported
-    (None: nothing reported)."""
-    spares = getattr(ctl, "spares", None)
-    return None if spares is None else len(spares)
+def node_of(ctl: "Controller") -> Dict[int, str]:
+    """Global rank -> its node, for the ranks of other nodes' launchers (``agent`` and the
+    routing id of their agent link, e.g. ``agent a1-0c4f...``); the ranks not listed run
+    under the launcher hosting the controller (:data:`.policy.switch.LOCAL_NODE`)."""
+    hosted = ctl.hosted_ranks
+    return {int(r): f"agent {ident.decode('ascii', 'replace')}" for r, ident in ctl.arbiter.agent_of.items()
+            if r not in hosted}
+
+
+def spares_by_node(ctl: "Controller") -> Optional[Dict[str, int]]:
+    """Node -> warm spares parked there (None: no launcher reported one): the hosting
+    launcher's (``ctl.spares``) and the other nodes' (AGENT_REPORT ``spare``)."""
+    desk = ctl.operators.switches
+    if ctl.spares is None and not desk.remote_spares:
+        return None
+    out = {policy.LOCAL_NODE: len(ctl.spares or ())}
+    out.update({node: 1 for node in desk.remote_spares})
+    return out
+
+
+def spares_listed(ctl: "Controller") -> Optional[List[Dict[str, Any]]]:
+    """Every node's parked warm spare (``status``): None when no launcher reported one."""
+    remote = list(ctl.operators.switches.remote_spares.values())
+    if ctl.spares is None and not remote:
+        return None
+    return list(ctl.spares or ()) + remote
 
 
 def request(ctl: "Controller", now: float, body: wire.OperatorRequest) -> Optional[wire.OperatorReply]:
-    """The ``switch`` verb (:data:`.operator_desk.VERBS`): ``body.params["ranks"]`` to new processes."""
-    return ctl.operators.switches.request(ctl, now, body.request_id, list(body.params.get("ranks") or ()))
+    """The ``switch`` verb (:data:`.operator_desk.VERBS`): ``body.params["ranks"]`` (or every
+    rank registered from host ``body.params["node"]``) to new processes."""
+    node = body.params.get("node")
+    return ctl.operators.switches.request(ctl, now, body.request_id, list(body.params.get("ranks") or ()),
+                                          None if node is None else str(node))
 
 
-__all__ = ["Incoming", "SwitchDesk", "describe", "request"]
+__all__ = ["Incoming", "SwitchDesk", "describe", "node_of", "request", "spares_by_node", "spares_listed"]

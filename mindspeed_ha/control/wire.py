@@ -98,6 +98,7 @@ class MsgType(str, enum.Enum):
     HEALTH = "health"
     PAUSE_TASK = "pause_task"
     PAUSE_TASK_RESULT = "pause_task_result"
+    SWITCH_VIEW = "switch_view"
 
 
 # --------------------------------------------------------------------------- bodies
@@ -379,6 +380,24 @@ class EndWorker:
     detail: str = ""
 
 
+@dataclasses.dataclass(frozen=True)
+class SwitchView:
+    """controller -> another node's agent (hot switch, added within schema 12: only a
+    switch of that node's ranks sends it): per global rank of that node, what its agent
+    does, ``wanted[i]`` for ``ranks[i]``: ``start`` (start the rank's next incarnation beside
+    it), ``keep`` (keep it), ``commit`` (it takes the old process's place once that one
+    exited 0); a rank not listed: end its new process, if any. ``request_id``: the switch's
+    (a ``start`` the agent already reported started for that request is a ``keep``). Sent
+    on every change and again every second while not empty. The agent answers with
+    AGENT_REPORT events ``switch_started`` (``pid``), ``switch_gone`` (``detail``),
+    ``switched`` (``pid``) and ``spare`` (its parked warm spare's ``pid``, 0: none;
+    ``detail``: its host)."""
+
+    request_id: str
+    ranks: List[int]
+    wanted: List[str]
+
+
 # ------------------------------------------------ the operator (mindspeed-ha status | pause | resume | stop)
 #: the verbs an operator may send
 OPERATOR_VERBS = ("status", "pause", "resume", "stop", "check", "relink", "switch")
@@ -471,6 +490,7 @@ BODY_TYPES: Dict[MsgType, Type[Any]] = {
     MsgType.HEALTH: Health,
     MsgType.PAUSE_TASK: PauseTask,
     MsgType.PAUSE_TASK_RESULT: PauseTaskResult,
+    MsgType.SWITCH_VIEW: SwitchView,
 }
 _TYPE_OF = {cls: t for t, cls in BODY_TYPES.items()}
 
@@ -740,5 +760,6 @@ __all__ = [
     "Register", "Registered", "Heartbeat", "Status", "Fault", "Stop", "Stopped", "Action", "ActionResult",
     "Integrity", "Goodbye", "GoodbyeAck", "StopRequest", "Drain", "Draining", "BODY_TYPES", "Layout",
     "Release", "OperatorRequest", "OperatorReply", "OPERATOR_VERBS", "Health", "PauseTask", "PauseTaskResult",
+    "SwitchView",
 ]
 

@@ -93,20 +93,28 @@ class Survivors:
         supervise(pcontext, self)
 
     def spare_changed(self, pid: Optional[int]) -> None:
-        """This node's warm spare (``mindspeed-ha status`` lists it, where this launcher hosts the controller)."""
-        if self.controller is not None:
-            self.controller.spares = [] if pid is None else [{"host": socket.gethostname(), "pid": int(pid)}]
+        """This node's warm spare (``mindspeed-ha status`` lists it; a hot switch of this
+        node's ranks needs it): to the controller in process, or over the agent link."""
+        controller, link = self.controller, self.link
+        if controller is not None:
+            controller.spares = [] if pid is None else [{"host": socket.gethostname(), "pid": int(pid)}]
+        elif link is not None:
+            link.report_spare(pid)
 
     def switch_wanted(self) -> Dict[int, str]:
-        """Hot switch: what this launcher's agent does per rank (this launcher's controller
-        only: other nodes' switches are not built)."""
-        controller = self.controller
-        return controller.operators.switches.agent_wanted() if controller is not None else {}
+        """Hot switch: what this launcher's agent does per rank (the controller's switch desk
+        in process, or the last SWITCH_VIEW over the agent link)."""
+        controller, link = self.controller, self.link
+        if controller is not None:
+            return controller.operators.switches.agent_wanted()
+        return link.switch_view() if link is not None else {}
 
     def switch_report(self, what: str, rank: int, value) -> None:
-        controller = self.controller
+        controller, link = self.controller, self.link
         if controller is not None:
             controller.operators.switches.agent_report(what, rank, value)
+        elif link is not None:
+            link.report_switch(what, rank, value)
 
     def abandoned(self, rank: int, why: str) -> None:
         controller, link = self.controller, self.link

@@ -313,6 +313,7 @@ def send_handoff(c: RecoveryContext) -> None:
     from mindspeed_ha.recovery import handover, progress, transfer
     from mindspeed_ha.recovery.pair_link import INCOMING, OUTGOING
 
+    c.rt.injector.fire("recover", c.plan.iteration + 1, c.rt.ctx)  # testing: e.g. dies before its handoff
     link = _pair_link(c, OUTGOING)
     try:
         stats = transfer.send_state(c.model, c.optimizer, INCOMING, link)

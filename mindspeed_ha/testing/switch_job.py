@@ -2,7 +2,8 @@
 of hot switches, driven through the operator channel: ``tests/test_switch_job.py`` and
 ``scripts/bench_switch.py``.
 
-Schedule entries: ``"R"`` switches rank R (expects code 0); ``"kill:R"`` switches rank R and
+Schedule entries: ``"R"`` switches rank R (expects code 0); ``"node"`` switches every rank
+of the job's one host (``switch --node HOST``); ``"kill:R"`` switches rank R and
 SIGKILLs its new process as soon as the agent reports its pid (expects code 1: abandoned
 before the commit point, training goes on on the old ranks). Between entries the driver
 waits for a warm spare to be parked again and for two more iterations. Synchronisation is
@@ -41,6 +42,8 @@ class SwitchRun:
     replies: List[Dict[str, Any]]
     pids_before: List[int]
     pids_after: List[int]
+    #: every rank's PID after each schedule entry (training went on two iterations after it)
+    pids_each: List[List[int]]
     losses: Dict[int, str]
     grad_norms: Dict[int, Any]
     output: str
@@ -123,14 +126,17 @@ def run(workdir: str, schedule: Sequence[str], train_iters: int = TRAIN_ITERS, e
     try:
         op = _Op(port, key, job)
         s = op.status_until(lambda s: _ready_for_next(s, 2), "every rank training, a warm spare parked")
-        pids_before = [r["pid"] for r in s["ranks"]]
+        pids_before, pids_each = [r["pid"] for r in s["ranks"]], []
         for entry in schedule:
             if entry.startswith("kill:"):
                 replies.append(dict(entry=entry, **_switch_killing_the_spare(op, int(entry[5:]))))
+            elif entry == "node":
+                replies.append(dict(entry=entry, **_reply(op("switch", params={"node": s["ranks"][0]["host"]}))))
             else:
                 replies.append(dict(entry=entry, **_reply(op("switch", params={"ranks": [int(entry)]}))))
             after = max(_iterations(op("status", timeout_s=30.0).result)) + 2
             s = op.status_until(lambda s: _ready_for_next(s, after), f"training after {entry!r}")
+            pids_each.append([r["pid"] for r in s["ranks"]])
         pids_after = [r["pid"] for r in s["ranks"]]
         rc: Optional[int] = job.wait(timeout=timeout_s)
     finally:
@@ -141,7 +147,7 @@ def run(workdir: str, schedule: Sequence[str], train_iters: int = TRAIN_ITERS, e
         output = f.read()
     records = read_loss_log(loss_log)
     events = read_loss_log(events_file)  # JSON lines too
-    return SwitchRun(rc, replies, pids_before, pids_after, losses_from_log(loss_log),
+    return SwitchRun(rc, replies, pids_before, pids_after, pids_each, losses_from_log(loss_log),
                      {int(r["iteration"]): r["grad_norm"] for r in records}, output, events)
 
 

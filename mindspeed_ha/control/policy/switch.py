@@ -1,4 +1,4 @@
-"""Hot switch (the operator's ``mindspeed-ha switch --ranks R``): the pure part. No I/O.
+"""Hot switch (the operator's ``mindspeed-ha switch --ranks R | --node HOST``): the pure part. No I/O.
 
 A hot switch moves live ranks to new processes at a step boundary, without a restart of
 the job and without losing a step. Its flow (the controller side is
@@ -15,7 +15,8 @@ the job and without losing a step. Its flow (the controller side is
    COMMITTED  every rank rebuilds its groups with the spare in the switched rank's place; the
               outgoing process sends its own state (parameters, optimizer shard, host state,
               progress, RNG) to the spare, then exits 0; RELEASE: training resumes at K+1
-   DONE
+   DONE       (committed(): a failure after the commit point is FAILED: the graceful stop
+              of the job, or, when an old process died, its fault handling)
  before the commit point, anything wrong -> ABORTED: training goes on on the old ranks
  (a spare that dies, READY not within --ha-connect-timeout, a pause that fails, the job
  leaving RUNNING for a fault or a stop); the reason goes into the operator's reply
@@ -32,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
-from typing import Dict, FrozenSet, Mapping, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 from mindspeed_ha.config import HAConfig
 from mindspeed_ha.control.state import ClusterState, Phase, summarise_ranks
@@ -41,6 +42,8 @@ log = logging.getLogger("mindspeed_ha.control.controller")
 
 #: the most ranks one request may switch (a whole node's worth on the largest hosts)
 MAX_SWITCH_RANKS = 64
+#: the node of the launcher that hosts the controller (its agent is called in process)
+LOCAL_NODE = "local"
 
 
 class SwitchPhase(str, enum.Enum):
@@ -160,17 +163,32 @@ def phase_seconds(marks: Mapping[str, float], stages: Optional[Mapping[str, floa
     return out
 
 
-def refuse(state: ClusterState, config: HAConfig, ranks: Sequence[int], spares: Optional[int],
-           switching: Sequence[int] = ()) -> Optional[str]:
+def node_ranks(state: ClusterState, host: str) -> Tuple[List[int], Optional[str]]:
+    """The ranks whose processes registered from ``host`` (``switch --node HOST``: every rank
+    of that node moves in one switch), or ([], why not)."""
+    on = sorted(r for r, i in state.ranks.items() if i.host == host)
+    if not on:
+        return [], (f"--node {host!r}: no rank registered from it (hosts: "
+                    f"{sorted({i.host for i in state.ranks.values()})})")
+    return on, None
+
+
+def refuse(state: ClusterState, config: HAConfig, ranks: Sequence[int], spares: Optional[Mapping[str, int]],
+           switching: Sequence[int] = (), node_of: Optional[Mapping[int, str]] = None) -> Optional[str]:
     """Why a hot switch of ``ranks`` may not start now, or None.
 
     Args:
         state: the job as the controller sees it.
         config: the job's config (``worker_reboot``: the new process rejoins as a restarted one).
         ranks: the global ranks asked for.
-        spares: how many spare processes can be started for them (None: the launcher
-            reported no warm spare; a switch starts its processes from the warm spare).
+        spares: node -> warm spares parked there, as the nodes' launchers reported them
+            (None: no launcher reported a warm spare). Every node of a switched rank needs
+            one: it starts that node's first new process; the node's other switched ranks
+            (a whole node) start theirs cold, while training goes on (the pause waits for
+            every one READY, so the pause window does not depend on it).
         switching: ranks of a switch under way.
+        node_of: global rank -> its node (the keys of ``spares``); a rank not in it is on
+            :data:`LOCAL_NODE`, the launcher hosting the controller (None: every rank).
 
     Returns:
         The reason (the operator's reply, code REFUSED), or None.
@@ -211,10 +229,15 @@ def refuse(state: ClusterState, config: HAConfig, ranks: Sequence[int], spares: 
     no_rejoin = sorted(r for r in ranks if not state.ranks[r].rejoins)
     if no_rejoin:
         return f"ranks {summarise_ranks(no_rejoin)} registered without rejoin support"
-    if spares is None or spares < 1:
-        return "no spare: start the job with MINDSPEED_HA_WARM_SPARES=1 (the launcher reported no warm spare)"
-    if spares < len(ranks):
-        return f"{len(ranks)} ranks asked, {spares} spare(s) available"
+    if spares is None:
+        return "no spare: start the job with MINDSPEED_HA_WARM_SPARES=1 (no launcher reported a warm spare)"
+    nodes: Dict[str, List[int]] = {}
+    for r in ranks:
+        nodes.setdefault((node_of or {}).get(r, LOCAL_NODE), []).append(r)
+    bare = sorted(r for n, rs in nodes.items() if spares.get(n, 0) < 1 for r in rs)
+    if bare:
+        return (f"no spare parked on the node of ranks {summarise_ranks(bare)} (its launcher needs "
+                "MINDSPEED_HA_WARM_SPARES=1; a new spare is started after each use)")
     return None
 
 
@@ -230,6 +253,11 @@ class SwitchAction(str, enum.Enum):
     ABORT = "abort"
     """Give up before the commit point: back to training on the old ranks (the spares end,
     a pause of this switch is released)."""
+    FINISH = "finish"
+    """After the commit point, every answer ok: the new processes take the ranks' places, RELEASE."""
+    FAIL = "fail"
+    """After the commit point, a failure: the new processes end; the job stops gracefully
+    (``SwitchStep.stop``) or its fault handling, already under way, decides."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,6 +266,9 @@ class SwitchStep:
 
     action: SwitchAction
     reason: str
+    stop: bool = False
+    """FAIL: ask the graceful stop of the job (its checkpoint of K); False: a fault's
+    handling (the dying checkpoint) or a stop is under way already."""
 
 
 def step(now: float, sw: Switch, state: ClusterState, config: HAConfig,
@@ -288,5 +319,49 @@ def step(now: float, sw: Switch, state: ClusterState, config: HAConfig,
     return wait
 
 
-__all__ = ["ENDED", "MAX_SWITCH_RANKS", "PHASE_SPANS", "SWITCH_MOVES", "Switch", "SwitchAction", "SwitchPhase",
-           "SwitchStep", "phase_seconds", "refuse", "step"]
+def committed(now: float, sw: Switch, state: ClusterState, spares_gone: Mapping[int, str],
+              failed: Mapping[Tuple[str, int], str], late: Sequence[Tuple[str, int]],
+              deadline: float) -> SwitchStep:
+    """The decision for ``sw`` after the commit point (COMMITTED), in this turn.
+
+    Args:
+        now: the controller's clock, s.
+        sw: the switch.
+        state: the job (PAUSED after K while the plan runs).
+        spares_gone: switched rank -> why its new process is gone.
+        failed: who (``("rank", r)`` or ``("incoming", r)``) -> the detail of a failed answer.
+        late: who has not answered yet.
+        deadline: when the answers are due (2 x ``--ha-action-timeout`` after the plan went out).
+
+    Returns:
+        WAIT; FINISH (every answer ok); FAIL with ``stop`` True (an answer failed or is late,
+        or a new process died, while every old process lives: the graceful stop of the job,
+        which writes the checkpoint of K from the old processes, replicas or not) or False
+        (an old process died, e.g. the outgoing one in the middle of its handoff, or the job
+        left PAUSED: its fault handling took over, the dying checkpoint of K, which needs a
+        replica of a dead rank's optimizer shard; the state is not fetched from a replica
+        into the new process).
+    """
+    dead = sorted(r for r, i in state.ranks.items() if not i.alive)
+    if dead:
+        return SwitchStep(SwitchAction.FAIL, f"ranks {summarise_ranks(dead)} ended after the commit point ("
+                          f"{state.ranks[dead[0]].dead_reason or 'gone'}): the job's fault handling takes over")
+    if state.phase is not Phase.PAUSED:
+        return SwitchStep(SwitchAction.FAIL, f"the job left the pause after the commit point (phase "
+                          f"{state.phase.value}): its own handling takes over")
+    gone = sorted(r for r in sw.ranks if r in spares_gone)
+    if gone:
+        why = "; ".join(f"rank {r}: {spares_gone[r]}" for r in gone)
+        return SwitchStep(SwitchAction.FAIL, f"a new process died after the commit point ({why})", stop=True)
+    if failed:
+        why = "; ".join(f"{w[0]} {w[1]}: {d}" for w, d in sorted(failed.items()))
+        return SwitchStep(SwitchAction.FAIL, why, stop=True)
+    if late and now >= deadline:
+        return SwitchStep(SwitchAction.FAIL, f"no answer from {sorted(late)} in time", stop=True)
+    if late:
+        return SwitchStep(SwitchAction.WAIT, "")
+    return SwitchStep(SwitchAction.FINISH, "every rank and new process answered")
+
+
+__all__ = ["ENDED", "LOCAL_NODE", "MAX_SWITCH_RANKS", "PHASE_SPANS", "SWITCH_MOVES", "Switch", "SwitchAction",
+           "SwitchPhase", "SwitchStep", "committed", "node_ranks", "phase_seconds", "refuse", "step"]
