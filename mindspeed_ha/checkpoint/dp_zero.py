@@ -130,12 +130,13 @@ class ShardDigest(Protocol):
 def write_shard(path: str, plan: FilePlan, shard_id: int, num_shards: int,
                 buckets: Iterable[Tuple[int, Any, int, int, Dict[str, Any]]],
                 staging_root: str, tp: int, pp: int, iteration: int,
-                digest: Optional[ShardDigest] = None, timer: Optional[Callable[[str], Any]] = None) -> int:
+                digest: Optional[ShardDigest] = None, timer: Optional[Callable[[str], Any]] = None,
+                fsync: Callable[[int], None] = os.fsync) -> int:
     """Write shard ``shard_id`` of ``num_shards`` into ``path`` in place; returns bytes written.
 
     Works through each tensor in chunks of ``CHUNK_BYTES`` (digest, CRC-32, ``pwrite``):
-    each chunk is digested right before it is written, from the same memory; one fsync at
-    the end.
+    each chunk is digested right before it is written, from the same memory; one
+    ``fsync(fd)`` at the end.
 
     Args:
         buckets: this rank's shard, bucket by bucket, in layout order, as
@@ -147,6 +148,9 @@ def write_shard(path: str, plan: FilePlan, shard_id: int, num_shards: int,
         timer: ``timer(step)`` is a context manager timing ``gather`` (the shard's
             buckets produced), ``digest``, ``crc``, ``write``, ``fsync`` (for the benchmark's
             breakdown).
+        fsync: called once with the file's descriptor after the last write (default
+            ``os.fsync``; a :class:`mindspeed_ha.checkpoint.files.BackgroundFsync` lets the
+            caller write its next file meanwhile: the shard is durable once it is joined).
 
     Raises:
         DPZeroError: a bucket does not match the plan.
@@ -172,7 +176,7 @@ def write_shard(path: str, plan: FilePlan, shard_id: int, num_shards: int,
                 digest.begin_bucket(item)
             written += _write_bucket(fd, plan, groups, item, shard_id, num_shards, digest, timer, ranges)
         with timer("fsync"):
-            os.fsync(fd)
+            fsync(fd)
     finally:
         os.close(fd)
     _write_json(_ranges_path(staging_root, tp, pp, shard_id),

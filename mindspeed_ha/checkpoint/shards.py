@@ -63,7 +63,10 @@ def shard_buckets(opt, count: int) -> Iterator[ShardBucket]:
                 bucket = opt.buffers[gbuf_idx].buckets[bucket_idx]
                 world_numel = bucket.grad_data.numel()
                 local_numel = world_numel // count
-                shard = {k: torch.zeros((local_numel,), dtype=torch.float32) for k in STATE_KEYS}
+                # every element is set once: the parameters' ranges copied, the padding between
+                # and after them zeroed (torch.zeros would write the whole shard twice)
+                shard = {k: torch.empty((local_numel,), dtype=torch.float32) for k in STATE_KEYS}
+                covered = []
                 for model_param, param_range in range_map["param_map"].items():
                     # megatron-core's own accessor of one parameter's main param and states
                     tensors = opt._get_main_param_and_optimizer_states(model_param)
@@ -75,6 +78,21 @@ def shard_buckets(opt, count: int) -> Iterator[ShardBucket]:
                                 f"{k} of buffer {gbuf_idx} bucket {bucket_idx} [{lo}:{hi}]: {t.dtype} "
                                 f"{tuple(t.shape)}, expected {hi - lo} floating-point values")
                         shard[k][lo:hi].copy_(t.detach().reshape(-1).to("cpu", torch.float32))
+                    covered.append((lo, hi))
+                for lo, hi in gaps(covered, local_numel):
+                    for k in STATE_KEYS:
+                        shard[k][lo:hi].zero_()
                 shard["gbuf_world_numel"] = world_numel
                 shard["numel_unpadded"] = bucket.numel_unpadded
                 yield gbuf_idx, buf_numel, dtype_key, bucket_idx, shard
+
+
+def gaps(ranges, n: int) -> Iterator[Tuple[int, int]]:
+    """The ``[lo, hi)`` parts of ``[0, n)`` that none of ``ranges`` (``(lo, hi)`` pairs) covers."""
+    pos = 0
+    for lo, hi in sorted(ranges):
+        if lo > pos:
+            yield pos, lo
+        pos = max(pos, hi)
+    if pos < n:
+        yield pos, n
