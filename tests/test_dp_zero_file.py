@@ -217,11 +217,15 @@ def test_shard_gather_sets_every_element_padding_zero(monkeypatch):
     params = [(3, 10), (16, 40), (40, 41), (64, 90)]  # gaps [0,3) [10,16) [41,64) [90,100)
     opt, states = _fake_optimizer(100, params)
     (_, _, _, _, shard), = list(shards.shard_buckets(opt, 1))
+    (_, _, _, _, pieces), = list(shards.shard_buckets(opt, 1, copy=False))
     for k in KEYS:
         want = torch.zeros(100)
         for name, (lo, hi) in zip(states, params):
             want[lo:hi] = states[name][k]
         assert torch.equal(shard[k], want), k
+        assert torch.equal(torch.cat(pieces[k]), want), k
+        # without copy the parameters' pieces are their own state's memory
+        assert {t.data_ptr() for t in pieces[k]} >= {states[n][k].data_ptr() for n in states}, k
     assert list(shards.gaps([(5, 7), (0, 2), (7, 9)], 12)) == [(2, 5), (9, 12)]
     assert list(shards.gaps([], 4)) == [(0, 4)] and list(shards.gaps([(0, 4)], 4)) == []
 
@@ -258,3 +262,41 @@ def test_background_fsync_joins_and_raises_the_fsync_error(tmp_path, monkeypatch
     finally:
         os.close(fd)
     assert not [t for t in threading.enumerate() if t.name == "mindspeed-ha-fsync"]
+
+
+def test_shard_written_from_pieces_is_the_file_and_digest_of_the_whole(tmp_path, monkeypatch):
+    """A saver writing its shard from the parameters' own tensors (``shard_buckets(copy=False)``:
+    a list of pieces per state) writes the same bytes, CRCs and digest as from one gathered
+    tensor, whatever the chunk size cuts through the pieces."""
+    from mindspeed_ha.checkpoint import integrity
+
+    monkeypatch.setattr(dp_zero, "CHUNK_BYTES", 12)
+    groups = _groups(2)
+    world = _world(groups)
+
+    def pieces(items):
+        for g, n, dk, i, shard in items:
+            cut = dict(shard)
+            for k in KEYS:  # uneven pieces, an empty one too
+                t = shard[k]
+                cut[k] = [t[:1], t[1:1], t[1:4], t[4:]]
+            yield g, n, dk, i, cut
+
+    out = {}
+    for name, wrap in (("whole", lambda x: x), ("pieces", pieces)):
+        path = str(tmp_path / name / "distrib_optim.pt")
+        os.makedirs(os.path.dirname(path))
+        for j in (0, 1):
+            d = integrity.StreamingShardDigest(2)
+            dp_zero.write_shard(path, dp_zero.FilePlan(groups), j, 2, wrap(_shard_items(groups, world, j, 2)),
+                                str(tmp_path / name), 0, 0, 7, d)
+            assert d.result() == integrity.digest_shard_buckets(2, _shard_items(groups, world, j, 2))
+        dp_zero.finalize(path, dp_zero.FilePlan(groups), 2, str(tmp_path / name), 0, 0, 7)
+        with open(path, "rb") as f:
+            out[name] = f.read()
+    assert out["pieces"] == out["whole"]
+    with pytest.raises(dp_zero.DPZeroError, match="expected contiguous CPU float32"):
+        items = list(pieces(_shard_items(groups, world, 0, 2)))
+        items[0][4]["param"] = items[0][4]["param"][:-1]  # one element short
+        dp_zero.write_shard(str(tmp_path / "short"), dp_zero.FilePlan(groups), 0, 2, items,
+                            str(tmp_path / "short_root"), 0, 0, 7)

@@ -130,8 +130,9 @@ def _dump_model(ctx, opt, iteration: int, snapshot, role: SaverRole, steps) -> s
 
 def _dump_dp_zero_shard(ctx, opt, iteration: int, shard_digest: str, steps, fsync) -> str:
     """This rank's shard, written in place into the stage's ``distrib_optim.pt``
-    (:mod:`mindspeed_ha.checkpoint.dp_zero`), each chunk digested just before it is
-    written; the digest must be the trusted one. ``fsync(fd)`` makes it durable
+    (:mod:`mindspeed_ha.checkpoint.dp_zero`) straight from the optimizer's own (frozen)
+    state tensors, no gather copy when they are CPU fp32; each chunk digested just before
+    it is written, from the same memory; the digest must be the trusted one. ``fsync(fd)`` makes it durable
     (:class:`mindspeed_ha.checkpoint.files.BackgroundFsync`: joined by the caller)."""
     from mindspeed_ha.checkpoint import dp_zero, integrity
     from mindspeed_ha.checkpoint.shards import num_shards, shard_buckets
@@ -147,7 +148,7 @@ def _dump_dp_zero_shard(ctx, opt, iteration: int, shard_digest: str, steps, fsyn
         plan = dp_zero.FilePlan(dp_zero.layout_of(opt))
     digest = integrity.StreamingShardDigest(count) if shard_digest else None
     nbytes = dp_zero.write_shard(
-        path, plan, ctx.shard_id, count, shard_buckets(opt, count), root, ctx.tp_rank, ctx.pp_rank,
+        path, plan, ctx.shard_id, count, shard_buckets(opt, count, copy=False), root, ctx.tp_rank, ctx.pp_rank,
         iteration, digest, timer=lambda step: steps(f"shard_{step}"), fsync=fsync)
     if digest is not None:
         integrity.expect(f"shard {ctx.shard_id} written to {rel}", digest.result(), shard_digest)
