@@ -6,9 +6,12 @@ hidden ``--hidden-size``: ~240 MB of checkpoint at 512) is killed in backward of
 iteration 2; the controller's report gives the save phase (DUMP sent -> EXIT sent: the
 savers' files, completion check or merge, validation, rename, tracker). Right after, ``dd
 if=/dev/zero bs=4M conv=fsync`` writes the same number of bytes to the same directory,
-three times; the fastest dd counts (the disk's best rate in the same run). Prints, per
-``--ckpt-format``: checkpoint bytes, save seconds, MB/s, dd MB/s, and the ratio (goal
-``GOAL_RATIO``).
+three times; the fastest dd counts (the disk's best rate in the same run); then the
+*floor*: the same bytes written by as many processes as there were savers, each its
+equal part from memory (``pwrite`` 16 MiB + fsync, nothing else), three times, the
+fastest counts: what any saver writing through the page cache could reach. Prints, per
+``--ckpt-format``: the load average, checkpoint bytes, save seconds, MB/s, dd MB/s, the
+ratio (goal ``GOAL_RATIO``), the floor and the ratios floor/dd, save/floor.
 
     python scripts/bench_dying_write.py [--megatron-lm DIR | --tarball FILE] [--hidden-size 512]
         [--repeat N] [--log-dir DIR]
@@ -83,6 +86,43 @@ def _primitive_rates(directory, nbytes=128 << 20):
     return out
 
 
+def _parallel_writer(path, nbytes, start, out):
+    data = memoryview(bytearray(os.urandom(1 << 20) * max(1, nbytes >> 20)))[:nbytes]
+    start.wait()
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        for pos in range(0, nbytes, 16 << 20):
+            os.pwrite(fd, data[pos:pos + (16 << 20)], pos)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    out.put((t0, time.perf_counter()))
+
+
+def _parallel_floor(directory, nbytes, writers):
+    """Bytes/s of ``writers`` processes writing ``nbytes`` in all (equal parts, each its own
+    new file in ``directory``, from memory, ``pwrite`` of 16 MiB + one fsync: what the
+    savers do with nothing else), first start to last fsync: the best a dying checkpoint
+    written through the page cache by that many savers can reach on this disk now."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    start, out = ctx.Event(), ctx.Queue()
+    paths = [os.path.join(directory, f"floor{i}.bin") for i in range(writers)]
+    procs = [ctx.Process(target=_parallel_writer, args=(p, nbytes // writers, start, out)) for p in paths]
+    for p in procs:
+        p.start()
+    time.sleep(0.5 + nbytes / 2e9)  # let every writer fill its buffer first
+    start.set()
+    times = [out.get() for _ in procs]
+    for p in procs:
+        p.join()
+    for p in paths:
+        os.remove(p)
+    return writers * (nbytes // writers) / (max(t for _, t in times) - min(t for t, _ in times))
+
+
 def _breakdown(report, stderr):
     """Seconds from each action sent to the next (DUMP -> ASSEMBLE -> COMMIT -> EXIT), and
     the ranks' own step timings (``[name=1.234s ...]`` in their action results)."""
@@ -119,14 +159,18 @@ def _run_once(mlm, root, tmp, fmt, hidden, log_dir, n):
     nbytes = _dir_bytes(os.path.join(save, "iter_0000001"))
     # The disk's rate moves between runs (a first write after deletions is often several
     # times slower here): dd DD_RUNS times, the fastest counts (the lower, conservative ratio).
+    load = os.getloadavg()[0]
     dds = [_dd_rate(save, nbytes) for _ in range(DD_RUNS)]
     dd = max(dds)
+    savers = len({rank for rank, action, _ in steps if action == "dump"}) or 1
+    floors = [_parallel_floor(save, nbytes, savers) for _ in range(DD_RUNS)]
     rates = _primitive_rates(save)
-    print(f"{fmt} #{n}: load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(f"{fmt} #{n}: load average {load:.1f} on {os.cpu_count()} cores (1-minute, right after the save)")
     print(f"{fmt} #{n}: one core, MB/s: " + " ".join(f"{k} {v / 1e6:.0f}" for k, v in rates.items())
-          + f"; dd " + ", ".join(f"{d / 1e6:.0f}" for d in dds))
+          + f"; dd " + ", ".join(f"{d / 1e6:.0f}" for d in dds)
+          + f"; {savers} parallel pwrite+fsync writers " + ", ".join(f"{f / 1e6:.0f}" for f in floors))
     shutil.rmtree(save, ignore_errors=True)
-    return nbytes, rep["phase_seconds"]["save"], dd
+    return nbytes, rep["phase_seconds"]["save"], dd, max(floors), savers, load
 
 
 def main():
@@ -147,14 +191,17 @@ def main():
             for fmt in ns.formats.split(","):
                 rows.append((fmt, *_run_once(mlm, root, tmp, fmt, ns.hidden_size, ns.log_dir, n)))
     print(f"\nstock pretrain_gpt.py, TP1 PP2 DP2, 2 replicas, hidden {ns.hidden_size}; rank 3 killed")
-    print(f"{'format':11} {'MB':>8} {'save s':>8} {'MB/s':>8} {'dd MB/s':>8} {'ratio':>6}  goal {GOAL_RATIO}")
-    for fmt, nbytes, save_s, dd in rows:
+    print("floor: the same bytes written by as many processes as savers, pwrite + fsync from memory, nothing else")
+    print(f"{'format':11} {'load':>5} {'MB':>8} {'save s':>8} {'MB/s':>8} {'dd MB/s':>8} {'ratio':>6} "
+          f"{'floor MB/s':>10} {'floor/dd':>8} {'save/floor':>10}  goal {GOAL_RATIO}")
+    for fmt, nbytes, save_s, dd, floor, savers, load in rows:
         rate = nbytes / save_s
-        print(f"{fmt:11} {nbytes / 1e6:8.1f} {save_s:8.3f} {rate / 1e6:8.1f} {dd / 1e6:8.1f} {rate / dd:6.2f}  "
+        print(f"{fmt:11} {load:5.1f} {nbytes / 1e6:8.1f} {save_s:8.3f} {rate / 1e6:8.1f} {dd / 1e6:8.1f} "
+              f"{rate / dd:6.2f} {floor / 1e6:10.1f} {floor / dd:8.2f} {rate / floor:10.2f}  "
               f"{'met' if rate / dd >= GOAL_RATIO else 'NOT met'}")
     if ns.repeat > 1:
         for fmt in ns.formats.split(","):
-            ratios = [nb / s / dd for f, nb, s, dd in rows if f == fmt]
+            ratios = [r[1] / r[2] / r[3] for r in rows if r[0] == fmt]
             print(f"{fmt}: ratio median {statistics.median(ratios):.2f} (min {min(ratios):.2f}, "
                   f"max {max(ratios):.2f}, {len(ratios)} runs)")
 

@@ -187,3 +187,116 @@ def test_layout_without_skip_data_is_the_same(monkeypatch):
     assert {k: (r.data_offset, r.nbytes) for k, r in without.records.items()} == \
         {k: (r.data_offset, r.nbytes) for k, r in with_skip.records.items()}
     assert sum(len(b) for _, b in without.chunks) == sum(len(b) for _, b in with_skip.chunks)
+
+
+def _fake_optimizer(local, params):
+    """A DistributedOptimizer as far as ``shards.shard_buckets`` reads it: one buffer, one
+    bucket of ``local`` elements per shard (one shard), ``params`` = [(lo, hi)] ranges in it."""
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(3)
+    states = {f"p{i}": {k: torch.rand(hi - lo, generator=g) + 1 for k in KEYS} for i, (lo, hi) in enumerate(params)}
+    param_map = {name: {"gbuf_local": SimpleNamespace(start=lo, end=hi)} for name, (lo, hi) in zip(states, params)}
+    bucket = SimpleNamespace(grad_data=torch.empty(local), numel_unpadded=local)
+    return SimpleNamespace(
+        gbuf_ranges=[{DTYPE_KEY: [{"param_map": param_map}]}],
+        buffers=[SimpleNamespace(numel_unpadded=local, buckets=[bucket])],
+        data_parallel_group=SimpleNamespace(size=lambda: 1),
+        _get_main_param_and_optimizer_states=lambda name: states[name]), states
+
+
+def test_shard_gather_sets_every_element_padding_zero(monkeypatch):
+    """``shard_buckets`` allocates its shard uninitialised and writes each element once: the
+    parameters' ranges copied, the padding between and after them zero, whatever the
+    allocator hands back (here NaN). Padding left uninitialised would make the digest of
+    one shard differ between VERIFY and the save and between replicas."""
+    from mindspeed_ha.checkpoint import shards
+
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
+    params = [(3, 10), (16, 40), (40, 41), (64, 90)]  # gaps [0,3) [10,16) [41,64) [90,100)
+    opt, states = _fake_optimizer(100, params)
+    (_, _, _, _, shard), = list(shards.shard_buckets(opt, 1))
+    (_, _, _, _, pieces), = list(shards.shard_buckets(opt, 1, copy=False))
+    for k in KEYS:
+        want = torch.zeros(100)
+        for name, (lo, hi) in zip(states, params):
+            want[lo:hi] = states[name][k]
+        assert torch.equal(shard[k], want), k
+        assert torch.equal(torch.cat(pieces[k]), want), k
+        # without copy the parameters' pieces are their own state's memory
+        assert {t.data_ptr() for t in pieces[k]} >= {states[n][k].data_ptr() for n in states}, k
+    assert list(shards.gaps([(5, 7), (0, 2), (7, 9)], 12)) == [(2, 5), (9, 12)]
+    assert list(shards.gaps([], 4)) == [(0, 4)] and list(shards.gaps([(0, 4)], 4)) == []
+
+
+def test_background_fsync_joins_and_raises_the_fsync_error(tmp_path, monkeypatch):
+    """The shard's fsync in a thread (the saver writes its model file meanwhile): every
+    fsync is joined when the block ends and an fsync error (EIO) fails the block; an error
+    inside the block wins over it; no thread is left."""
+    import errno
+    import threading
+
+    from mindspeed_ha.checkpoint import files
+
+    path = str(tmp_path / "f")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        with files.fsync_in_background() as bg:  # a real fsync: fine
+            os.write(fd, b"x")
+            bg(fd)
+        real_fsync = os.fsync
+
+        def failing(f):
+            real_fsync(f)
+            raise OSError(errno.EIO, "injected")
+
+        monkeypatch.setattr(files.os, "fsync", failing)
+        with pytest.raises(OSError, match="injected"):
+            with files.fsync_in_background() as bg:
+                bg(fd)
+        with pytest.raises(ValueError, match="the block's"):
+            with files.fsync_in_background() as bg:
+                bg(fd)
+                raise ValueError("the block's")
+    finally:
+        os.close(fd)
+    assert not [t for t in threading.enumerate() if t.name == "mindspeed-ha-fsync"]
+
+
+def test_shard_written_from_pieces_is_the_file_and_digest_of_the_whole(tmp_path, monkeypatch):
+    """A saver writing its shard from the parameters' own tensors (``shard_buckets(copy=False)``:
+    a list of pieces per state) writes the same bytes, CRCs and digest as from one gathered
+    tensor, whatever the chunk size cuts through the pieces."""
+    from mindspeed_ha.checkpoint import integrity
+
+    monkeypatch.setattr(dp_zero, "CHUNK_BYTES", 12)
+    groups = _groups(2)
+    world = _world(groups)
+
+    def pieces(items):
+        for g, n, dk, i, shard in items:
+            cut = dict(shard)
+            for k in KEYS:  # uneven pieces, an empty one too
+                t = shard[k]
+                cut[k] = [t[:1], t[1:1], t[1:4], t[4:]]
+            yield g, n, dk, i, cut
+
+    out = {}
+    for name, wrap in (("whole", lambda x: x), ("pieces", pieces)):
+        path = str(tmp_path / name / "distrib_optim.pt")
+        os.makedirs(os.path.dirname(path))
+        for j in (0, 1):
+            d = integrity.StreamingShardDigest(2)
+            dp_zero.write_shard(path, dp_zero.FilePlan(groups), j, 2, wrap(_shard_items(groups, world, j, 2)),
+                                str(tmp_path / name), 0, 0, 7, d)
+            assert d.result() == integrity.digest_shard_buckets(2, _shard_items(groups, world, j, 2))
+        dp_zero.finalize(path, dp_zero.FilePlan(groups), 2, str(tmp_path / name), 0, 0, 7)
+        with open(path, "rb") as f:
+            out[name] = f.read()
+    assert out["pieces"] == out["whole"]
+    with pytest.raises(dp_zero.DPZeroError, match="expected contiguous CPU float32"):
+        items = list(pieces(_shard_items(groups, world, 0, 2)))
+        items[0][4]["param"] = items[0][4]["param"][:-1]  # one element short
+        dp_zero.write_shard(str(tmp_path / "short"), dp_zero.FilePlan(groups), 0, 2, items,
+                            str(tmp_path / "short_root"), 0, 0, 7)

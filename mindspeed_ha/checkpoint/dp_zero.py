@@ -120,8 +120,9 @@ class ShardDigest(Protocol):
         """A new bucket (the item :func:`write_shard` got)."""
 
     def begin_tensor(self, name: str, t) -> None:
-        """A new state tensor of the bucket (``param``, ``exp_avg``, ``exp_avg_sq``); all
-        its bytes follow through :meth:`update` (padding included)."""
+        """A new state tensor of the bucket (``param``, ``exp_avg``, ``exp_avg_sq``; ``t``
+        has its ``dtype`` and ``shape``); all its bytes follow through :meth:`update`
+        (padding included)."""
 
     def update(self, data: memoryview) -> None:
         """The next bytes of the current tensor."""
@@ -130,23 +131,29 @@ class ShardDigest(Protocol):
 def write_shard(path: str, plan: FilePlan, shard_id: int, num_shards: int,
                 buckets: Iterable[Tuple[int, Any, int, int, Dict[str, Any]]],
                 staging_root: str, tp: int, pp: int, iteration: int,
-                digest: Optional[ShardDigest] = None, timer: Optional[Callable[[str], Any]] = None) -> int:
+                digest: Optional[ShardDigest] = None, timer: Optional[Callable[[str], Any]] = None,
+                fsync: Callable[[int], None] = os.fsync) -> int:
     """Write shard ``shard_id`` of ``num_shards`` into ``path`` in place; returns bytes written.
 
     Works through each tensor in chunks of ``CHUNK_BYTES`` (digest, CRC-32, ``pwrite``):
-    each chunk is digested right before it is written, from the same memory; one fsync at
-    the end.
+    each chunk is digested right before it is written, from the same memory; one
+    ``fsync(fd)`` at the end.
 
     Args:
         buckets: this rank's shard, bucket by bucket, in layout order, as
             ``(gbuf_idx, buffer numel, dtype_key, bucket_idx, {state key: CPU fp32 tensor
-            of W_b / c elements, ...})`` (:func:`mindspeed_ha.checkpoint.shards.shard_buckets`). The tensors must not
+            of W_b / c elements, or a list of contiguous CPU fp32 tensors that are it in
+            order, ...})`` (:func:`mindspeed_ha.checkpoint.shards.shard_buckets`; with
+            ``copy=False`` the parameters' own state: nothing copied). The tensors must not
             change until this returns.
         digest: fed every byte of every tensor, each chunk before it is written (the
             integrity digest: the bytes it sees are the bytes written).
         timer: ``timer(step)`` is a context manager timing ``gather`` (the shard's
             buckets produced), ``digest``, ``crc``, ``write``, ``fsync`` (for the benchmark's
             breakdown).
+        fsync: called once with the file's descriptor after the last write (default
+            ``os.fsync``; a :class:`mindspeed_ha.checkpoint.files.BackgroundFsync` lets the
+            caller write its next file meanwhile: the shard is durable once it is joined).
 
     Raises:
         DPZeroError: a bucket does not match the plan.
@@ -172,7 +179,7 @@ def write_shard(path: str, plan: FilePlan, shard_id: int, num_shards: int,
                 digest.begin_bucket(item)
             written += _write_bucket(fd, plan, groups, item, shard_id, num_shards, digest, timer, ranges)
         with timer("fsync"):
-            os.fsync(fd)
+            fsync(fd)
     finally:
         os.close(fd)
     _write_json(_ranges_path(staging_root, tp, pp, shard_id),
@@ -197,16 +204,19 @@ def _write_bucket(fd: int, plan: FilePlan, groups: Dict[Tuple[int, Any], Group],
     lo, hi = shard_id * local, min((shard_id + 1) * local, b.unpadded)
     written = 0
     for k in STATE_KEYS:
-        t = shard[k]
-        if t.dtype != _fp32() or t.numel() != local or not t.is_contiguous():
-            raise DPZeroError(f"{k} of buffer {gbuf_idx} bucket {bucket_idx}: {t.dtype} x {t.numel()}, "
-                              f"expected contiguous float32 x {local}")
+        parts = shard[k] if isinstance(shard[k], (list, tuple)) else [shard[k]]
+        if any(t.dtype != _fp32() or not t.is_contiguous() or t.device.type != "cpu" for t in parts) or \
+                sum(t.numel() for t in parts) != local:
+            raise DPZeroError(f"{k} of buffer {gbuf_idx} bucket {bucket_idx}: "
+                              f"{', '.join(f'{t.dtype} x {t.numel()}' for t in parts)}, "
+                              f"expected contiguous CPU float32 x {local}")
         if digest is not None:
-            digest.begin_tensor(k, t)
+            digest.begin_tensor(k, _TensorMeta(_fp32(), (local,)))
         key, base = plan.place(gbuf_idx, dtype_key, k)
         at = (b.offset + lo) * 4
         n = max(0, hi - lo) * 4
-        crc = _write_chunks(fd, memoryview(t.numpy()).cast("B"), n, base + at, digest, timer)
+        crc = _write_chunks(fd, [memoryview(t.numpy()).cast("B") for t in parts if t.numel()], n, base + at,
+                            digest, timer)
         if n:
             ranges.append((key, at, n, crc))
             written += n
@@ -218,21 +228,33 @@ def _write_bucket(fd: int, plan: FilePlan, groups: Dict[Tuple[int, Any], Group],
 CHUNK_BYTES = 16 << 20
 
 
-def _write_chunks(fd: int, whole: memoryview, n: int, offset: int, digest: Optional[ShardDigest],
+@dataclass(frozen=True)
+class _TensorMeta:
+    """What :meth:`ShardDigest.begin_tensor` reads of a state tensor given as pieces."""
+
+    dtype: Any
+    shape: Tuple[int, ...]
+
+
+def _write_chunks(fd: int, pieces: List[memoryview], n: int, offset: int, digest: Optional[ShardDigest],
                   timer: Callable[[str], Any]) -> int:
-    """Digest all of ``whole``; write its first ``n`` bytes at ``offset``; returns their CRC-32."""
+    """Digest all of ``pieces`` (one byte string in order); write its first ``n`` bytes at
+    ``offset``, straight from the pieces' memory; returns their CRC-32."""
     crc = 0
-    for pos in range(0, len(whole), CHUNK_BYTES):
-        chunk = whole[pos:pos + CHUNK_BYTES]
-        if digest is not None:
-            with timer("digest"):
-                digest.update(chunk)
-        part = chunk[:max(0, min(len(chunk), n - pos))]
-        if len(part):
-            with timer("crc"):
-                crc = zlib.crc32(part, crc)
-            with timer("write"):
-                torch_file.pwrite_all(fd, part, offset + pos)
+    pos = 0  # of the piece's first byte in the whole
+    for whole in pieces:
+        for at in range(0, len(whole), CHUNK_BYTES):
+            chunk = whole[at:at + CHUNK_BYTES]
+            if digest is not None:
+                with timer("digest"):
+                    digest.update(chunk)
+            part = chunk[:max(0, min(len(chunk), n - pos - at))]
+            if len(part):
+                with timer("crc"):
+                    crc = zlib.crc32(part, crc)
+                with timer("write"):
+                    torch_file.pwrite_all(fd, part, offset + pos + at)
+        pos += len(whole)
     return crc & 0xFFFFFFFF
 
 

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import os
 import secrets
+import threading
+from contextlib import contextmanager
+from typing import Iterator, List
 
 #: the mode Megatron-LM's files get before the umask (Python's ``open(path, "w")``)
 FILE_MODE = 0o666
@@ -65,3 +68,55 @@ def write_atomically(path: str, data: bytes, fsync: bool = True) -> None:
         except FileNotFoundError:
             pass
         raise
+
+
+class BackgroundFsync:
+    """Called like ``os.fsync(fd)``, but the fsync runs in a thread on a duplicate of ``fd``
+    (``fd`` may be closed meanwhile): the disk's wait overlaps the caller's next writes
+    (fsync releases the GIL). Nothing is durable before :meth:`wait` returns."""
+
+    def __init__(self):
+        self._threads: List[threading.Thread] = []
+        self._errors: List[BaseException] = []
+
+    def __call__(self, fd: int) -> None:
+        dup = os.dup(fd)
+        t = threading.Thread(target=self._run, args=(dup,), name="mindspeed-ha-fsync", daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    def _run(self, fd: int) -> None:
+        try:
+            os.fsync(fd)
+        except BaseException as exc:  # re-raised by wait()
+            self._errors.append(exc)
+        finally:
+            os.close(fd)
+
+    def wait(self) -> None:
+        """Join every fsync started.
+
+        Raises:
+            OSError: the first fsync that failed.
+        """
+        for t in self._threads:
+            t.join()
+        self._threads = []
+        if self._errors:
+            raise self._errors[0]
+
+
+@contextmanager
+def fsync_in_background() -> Iterator[BackgroundFsync]:
+    """A :class:`BackgroundFsync` whose fsyncs are all joined when the block ends (their
+    error raised then); on an error inside the block they are joined too, that error wins."""
+    bg = BackgroundFsync()
+    try:
+        yield bg
+    except BaseException:
+        try:
+            bg.wait()
+        except OSError:
+            pass  # the block's own error is the one to report
+        raise
+    bg.wait()

@@ -50,13 +50,20 @@ class TorchFormat(CheckpointFormat):
         from mindspeed_ha.checkpoint.shards import unwrap_distributed_optimizer
         from mindspeed_ha.checkpoint.steps import Steps
 
+        from mindspeed_ha.checkpoint import files
+
         steps = Steps()
         opt = unwrap_distributed_optimizer(ctx.optimizer)
         written = []
-        if role.shard and opt is not None:
-            written.append(_dump_dp_zero_shard(ctx, opt, iteration, role.shard_digest, steps))
-        if role.model:
-            written.append(_dump_model(ctx, opt, iteration, snapshot, role, steps))
+        # the shard's fsync runs while the model file is written (the disk's wait and the
+        # copy into the page cache overlap); both files are durable when the block ends
+        with files.fsync_in_background() as shard_fsync:
+            if role.shard and opt is not None:
+                written.append(_dump_dp_zero_shard(ctx, opt, iteration, role.shard_digest, steps, shard_fsync))
+            if role.model:
+                written.append(_dump_model(ctx, opt, iteration, snapshot, role, steps))
+            with steps("shard_fsync_wait"):
+                shard_fsync.wait()
         return f"{', '.join(written)} [{steps}]" if written else "nothing"
 
     def assemble(self, ctx, iteration: int) -> str:
@@ -121,10 +128,12 @@ def _dump_model(ctx, opt, iteration: int, snapshot, role: SaverRole, steps) -> s
     return rel
 
 
-def _dump_dp_zero_shard(ctx, opt, iteration: int, shard_digest: str, steps) -> str:
+def _dump_dp_zero_shard(ctx, opt, iteration: int, shard_digest: str, steps, fsync) -> str:
     """This rank's shard, written in place into the stage's ``distrib_optim.pt``
-    (:mod:`mindspeed_ha.checkpoint.dp_zero`), each chunk digested just before it is
-    written; the digest must be the trusted one."""
+    (:mod:`mindspeed_ha.checkpoint.dp_zero`) straight from the optimizer's own (frozen)
+    state tensors, no gather copy when they are CPU fp32; each chunk digested just before
+    it is written, from the same memory; the digest must be the trusted one. ``fsync(fd)`` makes it durable
+    (:class:`mindspeed_ha.checkpoint.files.BackgroundFsync`: joined by the caller)."""
     from mindspeed_ha.checkpoint import dp_zero, integrity
     from mindspeed_ha.checkpoint.shards import num_shards, shard_buckets
     from mindspeed_ha.checkpoint.state import model_path, staging_root
@@ -139,8 +148,8 @@ def _dump_dp_zero_shard(ctx, opt, iteration: int, shard_digest: str, steps) -> s
         plan = dp_zero.FilePlan(dp_zero.layout_of(opt))
     digest = integrity.StreamingShardDigest(count) if shard_digest else None
     nbytes = dp_zero.write_shard(
-        path, plan, ctx.shard_id, count, shard_buckets(opt, count), root, ctx.tp_rank, ctx.pp_rank,
-        iteration, digest, timer=lambda step: steps(f"shard_{step}"))
+        path, plan, ctx.shard_id, count, shard_buckets(opt, count, copy=False), root, ctx.tp_rank, ctx.pp_rank,
+        iteration, digest, timer=lambda step: steps(f"shard_{step}"), fsync=fsync)
     if digest is not None:
         integrity.expect(f"shard {ctx.shard_id} written to {rel}", digest.result(), shard_digest)
     return f"{rel} shard {ctx.shard_id}/{count} ({nbytes} B)"
