@@ -66,6 +66,8 @@ LEASE_ROOT = "MINDSPEED_HA_LEASE_ROOT"
 LEASE_DIR = "MINDSPEED_HA_LEASE_DIR"
 #: lease seconds of controller failover ((0, 3600], default 10)
 LEASE_S = "MINDSPEED_HA_LEASE_S"
+#: the node relay's socket (``control/relay.py``; set by the launcher, ``0`` there turns it off)
+RELAY = "MINDSPEED_HA_RELAY"
 #: this node's address for the other launchers' agent links
 NODE_ADDR = "MINDSPEED_HA_NODE_ADDR"
 #: the launcher's log level (a ``logging`` level name, any case; default INFO)

@@ -33,6 +33,7 @@ import zmq
 from mindspeed_ha.control import auth, wire
 from mindspeed_ha import env as ha_env
 from mindspeed_ha.control.lease import LeaseDir, lease_seconds
+from mindspeed_ha.control.relay import usable_socket
 
 #: the processor's logger: every line of the rank's control plane keeps the name operators and tests filter on
 log = logging.getLogger("mindspeed_ha.control.processor")
@@ -184,6 +185,13 @@ class ControlLink:
             cur = self._lease.current()
             if cur is not None:  # e.g. a rank restarted after its node was lost: the leader moved
                 self.addr, self.port, self._term = cur.host, cur.port, cur.term
+        #: the node relay's socket this rank's frames go through (None: a direct connection,
+        #: chosen at start-up; the rank goes direct for good when the relay's connection closes)
+        relay_path = os.environ.get(ha_env.RELAY)
+        self.relay: Optional[str] = relay_path if usable_socket(relay_path) else None
+        if relay_path and relay_path != "0" and self.relay is None:
+            log.warning("rank %d: %s=%s is not a relay socket of this user (0600 socket in a 0700 directory); "
+                        "connecting to the controller directly", rank, ha_env.RELAY, relay_path)
         self.registered = threading.Event()
         self.register_attempts = 0  # REGISTER frames sent (I/O thread only)
         self.handshakes = 0  # authenticated connections made so far (I/O thread only)
@@ -216,7 +224,8 @@ class ControlLink:
         try:
             sock = ctx.socket(zmq.DEALER)
             wire.configure_socket(sock, self.config.max_message_bytes)
-            auth.configure_client(sock, self._keys)
+            if self.relay is None:  # a local relay's socket needs no CURVE (0700 dir); set before a direct connect
+                auth.configure_client(sock, self._keys)
             sock.setsockopt(zmq.ROUTING_ID, f"r{self.rank}-{secrets.token_hex(4)}".encode())
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
@@ -224,7 +233,7 @@ class ControlLink:
             sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(self.config.heartbeat_interval_s * 1000)))
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(self.lost_after_s * 1000)))
             self._monitor = sock.get_monitor_socket(CONNECTION_EVENTS)
-            sock.connect(wire.endpoint(self.addr, self.port))
+            sock.connect(f"ipc://{self.relay}" if self.relay else wire.endpoint(self.addr, self.port))
             wake = self._outbox.open_pipe()
             self._ctx, self.sock = ctx, sock
             self.thread = threading.Thread(target=self._loop, name=f"mindspeed-ha-processor-{self.rank}",
@@ -342,7 +351,10 @@ class ControlLink:
                 return
             now = time.monotonic()
             if host_port(evt.get("endpoint", b"")) in self._left:
-                continue  # the connection to a previous leader
+                continue  # the connection to a previous leader, or the relay left
+            if self.relay is not None and evt["event"] == zmq.EVENT_DISCONNECTED:
+                self._leave_relay(now)
+                continue
             if evt["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.handshakes += 1
                 # the first connection carries the REGISTER queued before it; a later one
@@ -357,6 +369,27 @@ class ControlLink:
                 log.warning("rank %d: control connection to %s:%s open again after %.2f s", self.rank, self.addr,
                             self.port, now - self.disconnected_at)
                 self.disconnected_at = None
+
+    def _leave_relay(self, now: float) -> None:
+        """The relay's connection closed (its controller connection closed, or the launcher
+        is gone): connect directly, as a CURVE client, to the controller this rank knows
+        (a closed connection to it then runs the usual loss clock and lease following), and
+        register again at once; the fault the training thread waits on goes first."""
+        relay, self.relay = self.relay, None
+        try:
+            self.sock.disconnect(f"ipc://{relay}")
+        except zmq.ZMQError:
+            pass
+        self._left.add(host_port(f"ipc://{relay}".encode()))
+        auth.configure_client(self.sock, self._keys)  # applies to the connection made next
+        self.sock.connect(wire.endpoint(self.addr, self.port))
+        if self.registered.is_set() and self.controller_lost_at is None and self.disconnected_at is None:
+            self.disconnected_at = now
+        self.registered.clear()
+        with self._outbox.cond:
+            self._proto.resend_fault_locked()
+        log.warning("rank %d: the node relay's connection closed; connecting to the controller at %s:%s directly",
+                    self.rank, self.addr, self.port)
 
     def _lost_after(self) -> float:
         """Seconds of closed connection before the controller is lost: ``lost_after_s``,
