@@ -264,12 +264,13 @@ def _start_relay(targs, plane: _ControlPlane):
     addr = config.controller_addr
     port = plane.controller.port if plane.controller is not None else config.controller_port
     cur = plane.lease.current() if plane.lease is not None else None
-    if cur is not None:  # controller failover: the leader now
+    if cur is not None:  # controller failover: the leader now (or a higher term's, followed until connected)
         addr, port = cur.host, cur.port
     try:
         relay = NodeRelay(config.max_message_bytes, config.auth_key, addr, port, int(targs.node_rank),
                           heartbeat_ms=int(config.heartbeat_interval_s * 1000),
-                          timeout_ms=int(config.heartbeat_timeout_s * 500)).open()
+                          timeout_ms=int(config.heartbeat_timeout_s * 500), lease=plane.lease,
+                          term=cur.term if cur is not None else -1).open()
     except Exception as exc:  # noqa: BLE001 - the workers connect directly instead
         log.warning("node %s: no relay for the workers (%s); they connect to the controller directly",
                     targs.node_rank, exc)

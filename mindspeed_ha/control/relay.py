@@ -40,6 +40,7 @@ import shutil
 import stat
 import tempfile
 import threading
+import time
 from typing import Any, Dict, List, Optional
 
 import zmq
@@ -54,6 +55,8 @@ log = logging.getLogger(__name__)
 SOCKET_NAME = "relay.sock"
 #: frames read from the local socket per turn before what was read is sent upstream
 MAX_LOCAL_PER_TURN = 4 * RELAY_BATCH
+#: seconds between two looks into the lease directory while not connected (as ``link.LEASE_POLL_S``)
+LEASE_POLL_S = 0.25
 #: poll timeout of the relay's thread, ms (how soon it sees :meth:`NodeRelay.close`)
 POLL_MS = 100
 
@@ -83,6 +86,9 @@ class NodeRelay:
         addr / port: the controller's endpoint.
         node_rank: this node's rank (names the relay's identity).
         directory: where to make the relay's 0700 directory (None: the system's temp dir).
+        lease / term: the lease directory (a ``LeaseDir``) and the term of ``addr``/``port``:
+            until its first connection is made the relay follows the leader of a higher
+            term (a lease left by an earlier run names a dead controller).
         heartbeat_ms / timeout_ms: ZMTP heartbeats on the controller connection: a silent
             controller host closes it after ``timeout_ms`` (the processor's own link uses
             the heartbeat interval and half the heartbeat timeout).
@@ -92,12 +98,14 @@ class NodeRelay:
     """
 
     def __init__(self, max_message_bytes: int, auth_key: bytes, addr: str, port: int, node_rank: int,
-                 directory: Optional[str] = None, heartbeat_ms: int = 1000, timeout_ms: int = 5000):
+                 directory: Optional[str] = None, heartbeat_ms: int = 1000, timeout_ms: int = 5000,
+                 lease=None, term: int = -1):
         self.max_message_bytes = max_message_bytes
         self.keys = auth.derive_keys(auth_key)
         self.addr, self.port, self.node_rank = addr, int(port), int(node_rank)
         self.directory = directory
         self.heartbeat_ms, self.timeout_ms = heartbeat_ms, timeout_ms
+        self.lease, self.term = lease, int(term)
         self.dir: Optional[str] = None
         self.path: Optional[str] = None
         self._ctx: Optional[zmq.Context] = None
@@ -179,9 +187,13 @@ class NodeRelay:
         for s in (self._local, self._up, self._local_mon, self._up_mon):
             poller.register(s, zmq.POLLIN)
         connected = False
+        next_lease_check = 0.0
         try:
             while not self._stop.is_set():
                 ready = dict(poller.poll(POLL_MS))
+                if not connected and self.lease is not None and time.monotonic() >= next_lease_check:
+                    next_lease_check = time.monotonic() + LEASE_POLL_S
+                    self._follow()
                 if self._up_mon in ready:
                     for evt in self._events(self._up_mon):
                         if evt == zmq.EVENT_HANDSHAKE_SUCCEEDED:
@@ -209,6 +221,24 @@ class NodeRelay:
                 self._local.close(linger=0)  # the ranks see their connection close
                 self._up.close(linger=0)
                 ctx.term()
+
+    def _follow(self) -> None:
+        """Not connected yet: point the controller connection at the leader of a higher term."""
+        try:
+            cur = self.lease.current()
+        except Exception:  # noqa: BLE001 - never raises by contract; the thread must outlive a surprise
+            log.exception("node %d: relay: reading the lease directory failed", self.node_rank)
+            return
+        if cur is None or cur.term <= self.term:
+            return
+        try:
+            self._up.disconnect(wire.endpoint(self.addr, self.port))
+        except zmq.ZMQError:
+            pass
+        self.addr, self.port, self.term = cur.host, cur.port, cur.term
+        self._up.connect(wire.endpoint(self.addr, self.port))
+        log.info("node %d: relay: following the leader of term %d at %s:%s", self.node_rank, cur.term, cur.host,
+                 cur.port)
 
     @staticmethod
     def _events(mon, values: bool = False) -> List[Any]:
