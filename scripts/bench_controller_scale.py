@@ -201,7 +201,10 @@ class Sim:
                                   "status": "updated", "iteration": 0, "verifies": False, "incarnation": 0,
                                   "rejoins": False})
         if self.backoff_cls is not None:  # the processor's own schedule
-            b = self.backoff.setdefault(r, self.backoff_cls())
+            b = self.backoff.get(r)
+            if b is None:
+                make = getattr(self.backoff_cls, "for_job", None)
+                b = self.backoff[r] = make(self.world) if make else self.backoff_cls()
             heapq.heappush(self.reg_due, (now + b.next_delay(), r))
         else:  # before it existed: 0.1 s doubling to 2 s, whatever the connection
             b = self.backoff.get(r, 0.1)

@@ -107,11 +107,22 @@ def test_ranks_go_direct_when_their_relay_is_gone(closing, monkeypatch, tmp_path
     j = _relayed_job(closing, monkeypatch, tmp_path)
     j.step(1)
     j.relay.close()  # the launcher's relay ends: every rank connects directly and registers again
-    _wait(lambda: all(type(j.ctl.server.ident.get(r)) is bytes for r in range(WORLD)),
-          "the ranks did not register directly")
-    assert all(p.link.relay is None and p.link.registered.is_set() for p in j.procs)
+    _wait(lambda: all(type(j.ctl.server.ident.get(r)) is bytes and j.procs[r].link.registered.is_set()
+                      for r in range(WORLD)), "the ranks did not register directly")
+    assert all(p.link.relay is None and p.link.handshakes >= 2 for p in j.procs)
     j.step(2)
     for p in j.procs:
         p.close(0)
     out = j.ctl.wait_done(10)
     assert out.phase is Phase.DONE and out.exit_code is None and out.fault_rank is None, out.reason
+
+
+def test_register_resend_waits_longer_in_a_larger_job():
+    """The first REGISTER re-send's mean delay: 1 s up to 4,096 ranks, then 1 s per 4,096
+    (at 16,384 ranks a 1 s delay had most ranks re-send before the controller answered)."""
+    from mindspeed_ha.control.link import RegisterBackoff
+
+    assert [RegisterBackoff.for_job(n).first_s for n in (8, 4096, 16384, 10 ** 6)] == [1.0, 1.0, 4.0, 8.0]
+    b = RegisterBackoff.for_job(16384)
+    b.rng = lambda: 0.5
+    assert [b.next_delay() for _ in range(3)] == [4.0, 8.0, 8.0]

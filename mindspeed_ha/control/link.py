@@ -46,6 +46,10 @@ GOODBYE_LINGER_MS = 500
 LEASE_POLL_S = 0.25
 
 
+#: ranks of a job per second of the first REGISTER re-send's mean delay (RegisterBackoff.for_job)
+RANKS_PER_FIRST_S = 4096
+
+
 class RegisterBackoff:
     """When a rank sends REGISTER again while no REGISTERED came (one outstanding at a time).
 
@@ -66,6 +70,14 @@ class RegisterBackoff:
     def __init__(self, first_s: float = 1.0, max_s: float = 8.0, rng: Callable[[], float] = random.random):
         self.first_s, self.max_s, self.rng = first_s, max_s, rng
         self._mean = first_s
+
+    @classmethod
+    def for_job(cls, world_size: int) -> "RegisterBackoff":
+        """The schedule of a rank of a ``world_size``-rank job: the first re-send waits 1 s
+        per ``RANKS_PER_FIRST_S`` ranks (1 to 8 s). A controller answers some 10,000
+        REGISTER per second of its loop's CPU (docs/RESULTS.md); at 16,384 ranks a 1 s first
+        delay had most ranks send theirs again before the first answer came (62,326 frames)."""
+        return cls(first_s=min(8.0, max(1.0, world_size / RANKS_PER_FIRST_S)))
 
     def next_delay(self) -> float:
         """Seconds until the next re-send (and the mean doubles, up to ``max_s``)."""
@@ -163,13 +175,15 @@ class ControlLink:
         register_body: the REGISTER to send (I/O thread).
         on_lost: called once when the controller is lost (I/O thread; must not block).
         end: ``end(code, reason)``: ends the rank (run on its own thread).
+        world_size: the job's ranks (REGISTER's re-send schedule, :meth:`RegisterBackoff.for_job`).
     """
 
     def __init__(self, config, rank: int, codec: wire.Codec, keys, proto, outbox: Outbox, *,
                  addr: Optional[str], port: Optional[int], handle: Callable[[wire.Message], None],
                  register_body: Callable[[], wire.Register], on_lost: Callable[[], None],
-                 end: Callable[[int, str], None]):
+                 end: Callable[[int, str], None], world_size: int = 1):
         self.config, self.rank, self.codec, self._keys = config, rank, codec, keys
+        self.world_size = int(world_size)
         self._proto, self._outbox = proto, outbox
         self._handle, self._register_body, self._on_lost, self._end = handle, register_body, on_lost, end
         self.addr = addr or config.controller_addr
@@ -284,7 +298,7 @@ class ControlLink:
         if self._monitor is not None:
             poller.register(self._monitor, zmq.POLLIN)
         hb = self.config.heartbeat_interval_s
-        backoff = RegisterBackoff()
+        backoff = RegisterBackoff.for_job(self.world_size)
         next_register = time.monotonic()
         next_hb = time.monotonic() + hb
         was_registered = False
