@@ -14,6 +14,7 @@ savers write nothing). CURVE and real sockets are the benchmark's
 from __future__ import annotations
 
 import collections
+import gc
 
 import pytest
 import zmq
@@ -178,6 +179,8 @@ def test_1024_ranks_one_death_no_false_death_and_the_dying_checkpoint_committed(
             ranks.send(r, body)  # re-sent before the answer came: answered again, nothing else
     assert run(ctl, ranks, clock, lambda: len(ctl.state.ranks) == WORLD and not any(router.queues.values()), 100)
     assert ctl.duplicate_registers == WORLD // 4
+    assert ctl.heap_frozen and gc.get_freeze_count() > 0  # once every rank registered (handlers.FREEZE_HEAP_FROM)
+    gc.unfreeze()  # this test's process: as the controller thread's end would
     assert len(ranks.received[wire.MsgType.REGISTERED]) == WORLD + WORLD // 4
     router.send_s = SEND_S
 
