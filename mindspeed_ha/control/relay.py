@@ -201,7 +201,9 @@ class NodeRelay:
                         elif evt == zmq.EVENT_DISCONNECTED and connected:
                             self.ended = (f"the connection to the controller at {self.addr}:{self.port} closed; the "
                                           "node's ranks connect to the controller directly")
-                            log.warning("node %d: relay: %s", self.node_rank, self.ended)
+                            # (the job's normal end: no rank is connected any more, nothing to say)
+                            log.log(logging.WARNING if self._sub_of_fd else logging.INFO, "node %d: relay: %s",
+                                    self.node_rank, self.ended)
                             return
                 closed = [e for e in self._events(self._local_mon, values=True)] if self._local_mon in ready else []
                 self._forward_up()
