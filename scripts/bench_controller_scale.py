@@ -525,6 +525,7 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
         out["duplicate_registers"] = getattr(ctl, "duplicate_registers", None)
         zap = ctl.server.zap or ctl.server.closed_zap
         out["handshakes_accepted"] = zap.counts["accepted"] if zap is not None else None
+        out["frames_rejected"] = dict(ctl.codec.rejected)  # by reason (rate_limited, replay, ...)
         log(f"N={n} {'direct' if not per_node else f'{per_node} per node'}: registered {regd}/{n} in {out['registration_s']} s, REGISTER frames "
             f"{out['register_frames']} (max {out['register_max_per_rank']} per rank); CPU {out['registration_cpu_s']:.1f} s "
             f"({out['registration_loop_cpu_s']:.1f} s the loop thread)")
