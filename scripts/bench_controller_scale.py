@@ -132,6 +132,7 @@ class Sim:
         self.exit_at: Dict[int, float] = {}
         self.rejected = 0
         self.sent = 0
+        self.dropped = 0  # frames not sent: the socket's queue was full (zmq.Again)
         self.hb_late = 0.0  # the most a heartbeat left after its time (this simulator's own lag), s
 
     # ---- frames
@@ -152,7 +153,7 @@ class Sim:
             self.socks[r].send(self.enc(r, mtype, body), zmq.NOBLOCK)
             self.sent += 1
         except zmq.Again:
-            pass
+            self.dropped += 1
 
     def flush(self) -> None:
         """Relayed: what each node's ranks sent this turn, one message per node (and 256 frames)."""
@@ -161,8 +162,8 @@ class Sim:
             for i in range(0, len(parts), 512):
                 try:
                     s.send_multipart(parts[i:i + 512], zmq.NOBLOCK)
-                except zmq.Again:
-                    pass
+                except zmq.Again:  # the node's queue is full (its connection or the controller is behind)
+                    self.dropped += len(parts[i:i + 512]) // 2
 
     def received(self, s, now: float) -> None:
         for _ in range(64):
@@ -279,7 +280,7 @@ class Sim:
                     "last_stop": max((self.stop_at[r] for r in live if r in self.stop_at), default=None),
                     "retries": len(self.retry_at), "last_retry": max(self.retry_at.values(), default=None),
                     "exits": len(self.exit_at), "rejected": self.rejected, "live": len(live), "sent": self.sent,
-                    "hb_late": self.hb_late, "cpu_s": cpu_s()}
+                    "hb_late": self.hb_late, "cpu_s": cpu_s(), "dropped": self.dropped}
         return None
 
     # ---- the loop
@@ -526,9 +527,11 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
         zap = ctl.server.zap or ctl.server.closed_zap
         out["handshakes_accepted"] = zap.counts["accepted"] if zap is not None else None
         out["frames_rejected"] = dict(ctl.codec.rejected)  # by reason (rate_limited, replay, ...)
+        out["sim_dropped_registration"] = sum(r["dropped"] for r in reps)
         log(f"N={n} {'direct' if not per_node else f'{per_node} per node'}: registered {regd}/{n} in {out['registration_s']} s, REGISTER frames "
             f"{out['register_frames']} (max {out['register_max_per_rank']} per rank); CPU {out['registration_cpu_s']:.1f} s "
-            f"({out['registration_loop_cpu_s']:.1f} s the loop thread)")
+            f"({out['registration_loop_cpu_s']:.1f} s the loop thread); frames the simulators dropped (queue full) "
+            f"{out['sim_dropped_registration']}")
         if regd < n:
             return out
         # 2. steady state
@@ -605,7 +608,9 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
             longest_reason = max((len(e.reason) for e in ctl.events), default=0)
         out["false_deaths"] = len(set(false) | (probe.silent - {victim}))  # dead, or taken for silent
         out["silence_decisions"] = silent
-        out["sim_lag_max_s"] = max(r["hb_late"] for r in ask(pipes, "report"))
+        reps = ask(pipes, "report")
+        out["sim_lag_max_s"] = max(r["hb_late"] for r in reps)
+        out["sim_dropped"] = sum(r["dropped"] for r in reps)  # frames the simulators could not queue
         out["longest_reason_chars"] = longest_reason
         log(f"N={n}: death -> STOP at {stops}/{n - 1} survivors in {out['death_stop_s']} s; -> exit "
             f"{out['exit_code']} in {out['death_commit_s']} s ({out['exit_reason']}); false deaths "
