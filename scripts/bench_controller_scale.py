@@ -52,6 +52,8 @@ import zmq
 
 LAYOUT_TP, LAYOUT_PP, REPLICAS = 8, 2, 2
 STEP_S = 1.0
+#: the shortest loop turn of a simulator process, s (see Sim.run)
+MIN_TURN_S = 0.01
 
 
 def layout_of(rank: int, world: int) -> Dict[str, int]:
@@ -290,6 +292,7 @@ class Sim:
         now = t_start = time.monotonic()
         pending = list(self.node_ranks)  # sockets not connected yet (--connect-rate paces them)
         total = len(pending)
+        turn_start = now
         poller = zmq.Poller()
         poller.register(self.conn.fileno(), zmq.POLLIN)
         self.conn.send(("started", now))
@@ -303,6 +306,12 @@ class Sim:
                     self.register(r, now)
             del pending[:max(0, due)]
             self.flush()
+            # at most one poll per MIN_TURN_S: a poll costs O(sockets) in pyzmq, and with input
+            # always pending (thousands of ranks) the loop spun on it and starved the heartbeats
+            spare = turn_start + MIN_TURN_S - time.monotonic()
+            if spare > 0:
+                time.sleep(spare)
+            turn_start = time.monotonic()
             events = poller.poll(20)
             now = time.monotonic()
             for s, _ in events:
