@@ -126,3 +126,38 @@ def test_register_resend_waits_longer_in_a_larger_job():
     b = RegisterBackoff.for_job(16384)
     b.rng = lambda: 0.5
     assert [b.next_delay() for _ in range(3)] == [4.0, 8.0, 8.0]
+
+
+def test_a_gone_relays_directory_is_removed_and_nothing_else(tmp_path):
+    """A SIGKILLed launcher leaves its relay's directory (its socket file, nobody listening):
+    the next relay removes it; a live relay's, one with another file in it, and one whose
+    socket is not there yet are left alone."""
+    import socket
+
+    from mindspeed_ha.control.relay import remove_stale
+
+    def relay_dir(name, listen, extra=False, sock=True):
+        d = tmp_path / name
+        d.mkdir(mode=0o700)
+        s = None
+        if sock:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.bind(str(d / "relay.sock"))
+            if listen:
+                s.listen(1)
+            else:
+                s.close()
+        if extra:
+            (d / "other").write_text("x")
+        return d, s
+
+    gone, _ = relay_dir("mindspeed-ha-relay-0-gone", listen=False)
+    live, s = relay_dir("mindspeed-ha-relay-0-live", listen=True)
+    other, _ = relay_dir("mindspeed-ha-relay-0-other", listen=False, extra=True)
+    starting, _ = relay_dir("mindspeed-ha-relay-0-starting", listen=False, sock=False)
+    not_ours, _ = relay_dir("something-else", listen=False)
+    try:
+        assert remove_stale(str(tmp_path)) == [str(gone)]
+    finally:
+        s.close()
+    assert not gone.exists() and live.exists() and other.exists() and starting.exists() and not_ours.exists()

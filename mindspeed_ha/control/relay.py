@@ -77,6 +77,39 @@ def usable_socket(path: Optional[str]) -> bool:
             and not dst.st_mode & 0o077)
 
 
+def remove_stale(directory: Optional[str] = None) -> List[str]:
+    """Remove the directories of relays that are gone (a launcher that was SIGKILLed cannot
+    remove its own): a ``mindspeed-ha-relay-*`` directory in ``directory`` (default: the
+    system's temp dir) of this user, that others cannot enter, holding nothing but its
+    socket file, on which nobody listens (a connection is refused). A directory without its
+    socket yet (a relay starting) or with anything else in it is left alone. Returns the
+    paths removed; never raises."""
+    import glob
+    import socket
+
+    removed: List[str] = []
+    base = directory or tempfile.gettempdir()
+    for d in glob.glob(os.path.join(glob.escape(base), "mindspeed-ha-relay-*")):
+        path = os.path.join(d, SOCKET_NAME)
+        try:
+            if os.listdir(d) != [SOCKET_NAME] or not usable_socket(path):
+                continue
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                probe.connect(path)  # a live relay accepts: leave it
+        except ConnectionRefusedError:
+            try:
+                os.unlink(path)
+                os.rmdir(d)
+                removed.append(d)
+            except OSError:
+                pass
+        except OSError:
+            continue
+    if removed:
+        log.info("removed %d directories of relays that are gone: %s", len(removed), ", ".join(removed[:4]))
+    return removed
+
+
 class NodeRelay:
     """One node's relay thread (see the module doc).
 
@@ -125,6 +158,7 @@ class NodeRelay:
     def open(self) -> "NodeRelay":
         """Make the directory (0700) and the sockets, start the thread; a failure closes
         what was made and raises (zmq.ZMQError, OSError)."""
+        remove_stale(self.directory)
         self.dir = tempfile.mkdtemp(prefix=f"mindspeed-ha-relay-{self.node_rank}-", dir=self.directory)
         self.path = os.path.join(self.dir, SOCKET_NAME)
         ctx = zmq.Context()
