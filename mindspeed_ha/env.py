@@ -66,6 +66,9 @@ LEASE_ROOT = "MINDSPEED_HA_LEASE_ROOT"
 LEASE_DIR = "MINDSPEED_HA_LEASE_DIR"
 #: lease seconds of controller failover ((0, 3600], default 10)
 LEASE_S = "MINDSPEED_HA_LEASE_S"
+#: the node relay's socket path for the workers (``control/relay.py``, set by the launcher);
+#: in the launcher's own environment ``0`` (no relay) or ``1`` / unset (the relay)
+RELAY = "MINDSPEED_HA_RELAY"
 #: this node's address for the other launchers' agent links
 NODE_ADDR = "MINDSPEED_HA_NODE_ADDR"
 #: the launcher's log level (a ``logging`` level name, any case; default INFO)

@@ -251,6 +251,35 @@ def _start_control_plane(targs, ns) -> _ControlPlane:
     return plane
 
 
+def _start_relay(targs, plane: _ControlPlane):
+    """This node's relay (``control/relay.py``): its workers reach the controller through
+    it, one CURVE connection per node instead of one per rank; its socket's path goes to
+    the workers as ``MINDSPEED_HA_RELAY``. None (the workers connect directly) when that
+    variable is ``0`` or the relay cannot start (logged)."""
+    from mindspeed_ha.control.relay import NodeRelay
+
+    if os.environ.get(ha_env.RELAY, "").strip() == "0":
+        return None
+    config = plane.config
+    addr = config.controller_addr
+    port = plane.controller.port if plane.controller is not None else config.controller_port
+    cur = plane.lease.current() if plane.lease is not None else None
+    if cur is not None:  # controller failover: the leader now (or a higher term's, followed until connected)
+        addr, port = cur.host, cur.port
+    try:
+        relay = NodeRelay(config.max_message_bytes, config.auth_key, addr, port, int(targs.node_rank),
+                          heartbeat_ms=int(config.heartbeat_interval_s * 1000),
+                          timeout_ms=int(config.heartbeat_timeout_s * 500), lease=plane.lease,
+                          term=cur.term if cur is not None else -1).open()
+    except Exception as exc:  # noqa: BLE001 - the workers connect directly instead
+        log.warning("node %s: no relay for the workers (%s); they connect to the controller directly",
+                    targs.node_rank, exc)
+        os.environ.pop(ha_env.RELAY, None)
+        return None
+    os.environ[ha_env.RELAY] = relay.path
+    return relay
+
+
 def _survivors(plane: _ControlPlane, targs) -> Survivors:
     state = Survivors(plane.controller, checks.grace_s(), plane.config.preemption_deadline_s, link=plane.link)
     state.lease = plane.lease
@@ -474,6 +503,7 @@ def _launch_job(argv, targs, ns) -> int:
         print(f"mindspeed-ha-run: error: {exc}", file=sys.stderr, flush=True)
         return 2
     state = _survivors(plane, targs)
+    relay = _start_relay(targs, plane)
     watch = None
     if plane.lease is not None and plane.controller is None:
         watch = standby.Standby(state, plane.lease, plane.config, _world_size(targs), int(targs.node_rank))
@@ -489,6 +519,8 @@ def _launch_job(argv, targs, ns) -> int:
         return _run_job(targs, agent, plane, state)
     finally:
         _close(state, watch)
+        if relay is not None:
+            relay.close()
 
 
 if __name__ == "__main__":

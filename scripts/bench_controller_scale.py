@@ -52,6 +52,8 @@ import zmq
 
 LAYOUT_TP, LAYOUT_PP, REPLICAS = 8, 2, 2
 STEP_S = 1.0
+#: the shortest loop turn of a simulator process, s (see Sim.run)
+MIN_TURN_S = 0.01
 
 
 def layout_of(rank: int, world: int) -> Dict[str, int]:
@@ -73,7 +75,7 @@ class Sim:
     """The ranks of one simulator process."""
 
     def __init__(self, conn, sim_id: int, ranks: List[int], world: int, port: int, key: bytes, slow_s: float,
-                 save_dir: str, connect_rate: float = 0.0):
+                 save_dir: str, connect_rate: float = 0.0, per_node: int = 0):
         from mindspeed_ha.control import auth, wire
         from mindspeed_ha.control import link as link_mod
 
@@ -87,17 +89,30 @@ class Sim:
         self.ctx = zmq.Context(io_threads=1)
         self.ctx.set(zmq.MAX_SOCKETS, len(ranks) + 64)
         keys = auth.derive_keys(key)
-        self.socks: Dict[int, Any] = {}
-        self.rank_of: Dict[Any, int] = {}
-        for r in ranks:
+        #: --per-node K: the ranks of a simulated node (K of this process's ranks) share one
+        #: CURVE connection, as behind the node relay (control/relay.py): frames go up as
+        #: [sub, frame, ...] per node and loop turn, a killed rank's close as [sub, b""]
+        self.per_node = per_node
+        self.socks: Dict[int, Any] = {}  # rank -> its socket (its node's, when relayed)
+        self.rank_of: Dict[Any, int] = {}  # socket -> rank (direct only)
+        self.sub: Dict[int, bytes] = {r: f"r{r}-{secrets.token_hex(4)}".encode() for r in ranks}
+        self.rank_of_sub: Dict[bytes, int] = {v: k for k, v in self.sub.items()}
+        self.node_ranks: Dict[Any, List[int]] = {}  # socket -> the ranks it carries
+        self.out: Dict[Any, List[bytes]] = {}  # relayed: socket -> [sub, frame, ...] to send this turn
+        groups = [ranks[i:i + per_node] for i in range(0, len(ranks), per_node)] if per_node else \
+            [[r] for r in ranks]
+        for g in groups:
             s = self.ctx.socket(zmq.DEALER)
             wire.configure_socket(s, 1 << 20)
             auth.configure_client(s, keys)
-            s.setsockopt(zmq.ROUTING_ID, f"r{r}-{secrets.token_hex(4)}".encode())
+            s.setsockopt(zmq.ROUTING_ID, self.sub[g[0]] if not per_node else
+                         f"n{g[0]}-relay-{secrets.token_hex(4)}".encode())
             s.setsockopt(zmq.RECONNECT_IVL, 100)
             s.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-            self.socks[r] = s
-            self.rank_of[s] = r
+            self.node_ranks[s] = g
+            for r in g:
+                self.socks[r] = s
+                self.rank_of[s] = r
         self.sender = {r: wire.new_sender("processor", r) for r in ranks}
         self.seq = {r: 0 for r in ranks}
         self.last_in = {r: 0 for r in ranks}
@@ -119,6 +134,7 @@ class Sim:
         self.exit_at: Dict[int, float] = {}
         self.rejected = 0
         self.sent = 0
+        self.dropped = 0  # frames not sent: the socket's queue was full (zmq.Again)
         self.hb_late = 0.0  # the most a heartbeat left after its time (this simulator's own lag), s
 
     # ---- frames
@@ -131,11 +147,42 @@ class Sim:
     def send(self, r: int, mtype: str, body: Dict[str, Any]) -> None:
         if r in self.dead:
             return
+        if self.per_node:
+            self.out.setdefault(self.socks[r], []).extend((self.sub[r], self.enc(r, mtype, body)))
+            self.sent += 1
+            return
         try:
             self.socks[r].send(self.enc(r, mtype, body), zmq.NOBLOCK)
             self.sent += 1
         except zmq.Again:
-            pass
+            self.dropped += 1
+
+    def flush(self) -> None:
+        """Relayed: what each node's ranks sent this turn, one message per node (and 256 frames)."""
+        out, self.out = self.out, {}
+        for s, parts in out.items():
+            for i in range(0, len(parts), 512):
+                try:
+                    s.send_multipart(parts[i:i + 512], zmq.NOBLOCK)
+                except zmq.Again:  # the node's queue is full (its connection or the controller is behind)
+                    self.dropped += len(parts[i:i + 512]) // 2
+
+    def received(self, s, now: float) -> None:
+        for _ in range(64):
+            try:
+                parts = s.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if not self.per_node:
+                pairs = [(self.rank_of[s], parts[0])]
+            else:
+                pairs = [(self.rank_of_sub.get(parts[i]), parts[i + 1]) for i in range(0, len(parts) - 1, 2)]
+            for r, frame in pairs:
+                if r is None or r in self.dead:
+                    continue
+                m = self.dec(r, frame)
+                if m is not None:
+                    self.handle(r, m, now)
 
     def dec(self, r: int, frame: bytes) -> Optional[Dict[str, Any]]:
         tag, env = frame[:32], frame[32:]
@@ -157,7 +204,10 @@ class Sim:
                                   "status": "updated", "iteration": 0, "verifies": False, "incarnation": 0,
                                   "rejoins": False})
         if self.backoff_cls is not None:  # the processor's own schedule
-            b = self.backoff.setdefault(r, self.backoff_cls())
+            b = self.backoff.get(r)
+            if b is None:
+                make = getattr(self.backoff_cls, "for_job", None)
+                b = self.backoff[r] = make(self.world) if make else self.backoff_cls()
             heapq.heappush(self.reg_due, (now + b.next_delay(), r))
         else:  # before it existed: 0.1 s doubling to 2 s, whatever the connection
             b = self.backoff.get(r, 0.1)
@@ -216,7 +266,10 @@ class Sim:
                                          "message": "simulated UCE", "status": "updated", "where": "train_step"})
             return now
         if cmd == "kill":
-            if arg in self.socks:
+            if arg in self.socks and self.per_node:  # the relay reports the rank's closed local connection
+                self.dead.add(arg)
+                self.socks[arg].send_multipart([self.sub[arg], b""], zmq.NOBLOCK)
+            elif arg in self.socks:
                 self.socks[arg].close(linger=0)
                 self.dead.add(arg)
             return time.monotonic()
@@ -229,7 +282,7 @@ class Sim:
                     "last_stop": max((self.stop_at[r] for r in live if r in self.stop_at), default=None),
                     "retries": len(self.retry_at), "last_retry": max(self.retry_at.values(), default=None),
                     "exits": len(self.exit_at), "rejected": self.rejected, "live": len(live), "sent": self.sent,
-                    "hb_late": self.hb_late, "cpu_s": cpu_s()}
+                    "hb_late": self.hb_late, "cpu_s": cpu_s(), "dropped": self.dropped}
         return None
 
     # ---- the loop
@@ -237,37 +290,38 @@ class Sim:
         if self.slow_s:
             os.nice(10)
         now = t_start = time.monotonic()
-        pending = list(self.ranks)  # not connected yet (--connect-rate paces them)
+        pending = list(self.node_ranks)  # sockets not connected yet (--connect-rate paces them)
+        total = len(pending)
+        turn_start = now
         poller = zmq.Poller()
         poller.register(self.conn.fileno(), zmq.POLLIN)
         self.conn.send(("started", now))
         while True:
             due = len(pending) if not self.connect_rate else \
-                min(len(pending), int((now - t_start) * self.connect_rate) + 1 - (len(self.ranks) - len(pending)))
-            for r in pending[:max(0, due)]:
-                self.socks[r].connect(self.wire.endpoint("127.0.0.1", self.port))
-                poller.register(self.socks[r], zmq.POLLIN)
-                self.register(r, now)
+                min(len(pending), int((now - t_start) * self.connect_rate) + 1 - (total - len(pending)))
+            for s in pending[:max(0, due)]:
+                s.connect(self.wire.endpoint("127.0.0.1", self.port))
+                poller.register(s, zmq.POLLIN)
+                for r in self.node_ranks[s]:
+                    self.register(r, now)
             del pending[:max(0, due)]
+            self.flush()
+            # at most one poll per MIN_TURN_S: a poll costs O(sockets) in pyzmq, and with input
+            # always pending (thousands of ranks) the loop spun on it and starved the heartbeats
+            spare = turn_start + MIN_TURN_S - time.monotonic()
+            if spare > 0:
+                time.sleep(spare)
+            turn_start = time.monotonic()
             events = poller.poll(20)
             now = time.monotonic()
             for s, _ in events:
-                if not isinstance(s, zmq.Socket):
-                    continue
-                r = self.rank_of[s]
-                for _ in range(64):
-                    try:
-                        frame = s.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    m = self.dec(r, frame)
-                    if m is not None:
-                        self.handle(r, m, now)
+                if isinstance(s, zmq.Socket):
+                    self.received(s, now)
             if self.conn.poll():
                 cmd, arg = self.conn.recv()
                 if cmd == "quit":
                     break
-                if cmd == "kill" and arg in self.socks:
+                if cmd == "kill" and arg in self.socks and not self.per_node:
                     poller.unregister(self.socks[arg])
                 self.conn.send(self.command(cmd, arg))
             now = time.monotonic()
@@ -285,19 +339,20 @@ class Sim:
                     self.it[r] += 1  # one step per second; its STATUS rides with the heartbeat flush
                     self.send(r, "status", self.status_body(r))
                 self.send(r, "heartbeat", {"rank": r, "iteration": self.it[r], "status": "updated"})
+            self.flush()
             if self.slow_s:
                 time.sleep(self.slow_s)
-        for s in self.socks.values():
+        for s in self.node_ranks:
             if not s.closed:
                 s.close(linger=0)
         self.ctx.term()
 
 
-def sim_main(conn, sim_id, ranks, world, port, key, slow_s, save_dir, pythonpath, connect_rate=0.0):
+def sim_main(conn, sim_id, ranks, world, port, key, slow_s, save_dir, pythonpath, connect_rate=0.0, per_node=0):
     sys.path.insert(0, pythonpath)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    sim = Sim(conn, sim_id, ranks, world, port, key, slow_s, save_dir, connect_rate)
+    sim = Sim(conn, sim_id, ranks, world, port, key, slow_s, save_dir, connect_rate, per_node)
     sim.port = port
     sim.run()
 
@@ -408,7 +463,7 @@ def cpu_split() -> Dict[str, float]:
 
 def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
             profile: Optional[str] = None, register_wait: float = 60.0,
-            connect_rate: float = 0.0) -> Dict[str, Any]:
+            connect_rate: float = 0.0, per_node: int = 0) -> Dict[str, Any]:
     from mindspeed_ha.config import HAConfig
     from mindspeed_ha.control.controller import Controller
     from mindspeed_ha.control.policy import ActionKind
@@ -434,7 +489,8 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
         ctl._run = profiled_run
     probe = Probe(ctl)
     ctl.start()
-    out: Dict[str, Any] = {"ranks": n, "sims": sims, "slowed": slow, "load_before": os.getloadavg()[0]}
+    out: Dict[str, Any] = {"ranks": n, "sims": sims, "slowed": slow, "per_node": per_node,
+                           "load_before": os.getloadavg()[0]}
     import mindspeed_ha
     tree = os.path.dirname(os.path.dirname(os.path.abspath(mindspeed_ha.__file__)))  # the simulators use it too
     spawn = mp.get_context("spawn")
@@ -445,7 +501,7 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
             a, b = spawn.Pipe()
             p = spawn.Process(target=sim_main, args=(b, i, per[i], n, ctl.port, key,
                                                      slow_s if i < slow else 0.0, save_dir, tree,
-                                                     connect_rate / sims),
+                                                     connect_rate / sims, per_node),
                               daemon=True)
             p.start()
             pipes.append(a)
@@ -477,9 +533,14 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
         out["listen_overflows"] = listen_overflows() - overflows  # machine-wide counter
         out["handshakes_failed"] = sum(ctl.transport_rejected.totals.values())
         out["duplicate_registers"] = getattr(ctl, "duplicate_registers", None)
-        log(f"N={n}: registered {regd}/{n} in {out['registration_s']} s, REGISTER frames "
+        zap = ctl.server.zap or ctl.server.closed_zap
+        out["handshakes_accepted"] = zap.counts["accepted"] if zap is not None else None
+        out["frames_rejected"] = dict(ctl.codec.rejected)  # by reason (rate_limited, replay, ...)
+        out["sim_dropped_registration"] = sum(r["dropped"] for r in reps)
+        log(f"N={n} {'direct' if not per_node else f'{per_node} per node'}: registered {regd}/{n} in {out['registration_s']} s, REGISTER frames "
             f"{out['register_frames']} (max {out['register_max_per_rank']} per rank); CPU {out['registration_cpu_s']:.1f} s "
-            f"({out['registration_loop_cpu_s']:.1f} s the loop thread)")
+            f"({out['registration_loop_cpu_s']:.1f} s the loop thread); frames the simulators dropped (queue full) "
+            f"{out['sim_dropped_registration']}")
         if regd < n:
             return out
         # 2. steady state
@@ -556,7 +617,9 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
             longest_reason = max((len(e.reason) for e in ctl.events), default=0)
         out["false_deaths"] = len(set(false) | (probe.silent - {victim}))  # dead, or taken for silent
         out["silence_decisions"] = silent
-        out["sim_lag_max_s"] = max(r["hb_late"] for r in ask(pipes, "report"))
+        reps = ask(pipes, "report")
+        out["sim_lag_max_s"] = max(r["hb_late"] for r in reps)
+        out["sim_dropped"] = sum(r["dropped"] for r in reps)  # frames the simulators could not queue
         out["longest_reason_chars"] = longest_reason
         log(f"N={n}: death -> STOP at {stops}/{n - 1} survivors in {out['death_stop_s']} s; -> exit "
             f"{out['exit_code']} in {out['death_commit_s']} s ({out['exit_reason']}); false deaths "
@@ -594,6 +657,9 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="write the controller thread's cProfile stats to PROFILE.<N>")
     ap.add_argument("--connect-rate", type=float, default=0.0,
                     help="connections opened per second by all simulators together (default 0: every rank at once)")
+    ap.add_argument("--per-node", type=int, nargs="+", default=[0],
+                    help="ranks per simulated node relay, one run per value (0: one connection per rank; 8: the "
+                         "ranks of a node share one, as behind control/relay.py); e.g. --per-node 0 8")
     ap.add_argument("--json", default=None, help="append the figures to this file (one JSON line per N)")
     ns = ap.parse_args()
     if not ns.connect_rate >= 0:
@@ -608,13 +674,16 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, filename=ns.log_file,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     say = lambda s: print(time.strftime("%H:%M:%S"), s, flush=True)  # noqa: E731
+    if any(k < 0 for k in ns.per_node):
+        ap.error(f"--per-node={ns.per_node}: each must be >= 0 (0: no relay)")
     for n in ns.ranks:
-        res = one_run(n, ns.sims, ns.slow, ns.slow_s, ns.steady_s, say, ns.profile, ns.register_wait,
-                      ns.connect_rate)
-        say(json.dumps(res))
-        if ns.json:
-            with open(ns.json, "a") as f:
-                f.write(json.dumps(res) + "\n")
+        for k in ns.per_node:
+            res = one_run(n, ns.sims, ns.slow, ns.slow_s, ns.steady_s, say, ns.profile, ns.register_wait,
+                          ns.connect_rate, k)
+            say(json.dumps(res))
+            if ns.json:
+                with open(ns.json, "a") as f:
+                    f.write(json.dumps(res) + "\n")
 
 
 if __name__ == "__main__":

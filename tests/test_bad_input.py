@@ -215,6 +215,7 @@ LAUNCHER_ENV = [
     ("MINDSPEED_HA_DYING_GRACE_S", "inf"), ("MINDSPEED_HA_DYING_GRACE_S", "nan"), ("MINDSPEED_HA_DYING_GRACE_S", "0"),
     ("MINDSPEED_HA_DYING_GRACE_S", "ten"), ("MINDSPEED_HA_WARM_SPARES", "2"), ("MINDSPEED_HA_CPU_BACKEND", "yes"),
     ("MINDSPEED_HA_DISABLE_PATCHES", "no.such.patch"), ("MINDSPEED_HA_INJECT", "rank=x"),
+    ("MINDSPEED_HA_RELAY", "/tmp/some.sock"),
 ]
 
 

@@ -45,8 +45,8 @@ class Job:
     half-way through still closes what was made.
     """
 
-    def __init__(self, stack, cfg=CFG, save_dir="/save", dump_delay=0.0):
-        self.ctl = Controller(cfg, WORLD, "127.0.0.1", 0, tick_s=0.01).start()
+    def __init__(self, stack, cfg=CFG, save_dir="/save", dump_delay=0.0, ctl=None):
+        self.ctl = ctl or Controller(cfg, WORLD, "127.0.0.1", 0, tick_s=0.01).start()
         stack.callback(self.ctl.stop)
         self.calls = {k: [] for k in ("dump", "assemble", "commit")}
         self.exits = {}

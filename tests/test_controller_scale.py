@@ -14,7 +14,9 @@ savers write nothing). CURVE and real sockets are the benchmark's
 from __future__ import annotations
 
 import collections
+import gc
 
+import pytest
 import zmq
 
 from mindspeed_ha.config import HAConfig
@@ -59,8 +61,11 @@ class SlowRouter:
         self.send_s = 0.0  # SEND_S once every rank registered: the fan-outs are slow
         self.queues = collections.OrderedDict()
         self.sent = []
+        self.messages_to_relays = 0
 
     def push(self, ident, data):
+        """Queue ``data`` from connection ``ident`` (a rank's, or (relay, sub): a node relay's
+        message [sub, frame]; an empty frame is the relay's report of a closed connection)."""
         self.queues.setdefault(ident, collections.deque()).append(data)
 
     def recv_multipart(self, flags=0, copy=True):
@@ -70,18 +75,28 @@ class SlowRouter:
                 del self.queues[ident]
                 continue
             self.queues.move_to_end(ident)
-            return [_Frame(ident), _Frame(q.popleft())]
+            head = [_Frame(ident)] if type(ident) is bytes else [_Frame(ident[0]), _Frame(ident[1])]
+            return head + [_Frame(q.popleft())]
         raise zmq.Again()
 
     def send_multipart(self, parts, flags=0):
+        """One frame to a rank, or [relay, sub, frame, sub, frame, ...] to the ranks behind a relay."""
         self.clock.t += self.send_s
-        self.sent.append((bytes(parts[0]), bytes(parts[1])))
+        if len(parts) == 2:
+            self.sent.append((bytes(parts[0]), bytes(parts[1])))
+            return
+        self.messages_to_relays += 1
+        for i in range(1, len(parts), 2):
+            self.sent.append(((bytes(parts[0]), bytes(parts[i])), bytes(parts[i + 1])))
 
 
 class _Frame:
     def __init__(self, data):
         self.bytes = data
         self.buffer = memoryview(data)
+
+    def __len__(self):
+        return len(self.bytes)
 
     def get(self, option):
         raise zmq.ZMQError(zmq.EINVAL)
@@ -90,11 +105,12 @@ class _Frame:
 class Ranks:
     """The simulated ranks: their codecs, iteration, and answers to what the controller sent."""
 
-    def __init__(self, router, clock):
+    def __init__(self, router, clock, per_node=0):
         self.router, self.clock = router, clock
         self.out = {r: wire.Codec(KEY, wire.new_sender("processor", r)) for r in range(WORLD)}
         self.inn = {r: wire.Codec(KEY, f"rx-{r}") for r in range(WORLD)}
-        self.ident = {r: b"r%d" % r for r in range(WORLD)}
+        # per_node: the ranks of a node reach the controller through its relay (control/relay.py)
+        self.ident = {r: (b"n%d" % (r // per_node), b"r%d" % r) if per_node else b"r%d" % r for r in range(WORLD)}
         self.rank_of = {v: k for k, v in self.ident.items()}
         self.dead = set()
         self.iteration = 5
@@ -147,12 +163,15 @@ def run(ctl, ranks, clock, until, max_turns):
     return until()
 
 
-def test_1024_ranks_one_death_no_false_death_and_the_dying_checkpoint_committed():
+@pytest.mark.parametrize("per_node", [0, 8], ids=["direct", "relayed"])
+def test_1024_ranks_one_death_no_false_death_and_the_dying_checkpoint_committed(per_node):
+    """``relayed``: 8 ranks per node relay; the victim's death is its relay's report of its
+    closed connection, and a fan-out is one message per relay."""
     clock = Clock()
     ctl = Controller(CFG, WORLD, "127.0.0.1", 0, tick_s=TICK_S, clock=clock)  # never started: no socket
     router = SlowRouter(clock)
     ctl._router = router
-    ranks = Ranks(router, clock)
+    ranks = Ranks(router, clock, per_node)
     for r in range(WORLD):
         body = wire.Register(r, WORLD, 10_000 + r, "node", layout(r), "/save", "run", "updated", ranks.iteration)
         ranks.send(r, body)
@@ -160,6 +179,8 @@ def test_1024_ranks_one_death_no_false_death_and_the_dying_checkpoint_committed(
             ranks.send(r, body)  # re-sent before the answer came: answered again, nothing else
     assert run(ctl, ranks, clock, lambda: len(ctl.state.ranks) == WORLD and not any(router.queues.values()), 100)
     assert ctl.duplicate_registers == WORLD // 4
+    assert ctl.heap_frozen and gc.get_freeze_count() > 0  # once every rank registered (handlers.FREEZE_HEAP_FROM)
+    gc.unfreeze()  # this test's process: as the controller thread's end would
     assert len(ranks.received[wire.MsgType.REGISTERED]) == WORLD + WORLD // 4
     router.send_s = SEND_S
 
@@ -170,7 +191,10 @@ def test_1024_ranks_one_death_no_false_death_and_the_dying_checkpoint_committed(
 
     victim = 517
     ranks.dead.add(victim)
-    ctl.report_rank_exit(victim, -9)
+    if per_node:
+        router.push(ranks.ident[victim], b"")  # its relay: the local connection closed
+    else:
+        ctl.report_rank_exit(victim, -9)
     assert run(ctl, ranks, clock, lambda: ctl.state.phase is Phase.DONE, 2000), ctl.events[-3:]
 
     out = ctl.outcome()
@@ -181,7 +205,8 @@ def test_1024_ranks_one_death_no_false_death_and_the_dying_checkpoint_committed(
                 and not i.alive], [ctl.state.ranks[r].dead_reason for r in ctl.state.ranks if r != victim][:3]
     assert not [e.reason for e in ctl.events if "heartbeat" in e.reason]
     assert len({r for r, _ in ranks.received[wire.MsgType.STOP]}) == WORLD - 1
-    assert ctl.busy_credited_s >= SEND_S * (WORLD - 1) - 1  # the slow fan-outs were credited
+    if not per_node:  # (relayed, a fan-out is 128 messages, not 1,023: it is not slow)
+        assert ctl.busy_credited_s >= SEND_S * (WORLD - 1) - 1  # the slow fan-outs were credited
     # one STOP frame for every survivor (encoded once); each saver got only its own part of the plan
     assert len(ranks.frames[wire.MsgType.STOP]) == 1
     dumps = [(r, b) for r, b in ranks.received[wire.MsgType.ACTION] if b.kind == ActionKind.DUMP.value]
@@ -189,5 +214,8 @@ def test_1024_ranks_one_death_no_false_death_and_the_dying_checkpoint_committed(
     assert len(out.plan.shard_savers) == TP * PP * (DP // REPLICAS)
     for r, body in dumps:
         assert [s[3] for s in body.params["shard_savers"]] == [r]
+    if per_node:  # the death was the relay's close report; STOP reached the survivors one message per relay
+        assert "control connection closed" in ctl.events[0].reason, ctl.events[0].reason
+        assert router.messages_to_relays >= WORLD // per_node
     # reasons stay short whatever the size of the job
     assert max(len(e.reason) for e in ctl.events) < 1000

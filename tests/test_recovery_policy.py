@@ -455,3 +455,19 @@ def test_reason_names_a_rank_with_the_plan_kind():
     plan = plan_recovery(ranks, 4, 0, CFG)
     assert isinstance(plan, RecoveryPlan) and plan.kind is UCE and plan.fault_rank == 1, plan
     assert plan.reason.startswith("uce fault on rank 1")
+
+
+def test_decide_waits_when_every_rank_is_being_restarted():
+    """ARF: every rank died at once and is being restarted (found with the node relay's
+    first version: both nodes' workers failed at start-up): round 1 has no survivor to
+    observe; the decision waits (it raised StopIteration in every turn before)."""
+    cfg = dataclasses.replace(CFG, worker_reboot=True)
+    ranks = cluster(1, 1, 4, 2)
+    st = _state(ranks, Phase.RECOVERING)
+    st.phase_since = 1.0
+    st.record_fault(0.5, 0, FaultKind.PROCESS, "died")
+    for r in ranks:
+        kill(ranks, r)
+        st.rejoin_wait[r] = 0.5
+    d = decide(1.1, st, cfg)
+    assert d.action is ActionKind.NOOP and "no survivor" in d.reason, d

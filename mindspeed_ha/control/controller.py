@@ -32,6 +32,7 @@ Standalone (no lingering: exits when the job is DONE or nobody registers)::
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import logging
 import math
@@ -143,6 +144,8 @@ class Controller:
         self._news = True
         #: REGISTERs of a rank already registered by the same process, answered again (counter)
         self.duplicate_registers = 0
+        #: the heap was frozen when every rank registered (``handlers.FREEZE_HEAP_FROM``)
+        self.heap_frozen = False
         #: seconds the I/O thread spent busy outside reading its socket beyond ``tick_s`` in a
         #: turn, credited to every rank's liveness (see :func:`credit_busy`); total
         self.busy_credited_s = 0.0
@@ -339,6 +342,9 @@ class Controller:
         try:
             self.server.serve(self._locked_turn, self._stopping, self.tick_s)
         finally:
+            if self.heap_frozen:  # handlers.FREEZE_HEAP_FROM: the frozen objects are collected as usual again
+                gc.unfreeze()
+                self.heap_frozen = False
             log.info("controller thread exits (phase %s); control plane: %s", self.state.phase.value,
                      self.traffic(self.server.closed_zap))
 

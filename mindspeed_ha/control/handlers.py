@@ -12,6 +12,7 @@ under the controller's lock; they change state and send replies, and decide noth
 
 from __future__ import annotations
 
+import gc
 import logging
 import queue
 from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
@@ -28,6 +29,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mindspeed_ha.control.controller")
 
+#: from this world size on, the heap is frozen (``gc.freeze``) once every rank registered: a
+#: full collection walks every object of the process (the ranks' state, the launcher's
+#: torch), and at 16,384 ranks one took up to 1.1 s (scripts/bench_controller_logic.py,
+#: load 20), a turn the controller reads nothing; objects made later are collected as usual
+FREEZE_HEAP_FROM = 1024
 #: the FAULT kinds this controller knows (another one is UNKNOWN)
 _FAULT_KINDS = frozenset(k.value for k in FaultKind)
 
@@ -145,6 +151,9 @@ def _admit(ctl: "Controller", now: float, ident: bytes, fd: Optional[int], sende
         st.registering_until = None
         for other in st.ranks.values():
             other.last_heartbeat = max(other.last_heartbeat, now)
+        if ctl.world_size >= FREEZE_HEAP_FROM and not ctl.heap_frozen:
+            gc.freeze()  # the job's long-lived state: no full collection walks it again (see FREEZE_HEAP_FROM)
+            ctl.heap_frozen = True  # undone when the controller thread ends
     ctl.failover.note_rank(info)
     if not st.run_id:
         st.run_id = body.run_id

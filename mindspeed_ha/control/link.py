@@ -33,6 +33,7 @@ import zmq
 from mindspeed_ha.control import auth, wire
 from mindspeed_ha import env as ha_env
 from mindspeed_ha.control.lease import LeaseDir, lease_seconds
+from mindspeed_ha.control.relay import usable_socket
 
 #: the processor's logger: every line of the rank's control plane keeps the name operators and tests filter on
 log = logging.getLogger("mindspeed_ha.control.processor")
@@ -43,6 +44,10 @@ CONNECTION_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 GOODBYE_LINGER_MS = 500
 #: seconds between two looks into the lease directory while the control connection is closed
 LEASE_POLL_S = 0.25
+
+
+#: ranks of a job per second of the first REGISTER re-send's mean delay (RegisterBackoff.for_job)
+RANKS_PER_FIRST_S = 4096
 
 
 class RegisterBackoff:
@@ -65,6 +70,14 @@ class RegisterBackoff:
     def __init__(self, first_s: float = 1.0, max_s: float = 8.0, rng: Callable[[], float] = random.random):
         self.first_s, self.max_s, self.rng = first_s, max_s, rng
         self._mean = first_s
+
+    @classmethod
+    def for_job(cls, world_size: int) -> "RegisterBackoff":
+        """The schedule of a rank of a ``world_size``-rank job: the first re-send waits 1 s
+        per ``RANKS_PER_FIRST_S`` ranks (1 to 8 s). A controller answers some 10,000
+        REGISTER per second of its loop's CPU (docs/RESULTS.md); at 16,384 ranks a 1 s first
+        delay had most ranks send theirs again before the first answer came (62,326 frames)."""
+        return cls(first_s=min(8.0, max(1.0, world_size / RANKS_PER_FIRST_S)))
 
     def next_delay(self) -> float:
         """Seconds until the next re-send (and the mean doubles, up to ``max_s``)."""
@@ -162,13 +175,15 @@ class ControlLink:
         register_body: the REGISTER to send (I/O thread).
         on_lost: called once when the controller is lost (I/O thread; must not block).
         end: ``end(code, reason)``: ends the rank (run on its own thread).
+        world_size: the job's ranks (REGISTER's re-send schedule, :meth:`RegisterBackoff.for_job`).
     """
 
     def __init__(self, config, rank: int, codec: wire.Codec, keys, proto, outbox: Outbox, *,
                  addr: Optional[str], port: Optional[int], handle: Callable[[wire.Message], None],
                  register_body: Callable[[], wire.Register], on_lost: Callable[[], None],
-                 end: Callable[[int, str], None]):
+                 end: Callable[[int, str], None], world_size: int = 1):
         self.config, self.rank, self.codec, self._keys = config, rank, codec, keys
+        self.world_size = int(world_size)
         self._proto, self._outbox = proto, outbox
         self._handle, self._register_body, self._on_lost, self._end = handle, register_body, on_lost, end
         self.addr = addr or config.controller_addr
@@ -184,6 +199,13 @@ class ControlLink:
             cur = self._lease.current()
             if cur is not None:  # e.g. a rank restarted after its node was lost: the leader moved
                 self.addr, self.port, self._term = cur.host, cur.port, cur.term
+        #: the node relay's socket this rank's frames go through (None: a direct connection,
+        #: chosen at start-up; the rank goes direct for good when the relay's connection closes)
+        relay_path = os.environ.get(ha_env.RELAY)
+        self.relay: Optional[str] = relay_path if usable_socket(relay_path) else None
+        if relay_path and relay_path != "0" and self.relay is None:
+            log.warning("rank %d: %s=%s is not a relay socket of this user (0600 socket in a 0700 directory); "
+                        "connecting to the controller directly", rank, ha_env.RELAY, relay_path)
         self.registered = threading.Event()
         self.register_attempts = 0  # REGISTER frames sent (I/O thread only)
         self.handshakes = 0  # authenticated connections made so far (I/O thread only)
@@ -216,7 +238,8 @@ class ControlLink:
         try:
             sock = ctx.socket(zmq.DEALER)
             wire.configure_socket(sock, self.config.max_message_bytes)
-            auth.configure_client(sock, self._keys)
+            if self.relay is None:  # a local relay's socket needs no CURVE (0700 dir); set before a direct connect
+                auth.configure_client(sock, self._keys)
             sock.setsockopt(zmq.ROUTING_ID, f"r{self.rank}-{secrets.token_hex(4)}".encode())
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
@@ -224,7 +247,7 @@ class ControlLink:
             sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(self.config.heartbeat_interval_s * 1000)))
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(self.lost_after_s * 1000)))
             self._monitor = sock.get_monitor_socket(CONNECTION_EVENTS)
-            sock.connect(wire.endpoint(self.addr, self.port))
+            sock.connect(f"ipc://{self.relay}" if self.relay else wire.endpoint(self.addr, self.port))
             wake = self._outbox.open_pipe()
             self._ctx, self.sock = ctx, sock
             self.thread = threading.Thread(target=self._loop, name=f"mindspeed-ha-processor-{self.rank}",
@@ -275,7 +298,7 @@ class ControlLink:
         if self._monitor is not None:
             poller.register(self._monitor, zmq.POLLIN)
         hb = self.config.heartbeat_interval_s
-        backoff = RegisterBackoff()
+        backoff = RegisterBackoff.for_job(self.world_size)
         next_register = time.monotonic()
         next_hb = time.monotonic() + hb
         was_registered = False
@@ -342,7 +365,10 @@ class ControlLink:
                 return
             now = time.monotonic()
             if host_port(evt.get("endpoint", b"")) in self._left:
-                continue  # the connection to a previous leader
+                continue  # the connection to a previous leader, or the relay left
+            if self.relay is not None and evt["event"] == zmq.EVENT_DISCONNECTED:
+                self._leave_relay(now)
+                continue
             if evt["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.handshakes += 1
                 # the first connection carries the REGISTER queued before it; a later one
@@ -357,6 +383,27 @@ class ControlLink:
                 log.warning("rank %d: control connection to %s:%s open again after %.2f s", self.rank, self.addr,
                             self.port, now - self.disconnected_at)
                 self.disconnected_at = None
+
+    def _leave_relay(self, now: float) -> None:
+        """The relay's connection closed (its controller connection closed, or the launcher
+        is gone): connect directly, as a CURVE client, to the controller this rank knows
+        (a closed connection to it then runs the usual loss clock and lease following), and
+        register again at once; the fault the training thread waits on goes first."""
+        relay, self.relay = self.relay, None
+        try:
+            self.sock.disconnect(f"ipc://{relay}")
+        except zmq.ZMQError:
+            pass
+        self._left.add(host_port(f"ipc://{relay}".encode()))
+        auth.configure_client(self.sock, self._keys)  # applies to the connection made next
+        self.sock.connect(wire.endpoint(self.addr, self.port))
+        if self.registered.is_set() and self.controller_lost_at is None and self.disconnected_at is None:
+            self.disconnected_at = now
+        self.registered.clear()
+        with self._outbox.cond:
+            self._proto.resend_fault_locked()
+        log.warning("rank %d: the node relay's connection closed; connecting to the controller at %s:%s directly",
+                    self.rank, self.addr, self.port)
 
     def _lost_after(self) -> float:
         """Seconds of closed connection before the controller is lost: ``lost_after_s``,

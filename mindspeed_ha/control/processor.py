@@ -140,7 +140,7 @@ class Processor:
                                          config.action_timeout_s, self._end)
         self.link = ControlLink(config, rank, self.codec, keys, self._proto, self._outbox, addr=addr, port=port,
                                 handle=self._handle, register_body=self._register_body,
-                                on_lost=self._orphan.start, end=self._end)
+                                on_lost=self._orphan.start, end=self._end, world_size=self.world_size)
         # ARF: the launcher's restarts of this rank's process, and whether it can rejoin
         self.incarnation = int(os.environ.get(ha_env.INCARNATION, "0") or 0)
         #: a hot switch's new process: it registers as its rank's incoming process (REGISTER.switching)

@@ -31,7 +31,7 @@ import logging
 import os
 import resource
 import threading
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -63,6 +63,11 @@ MONITOR_HWM = 100_000
 #: closes it (``ZMQ_HANDSHAKE_IVL``); a real rank's takes milliseconds, one that misses
 #: it just connects again (its DEALER reconnects on its own)
 HANDSHAKE_DEADLINE_S = 5.0
+#: ranks' frames per message sent to one node relay (a fan-out to the ranks behind it)
+RELAY_BATCH = 256
+#: a connection: a ROUTER identity (a rank's own connection), or (relay, sub) for a rank
+#: whose frames its node's relay carries (:mod:`mindspeed_ha.control.relay`)
+Ident = Union[bytes, Tuple[bytes, bytes]]
 #: what the socket monitor reports: closed connections and failed handshakes
 MONITOR_EVENTS = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                   | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
@@ -134,8 +139,12 @@ class ControlServer:
         self.closed_zap: Optional[auth.ZapHandler] = None
         self._wake_r = self._wake_w = -1
         self._wake_lock = threading.Lock()
-        self.ident: Dict[int, bytes] = {}  # rank -> its connection's ROUTER identity
-        self.rank_of_ident: Dict[bytes, int] = {}
+        #: rank -> its connection: the ROUTER identity, or (relay's identity, the rank's
+        #: identity at its node's relay) for a rank whose frames its node's relay carries
+        self.ident: Dict[int, Ident] = {}
+        self.rank_of_ident: Dict[Ident, int] = {}
+        #: messages received from node relays (each carries one or more ranks' frames)
+        self.relayed_messages = 0
         self._rank_of_fd: Dict[int, int] = {}
         #: closed connections seen by the monitor, (rank, when), held until the ROUTER has
         #: been read empty: a rank's last frames (its GOODBYE) are handled before its close
@@ -323,22 +332,25 @@ class ControlServer:
         """Whether the last :meth:`frames` read the ROUTER empty (no frame left queued)."""
         return self._input_empty
 
-    def frames(self, limit: int = MAX_FRAMES_PER_TURN) -> Iterator[Tuple[float, bytes, Optional[int], wire.Message]]:
-        """Read at most ``limit`` frames; yield ``(now, identity, fd, message)`` for each one
-        that passes its peer's budget and the codec, registered ranks' frames first."""
-        batch: List[Tuple[bytes, Any]] = []
+    def frames(self, limit: int = MAX_FRAMES_PER_TURN) -> Iterator[Tuple[float, Ident, Optional[int], wire.Message]]:
+        """Read frames until at least ``limit`` (a relay's message may carry more); yield
+        ``(now, identity, fd, message)`` for each one that passes its peer's budget and the
+        codec, registered ranks' frames first (fd None for a relayed frame)."""
+        batch: List[Tuple[Ident, Any]] = []
         self._input_empty = False
-        for _ in range(limit):
+        while len(batch) < limit:
             try:
                 parts = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 self._input_empty = True
                 break
-            if len(parts) != 2:
+            if len(parts) == 2:
+                batch.append((parts[0].bytes, parts[1]))
+            elif len(parts) >= 3 and len(parts) % 2 == 1:
+                self._relayed(parts, batch)
+            else:
                 self.codec.rejected["bad_framing"] += 1
                 self.codec.reject_log.note(repr(parts[0].bytes), "bad_framing", self.clock())
-                continue
-            batch.append((parts[0].bytes, parts[1]))
         ranks = self.rank_of_ident
         for ident, frame in admission.ranks_first(batch, lambda item: item[0] in ranks):
             now = self.clock()
@@ -349,11 +361,29 @@ class ControlServer:
             msg = self.codec.try_decode(frame.buffer, peer=repr(ident), now=now)
             if msg is None:
                 continue
-            try:
-                fd = frame.get(zmq.SRCFD)
-            except zmq.ZMQError:
-                fd = None
+            fd = None
+            if type(ident) is bytes:  # a relayed rank's close is reported by its relay, not by a descriptor
+                try:
+                    fd = frame.get(zmq.SRCFD)
+                except zmq.ZMQError:
+                    pass
             yield now, ident, fd, msg
+
+    def _relayed(self, parts: List[Any], batch: List[Tuple[Ident, Any]]) -> None:
+        """A node relay's message ``[relay, sub, frame, sub, frame, ...]`` (see :mod:`relay`):
+        each frame is queued as from the connection ``(relay, sub)``; an empty frame says that
+        the local connection ``sub`` closed (the rank's process is gone), held like a closed
+        TCP connection until the ROUTER has been read empty."""
+        relay = parts[0].bytes
+        self.relayed_messages += 1
+        for i in range(1, len(parts), 2):
+            ident = (relay, parts[i].bytes)
+            if len(parts[i + 1]) == 0:
+                rank = self.rank_of_ident.get(ident)
+                if rank is not None and self.ident.get(rank) == ident:
+                    self._closed.append((rank, self.clock()))
+            else:
+                batch.append((ident, parts[i + 1]))
 
     def discard_input(self) -> None:
         """Read and drop a turn's worth of input (a stepped-down controller answers nothing)."""
@@ -369,10 +399,12 @@ class ControlServer:
         self.flush_closed()
 
     # ------------------------------------------------------------------ output
-    def send(self, ident: bytes, body: Any) -> None:
-        """Send ``body`` to connection ``ident`` now. Raises zmq.ZMQError (e.g. the peer is
-        gone, its queue is full) or WireError (the body does not encode)."""
-        self.router.send_multipart([ident, self.codec.encode(body)], zmq.NOBLOCK)
+    def send(self, ident: Ident, body: Any) -> None:
+        """Send ``body`` to connection ``ident`` now (a relayed rank's: through its relay).
+        Raises zmq.ZMQError (e.g. the peer is gone, its queue is full) or WireError (the
+        body does not encode)."""
+        frame = self.codec.encode(body)
+        self.router.send_multipart([ident, frame] if type(ident) is bytes else [*ident, frame], zmq.NOBLOCK)
 
     def send_to_ranks(self, ranks: Iterable[int], body: Any) -> int:
         """Send the same ``body`` to every rank of ``ranks``: encoded once, the same frame to
@@ -384,15 +416,30 @@ class ControlServer:
             log.warning("controller: cannot send %s: %s", type(body).__name__, exc)
             return 0
         sent, failed = 0, []
+        relayed: Dict[bytes, List[Tuple[int, bytes]]] = {}  # relay -> (rank, sub) behind it
         for rank in ranks:
             ident = self.ident.get(rank)
             if ident is None:
+                continue
+            if type(ident) is not bytes:
+                relayed.setdefault(ident[0], []).append((rank, ident[1]))
                 continue
             try:
                 self.router.send_multipart([ident, frame], zmq.NOBLOCK)
                 sent += 1
             except zmq.ZMQError as exc:
                 failed.append((rank, exc))
+        for relay, subs in relayed.items():  # one message per relay and RELAY_BATCH ranks
+            for i in range(0, len(subs), RELAY_BATCH):
+                chunk = subs[i:i + RELAY_BATCH]
+                parts: List[bytes] = [relay]
+                for _, sub in chunk:
+                    parts += (sub, frame)
+                try:
+                    self.router.send_multipart(parts, zmq.NOBLOCK)
+                    sent += len(chunk)
+                except zmq.ZMQError as exc:
+                    failed += [(rank, exc) for rank, _ in chunk]
         if failed:
             log.warning("controller: cannot send %s to %s: %s", type(body).__name__,
                         summarise_ranks([r for r, _ in failed]), failed[0][1])

@@ -90,6 +90,10 @@ def check_env() -> None:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     check_switch(ha_env.CPU_BACKEND)
+    relay = os.environ.get(ha_env.RELAY, "").strip()
+    if relay not in ("", "0", "1"):  # the launcher sets the workers' own value (its relay's socket)
+        raise ConfigError(f"{ha_env.RELAY}={relay!r}: accepted 0 (every worker connects to the controller itself) "
+                          "or 1 (unset: 1, the node relay)")
     check_disabled()
     if os.environ.get(ha_env.INJECT):  # a bad test spec: say so once, before 4 tracebacks
         from mindspeed_ha.faultspec import parse_env

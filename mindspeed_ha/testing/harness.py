@@ -341,6 +341,10 @@ class TwoNodeJob:
         self.env.setdefault("OMP_NUM_THREADS", "1")
         self.env[ha_env.AUTH_KEY] = os.urandom(32).hex()
         self.env[ha_env.TTP_PORT] = str(self.controller_port)
+        # temporary files of the launchers (the node relay's socket directory) in the scratch
+        # directory: a launcher the test SIGKILLs (a lost node) cannot remove its own
+        os.makedirs(os.path.join(self.scratch, "tmp"))
+        self.env["TMPDIR"] = os.path.join(self.scratch, "tmp")
         self.env.update(env or {})
         self.procs: Dict[int, List[subprocess.Popen]] = {0: [], 1: []}
 

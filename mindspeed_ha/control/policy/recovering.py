@@ -65,6 +65,8 @@ def _observe_round(now: float, state: ClusterState, config: HAConfig, live: List
     finds every rank at the end of the same iteration; a rank that cannot get there
     (blocked before it) ends the wait after update_settle_s and the plan falls back."""
     elapsed = now - state.phase_since
+    if not live:  # every rank died and is being restarted (ARF): their rejoin (or its deadline) is next
+        return noop(f"recovering: no survivor; waiting for the restarted ranks {summarise_ranks(state.rejoin_wait)}")
     waiting = [r for r in live if not state.ranks[r].stopped]
     if waiting and elapsed < config.stop_timeout_s:
         return noop(f"recovering: waiting for STOPPED from ranks {summarise_ranks(waiting)}")

@@ -1,0 +1,348 @@
+"""A node's relay: the ranks of one node reach the controller over one CURVE connection.
+
+Issue 19: at 16,384 ranks the CURVE handshakes alone (about 0.5 ms of the controller's CPU
+and 0.8 ms of the client's per connection, docs/RESULTS.md) keep registration over 10 s.
+The launcher of each node (``mindspeed-ha-run``) runs a :class:`NodeRelay` thread:
+
+* a local ROUTER socket bound to ``ipc://<dir>/relay.sock``; ``dir`` is a directory the
+  launcher makes with mode 0700 (``tempfile.mkdtemp``) and the socket file is made 0600,
+  so only this user's processes on this node reach it; no CURVE on this hop (nothing
+  leaves the host). The path reaches the workers as ``MINDSPEED_HA_RELAY``;
+* one DEALER socket to the controller, a CURVE client like a processor (:mod:`auth`),
+  following the lease directory's leader at start-up (controller failover).
+
+Frames are forwarded unchanged: every rank's frame keeps its own HMAC, sender and ``seq``,
+and the controller checks each one as if it came on the rank's own connection. Upstream,
+what the local socket holds is sent as one multipart message ``[sub, frame, sub, frame,
+...]`` (``sub``: the rank's identity on the local socket; up to ``server.RELAY_BATCH``
+pairs), so the heartbeats and statuses of a node's ranks travel together; the controller
+(``server.ControlServer.frames``) sees ``[relay, sub, frame, ...]`` and takes
+``(relay, sub)`` as the rank's connection. Downstream the controller sends ``[relay, sub,
+frame, ...]`` (a fan-out: one message per relay) and the relay hands each frame to its
+``sub``. A closed local connection (the rank's process is gone) is reported upstream as
+``[sub, b""]``, after that connection's last frames: the controller takes it as it takes
+a closed TCP connection of a rank. (Transport framing only: no message type or field was
+added to :mod:`wire`.)
+
+When the controller connection closes (the controller's process died, or a failover) the
+relay closes its local socket and ends: every rank behind it sees its connection close and
+goes on as a directly connected rank (``link.ControlLink``: CURVE to the controller, or to
+the next leader of the lease directory). A rank that finds no relay socket at start-up
+(e.g. started without ``mindspeed-ha-run``) connects directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import stat
+import tempfile
+import threading
+import time
+from typing import Any, Dict, List, Optional
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from mindspeed_ha.control import auth, wire
+from mindspeed_ha.control.server import RELAY_BATCH
+
+log = logging.getLogger(__name__)
+
+#: the socket file's name inside the relay's directory
+SOCKET_NAME = "relay.sock"
+#: frames read from the local socket per turn before what was read is sent upstream
+MAX_LOCAL_PER_TURN = 4 * RELAY_BATCH
+#: seconds between two looks into the lease directory while not connected (as ``link.LEASE_POLL_S``)
+LEASE_POLL_S = 0.25
+#: poll timeout of the relay's thread, ms (how soon it sees :meth:`NodeRelay.close`)
+POLL_MS = 100
+
+
+def usable_socket(path: Optional[str]) -> bool:
+    """Whether ``path`` is a relay socket a rank may use: a socket file owned by this user
+    whose directory is not writable or searchable by others. False for None or anything
+    else (the rank then connects directly)."""
+    if not path:
+        return False
+    try:
+        st = os.lstat(path)
+        dst = os.lstat(os.path.dirname(path) or ".")
+    except OSError:
+        return False
+    uid = os.getuid()
+    return (stat.S_ISSOCK(st.st_mode) and st.st_uid == uid and stat.S_ISDIR(dst.st_mode) and dst.st_uid == uid
+            and not dst.st_mode & 0o077)
+
+
+def remove_stale(directory: Optional[str] = None) -> List[str]:
+    """Remove the directories of relays that are gone (a launcher that was SIGKILLed cannot
+    remove its own): a ``mindspeed-ha-relay-*`` directory in ``directory`` (default: the
+    system's temp dir) of this user, that others cannot enter, holding nothing but its
+    socket file, on which nobody listens (a connection is refused). A directory without its
+    socket yet (a relay starting) or with anything else in it is left alone. Returns the
+    paths removed; never raises."""
+    import glob
+    import socket
+
+    removed: List[str] = []
+    base = directory or tempfile.gettempdir()
+    for d in glob.glob(os.path.join(glob.escape(base), "mindspeed-ha-relay-*")):
+        path = os.path.join(d, SOCKET_NAME)
+        try:
+            if os.listdir(d) != [SOCKET_NAME] or not usable_socket(path):
+                continue
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                probe.connect(path)  # a live relay accepts: leave it
+        except ConnectionRefusedError:
+            try:
+                os.unlink(path)
+                os.rmdir(d)
+                removed.append(d)
+            except OSError:
+                pass
+        except OSError:
+            continue
+    if removed:
+        log.info("removed %d directories of relays that are gone: %s", len(removed), ", ".join(removed[:4]))
+    return removed
+
+
+class NodeRelay:
+    """One node's relay thread (see the module doc).
+
+    Args:
+        max_message_bytes: the job's frame size limit (each forwarded frame).
+        auth_key: the job's key (the CURVE client keys derive from it).
+        addr / port: the controller's endpoint.
+        node_rank: this node's rank (names the relay's identity).
+        directory: where to make the relay's 0700 directory (None: the system's temp dir).
+        lease / term: the lease directory (a ``LeaseDir``) and the term of ``addr``/``port``:
+            until its first connection is made the relay follows the leader of a higher
+            term (a lease left by an earlier run names a dead controller).
+        heartbeat_ms / timeout_ms: ZMTP heartbeats on the controller connection: a silent
+            controller host closes it after ``timeout_ms`` (the processor's own link uses
+            the heartbeat interval and half the heartbeat timeout).
+
+    Raises:
+        ConfigError: ZeroMQ without CURVE (from :func:`auth.derive_keys`).
+    """
+
+    def __init__(self, max_message_bytes: int, auth_key: bytes, addr: str, port: int, node_rank: int,
+                 directory: Optional[str] = None, heartbeat_ms: int = 1000, timeout_ms: int = 5000,
+                 lease=None, term: int = -1):
+        self.max_message_bytes = max_message_bytes
+        self.keys = auth.derive_keys(auth_key)
+        self.addr, self.port, self.node_rank = addr, int(port), int(node_rank)
+        self.directory = directory
+        self.heartbeat_ms, self.timeout_ms = heartbeat_ms, timeout_ms
+        self.lease, self.term = lease, int(term)
+        self.dir: Optional[str] = None
+        self.path: Optional[str] = None
+        self._ctx: Optional[zmq.Context] = None
+        self._local = self._up = self._local_mon = self._up_mon = None
+        self._stop = threading.Event()
+        self.thread: Optional[threading.Thread] = None
+        self._sub_of_fd: Dict[int, bytes] = {}
+        #: counters: frames up / down, messages up, local closes reported
+        self.up_frames = self.down_frames = self.up_messages = self.closes = 0
+        #: why the relay ended by itself (None while it runs or after :meth:`close`)
+        self.ended: Optional[str] = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"ipc://{self.path}"
+
+    def open(self) -> "NodeRelay":
+        """Make the directory (0700) and the sockets, start the thread; a failure closes
+        what was made and raises (zmq.ZMQError, OSError)."""
+        remove_stale(self.directory)
+        self.dir = tempfile.mkdtemp(prefix=f"mindspeed-ha-relay-{self.node_rank}-", dir=self.directory)
+        self.path = os.path.join(self.dir, SOCKET_NAME)
+        ctx = zmq.Context()
+        try:
+            local = ctx.socket(zmq.ROUTER)
+            wire.configure_socket(local, self.max_message_bytes)
+            local.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            local.bind(self.endpoint)
+            os.chmod(self.path, 0o600)
+            self._local_mon = self._monitor(ctx, local, zmq.EVENT_DISCONNECTED)
+            up = ctx.socket(zmq.DEALER)
+            wire.configure_socket(up, self.max_message_bytes)
+            auth.configure_client(up, self.keys)
+            up.setsockopt(zmq.ROUTING_ID, f"n{self.node_rank}-relay-{secrets.token_hex(4)}".encode())
+            up.setsockopt(zmq.RECONNECT_IVL, 100)
+            up.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            up.setsockopt(zmq.HEARTBEAT_IVL, max(1, self.heartbeat_ms))
+            up.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, self.timeout_ms))
+            self._up_mon = self._monitor(ctx, up, zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            up.connect(wire.endpoint(self.addr, self.port))
+            self._ctx, self._local, self._up = ctx, local, up
+            self.thread = threading.Thread(target=self._loop, name=f"mindspeed-ha-relay-{self.node_rank}",
+                                           daemon=True)
+            self.thread.start()
+        except BaseException:
+            ctx.destroy(linger=0)
+            self._ctx = self._local = self._up = self._local_mon = self._up_mon = None
+            self._remove_dir()
+            raise
+        log.info("node %d: relay for this node's ranks at %s -> controller %s:%s", self.node_rank, self.path,
+                 self.addr, self.port)
+        return self
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop the thread (it closes the sockets) and remove the directory. Idempotent."""
+        self._stop.set()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout)
+        self._remove_dir()
+
+    @staticmethod
+    def _monitor(ctx, sock, events):
+        addr = f"inproc://mindspeed-ha-relay-monitor-{id(sock):x}"
+        sock.monitor(addr, events)
+        mon = ctx.socket(zmq.PAIR)
+        mon.setsockopt(zmq.LINGER, 0)
+        mon.connect(addr)
+        return mon
+
+    def _remove_dir(self) -> None:
+        """Remove the directory this relay made (``mkdtemp``: provably ours), with what is
+        left in it (the socket file, unless libzmq removed it already)."""
+        d, self.dir = self.dir, None
+        if d is not None:
+            shutil.rmtree(d, ignore_errors=True)
+
+    # ------------------------------------------------------------------ the thread
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        for s in (self._local, self._up, self._local_mon, self._up_mon):
+            poller.register(s, zmq.POLLIN)
+        connected = False
+        next_lease_check = 0.0
+        try:
+            while not self._stop.is_set():
+                ready = dict(poller.poll(POLL_MS))
+                if not connected and self.lease is not None and time.monotonic() >= next_lease_check:
+                    next_lease_check = time.monotonic() + LEASE_POLL_S
+                    self._follow()
+                if self._up_mon in ready:
+                    for evt in self._events(self._up_mon):
+                        if evt == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                            connected = True
+                        elif evt == zmq.EVENT_DISCONNECTED and connected:
+                            self.ended = (f"the connection to the controller at {self.addr}:{self.port} closed; the "
+                                          "node's ranks connect to the controller directly")
+                            # (the job's normal end: no rank is connected any more, nothing to say)
+                            log.log(logging.WARNING if self._sub_of_fd else logging.INFO, "node %d: relay: %s",
+                                    self.node_rank, self.ended)
+                            return
+                closed = [e for e in self._events(self._local_mon, values=True)] if self._local_mon in ready else []
+                self._forward_up()
+                if closed:
+                    self._report_closed(closed)
+                if self._up in ready:
+                    self._forward_down()
+        except Exception:  # noqa: BLE001 - keep the reason in the log; the ranks go direct
+            log.exception("node %d: relay failed; the node's ranks connect to the controller directly",
+                          self.node_rank)
+            self.ended = "failed"
+        finally:
+            ctx, self._ctx = self._ctx, None
+            if ctx is not None:
+                for s in (self._local_mon, self._up_mon):
+                    s.close(linger=0)
+                self._local.close(linger=0)  # the ranks see their connection close
+                self._up.close(linger=0)
+                ctx.term()
+
+    def _follow(self) -> None:
+        """Not connected yet: point the controller connection at the leader of a higher term."""
+        try:
+            cur = self.lease.current()
+        except Exception:  # noqa: BLE001 - never raises by contract; the thread must outlive a surprise
+            log.exception("node %d: relay: reading the lease directory failed", self.node_rank)
+            return
+        if cur is None or cur.term <= self.term:
+            return
+        try:
+            self._up.disconnect(wire.endpoint(self.addr, self.port))
+        except zmq.ZMQError:
+            pass
+        self.addr, self.port, self.term = cur.host, cur.port, cur.term
+        self._up.connect(wire.endpoint(self.addr, self.port))
+        log.info("node %d: relay: following the leader of term %d at %s:%s", self.node_rank, cur.term, cur.host,
+                 cur.port)
+
+    @staticmethod
+    def _events(mon, values: bool = False) -> List[Any]:
+        out = []
+        while True:
+            try:
+                evt = recv_monitor_message(mon, zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            out.append((evt["event"], evt["value"]) if values else evt["event"])
+
+    def _forward_up(self) -> None:
+        """Every frame the local socket holds, to the controller in batches of ``RELAY_BATCH``."""
+        parts: List[Any] = []
+        for _ in range(MAX_LOCAL_PER_TURN):
+            try:
+                sub, frame = self._local.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            except ValueError:  # not [identity, frame]: a rank sends one frame per message
+                continue
+            if len(frame) == 0:
+                continue  # an empty frame upstream means "closed": never forwarded from a rank
+            try:
+                fd = frame.get(zmq.SRCFD)
+            except zmq.ZMQError:
+                fd = None
+            if fd is not None and self._sub_of_fd.get(fd) != sub.bytes:
+                # a reused descriptor: an earlier connection's close is reported before it is rebound
+                self._report_closed(self._events(self._local_mon, values=True))
+                self._sub_of_fd[fd] = sub.bytes
+            parts += (sub, frame)
+            if len(parts) >= 2 * RELAY_BATCH:
+                self._send_up(parts)
+                parts = []
+        if parts:
+            self._send_up(parts)
+
+    def _send_up(self, parts: List[Any]) -> None:
+        try:
+            self._up.send_multipart(parts, zmq.NOBLOCK, copy=False)
+            self.up_frames += len(parts) // 2
+            self.up_messages += 1
+        except zmq.Again:
+            log.warning("node %d: relay: the controller's queue is full; %d frames dropped", self.node_rank,
+                        len(parts) // 2)
+
+    def _report_closed(self, events) -> None:
+        parts: List[Any] = []
+        for event, fd in events:
+            sub = self._sub_of_fd.pop(fd, None)
+            if event == zmq.EVENT_DISCONNECTED and sub is not None:
+                parts += (sub, b"")
+        if parts:
+            self.closes += len(parts) // 2
+            self._send_up(parts)
+
+    def _forward_down(self) -> None:
+        for _ in range(MAX_LOCAL_PER_TURN):
+            try:
+                parts = self._up.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if len(parts) % 2:
+                continue  # not [sub, frame, ...]: the controller sends pairs only
+            for i in range(0, len(parts), 2):
+                try:
+                    self._local.send_multipart(parts[i:i + 2], zmq.NOBLOCK, copy=False)
+                    self.down_frames += 1
+                except zmq.ZMQError:
+                    pass  # that rank's connection is gone (ROUTER drops unroutable frames)

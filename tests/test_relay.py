@@ -1,0 +1,163 @@
+"""The node relay (``control/relay.py``): a node's ranks over one CURVE connection.
+
+In one process over real sockets (the controller's CURVE port, the relay's ipc socket):
+the ranks register and are stopped through the relay with their own frames (the
+controller checks each rank's HMAC), a forged frame through the relay is rejected by the
+controller, a rank's closed local connection is its death, the relay's socket is private
+to the user, and ranks whose relay is gone go on connected directly. Teardown and leak
+checks are test_control's fixtures.
+"""
+
+import os
+import stat
+import time
+
+import zmq
+
+from mindspeed_ha import env as ha_env
+from mindspeed_ha.control import wire
+from mindspeed_ha.control.controller import Controller
+from mindspeed_ha.control.relay import NodeRelay, usable_socket
+from mindspeed_ha.control.state import Layout, Phase
+
+from test_control import CFG, KEY, WORLD, Job, assert_dying_checkpoint, closing, no_leaks  # noqa: F401
+
+
+def _relay(stack, monkeypatch, port, tmp_path):
+    relay = NodeRelay(CFG.max_message_bytes, KEY, "127.0.0.1", port, 0, directory=str(tmp_path)).open()
+    stack.callback(relay.close)
+    monkeypatch.setenv(ha_env.RELAY, relay.path)
+    return relay
+
+
+def _wait(cond, what, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def _relayed_job(stack, monkeypatch, tmp_path):
+    """test_control's Job, its processors started with the relay's socket in the environment."""
+    ctl = Controller(CFG, WORLD, "127.0.0.1", 0, tick_s=0.01).start()
+    stack.callback(ctl.stop)
+    relay = _relay(stack, monkeypatch, ctl.port, tmp_path)
+    j = Job(stack, ctl=ctl)
+    j.relay = relay
+    return j
+
+
+def test_ranks_register_and_die_through_the_relay(closing, monkeypatch, tmp_path):
+    j = _relayed_job(closing, monkeypatch, tmp_path)
+    for r, p in enumerate(j.procs):
+        assert p.link.relay == j.relay.path
+        assert isinstance(j.ctl.server.ident[r], tuple), "rank registered on a connection of its own"
+    assert j.ctl.server.relayed_messages >= 1 and j.relay.up_frames >= WORLD
+    j.step(1)
+    j.step(2)
+    t0 = time.monotonic()
+    j.procs[2].close(None)  # the process vanishes: its local connection closes, the relay says so
+    for r in (0, 1, 3):
+        assert j.procs[r].stop_event.wait(10)
+        assert j.procs[r].stop_received_at >= t0
+    out = assert_dying_checkpoint(j, dead=2, iteration=2)  # STOP, DUMP, ... reached the ranks through the relay
+    assert "control connection closed" in out.events[0].reason
+    assert j.relay.closes >= 1 and j.relay.down_frames >= 3
+
+
+def test_forged_frame_through_the_relay_is_rejected(closing, monkeypatch, tmp_path):
+    ctl = Controller(CFG, 1, "127.0.0.1", 0, tick_s=0.01).start()
+    closing.callback(ctl.stop)
+    relay = _relay(closing, monkeypatch, ctl.port, tmp_path)
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    closing.callback(wire.close_all, ctx, raw)
+    wire.configure_socket(raw, CFG.max_message_bytes)
+    raw.connect(relay.endpoint)
+    reg = wire.Register(0, 1, os.getpid(), "h", Layout(), None, "")
+    forged = wire.Codec(b"x" * 32, wire.new_sender("rank", 0)).encode(reg)  # another key: its HMAC is wrong
+    raw.send(forged)
+    raw.send(forged[:32] + forged[32:].replace(b"rank", b"RANK", 1))  # a body changed after tagging
+    _wait(lambda: ctl.codec.rejected["bad_mac"] >= 2, "the forged frames were not rejected by the controller")
+    assert 0 not in ctl.state.ranks and not raw.poll(200)
+    raw.send(wire.Codec(KEY, wire.new_sender("rank", 0)).encode(reg))  # the same REGISTER, tagged with the key
+    assert raw.poll(10000), "no answer through the relay"
+    assert wire.Codec(KEY, "t").decode(raw.recv()).body.accepted
+    assert isinstance(ctl.server.ident[0], tuple)
+
+
+def test_the_relay_socket_is_private(closing, tmp_path):
+    relay = NodeRelay(CFG.max_message_bytes, KEY, "127.0.0.1", 1, 0, directory=str(tmp_path)).open()
+    closing.callback(relay.close)
+    assert stat.S_IMODE(os.stat(relay.dir).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(relay.path).st_mode) == 0o600 and stat.S_ISSOCK(os.stat(relay.path).st_mode)
+    assert usable_socket(relay.path)
+    os.chmod(relay.dir, 0o755)  # a directory others can enter: the rank connects directly instead
+    assert not usable_socket(relay.path)
+    os.chmod(relay.dir, 0o700)
+    plain = tmp_path / "plain"
+    plain.write_bytes(b"")
+    assert not usable_socket(str(plain)) and not usable_socket(None) and not usable_socket("0")
+    d = relay.dir
+    relay.close()
+    assert not os.path.exists(d)
+
+
+def test_ranks_go_direct_when_their_relay_is_gone(closing, monkeypatch, tmp_path):
+    j = _relayed_job(closing, monkeypatch, tmp_path)
+    j.step(1)
+    j.relay.close()  # the launcher's relay ends: every rank connects directly and registers again
+    _wait(lambda: all(type(j.ctl.server.ident.get(r)) is bytes and j.procs[r].link.registered.is_set()
+                      for r in range(WORLD)), "the ranks did not register directly")
+    assert all(p.link.relay is None and p.link.handshakes >= 2 for p in j.procs)
+    j.step(2)
+    for p in j.procs:
+        p.close(0)
+    out = j.ctl.wait_done(10)
+    assert out.phase is Phase.DONE and out.exit_code is None and out.fault_rank is None, out.reason
+
+
+def test_register_resend_waits_longer_in_a_larger_job():
+    """The first REGISTER re-send's mean delay: 1 s up to 4,096 ranks, then 1 s per 4,096
+    (at 16,384 ranks a 1 s delay had most ranks re-send before the controller answered)."""
+    from mindspeed_ha.control.link import RegisterBackoff
+
+    assert [RegisterBackoff.for_job(n).first_s for n in (8, 4096, 16384, 10 ** 6)] == [1.0, 1.0, 4.0, 8.0]
+    b = RegisterBackoff.for_job(16384)
+    b.rng = lambda: 0.5
+    assert [b.next_delay() for _ in range(3)] == [4.0, 8.0, 8.0]
+
+
+def test_a_gone_relays_directory_is_removed_and_nothing_else(tmp_path):
+    """A SIGKILLed launcher leaves its relay's directory (its socket file, nobody listening):
+    the next relay removes it; a live relay's, one with another file in it, and one whose
+    socket is not there yet are left alone."""
+    import socket
+
+    from mindspeed_ha.control.relay import remove_stale
+
+    def relay_dir(name, listen, extra=False, sock=True):
+        d = tmp_path / name
+        d.mkdir(mode=0o700)
+        s = None
+        if sock:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.bind(str(d / "relay.sock"))
+            if listen:
+                s.listen(1)
+            else:
+                s.close()
+        if extra:
+            (d / "other").write_text("x")
+        return d, s
+
+    gone, _ = relay_dir("mindspeed-ha-relay-0-gone", listen=False)
+    live, s = relay_dir("mindspeed-ha-relay-0-live", listen=True)
+    other, _ = relay_dir("mindspeed-ha-relay-0-other", listen=False, extra=True)
+    starting, _ = relay_dir("mindspeed-ha-relay-0-starting", listen=False, sock=False)
+    not_ours, _ = relay_dir("something-else", listen=False)
+    try:
+        assert remove_stale(str(tmp_path)) == [str(gone)]
+    finally:
+        s.close()
+    assert not gone.exists() and live.exists() and other.exists() and starting.exists() and not_ours.exists()
