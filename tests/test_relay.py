@@ -9,9 +9,13 @@ checks are test_control's fixtures.
 """
 
 import os
+import pathlib
+import shutil
 import stat
+import tempfile
 import time
 
+import pytest
 import zmq
 
 from mindspeed_ha import env as ha_env
@@ -21,6 +25,15 @@ from mindspeed_ha.control.relay import NodeRelay, usable_socket
 from mindspeed_ha.control.state import Layout, Phase
 
 from test_control import CFG, KEY, WORLD, Job, assert_dying_checkpoint, closing, no_leaks  # noqa: F401
+
+
+@pytest.fixture
+def short_tmp():
+    """A fresh directory with a short path: a socket's path must fit AF_UNIX's 108 bytes,
+    which pytest's tmp_path under xdist does not leave room for."""
+    d = tempfile.mkdtemp(prefix="msha-", dir="/tmp")
+    yield pathlib.Path(d)
+    shutil.rmtree(d, ignore_errors=True)  # made by mkdtemp above: ours
 
 
 def _relay(stack, monkeypatch, port, tmp_path):
@@ -47,8 +60,8 @@ def _relayed_job(stack, monkeypatch, tmp_path):
     return j
 
 
-def test_ranks_register_and_die_through_the_relay(closing, monkeypatch, tmp_path):
-    j = _relayed_job(closing, monkeypatch, tmp_path)
+def test_ranks_register_and_die_through_the_relay(closing, monkeypatch, short_tmp):
+    j = _relayed_job(closing, monkeypatch, short_tmp)
     for r, p in enumerate(j.procs):
         assert p.link.relay == j.relay.path
         assert isinstance(j.ctl.server.ident[r], tuple), "rank registered on a connection of its own"
@@ -65,10 +78,10 @@ def test_ranks_register_and_die_through_the_relay(closing, monkeypatch, tmp_path
     assert j.relay.closes >= 1 and j.relay.down_frames >= 3
 
 
-def test_forged_frame_through_the_relay_is_rejected(closing, monkeypatch, tmp_path):
+def test_forged_frame_through_the_relay_is_rejected(closing, monkeypatch, short_tmp):
     ctl = Controller(CFG, 1, "127.0.0.1", 0, tick_s=0.01).start()
     closing.callback(ctl.stop)
-    relay = _relay(closing, monkeypatch, ctl.port, tmp_path)
+    relay = _relay(closing, monkeypatch, ctl.port, short_tmp)
     ctx = zmq.Context()
     raw = ctx.socket(zmq.DEALER)
     closing.callback(wire.close_all, ctx, raw)
@@ -86,8 +99,8 @@ def test_forged_frame_through_the_relay_is_rejected(closing, monkeypatch, tmp_pa
     assert isinstance(ctl.server.ident[0], tuple)
 
 
-def test_the_relay_socket_is_private(closing, tmp_path):
-    relay = NodeRelay(CFG.max_message_bytes, KEY, "127.0.0.1", 1, 0, directory=str(tmp_path)).open()
+def test_the_relay_socket_is_private(closing, short_tmp):
+    relay = NodeRelay(CFG.max_message_bytes, KEY, "127.0.0.1", 1, 0, directory=str(short_tmp)).open()
     closing.callback(relay.close)
     assert stat.S_IMODE(os.stat(relay.dir).st_mode) == 0o700
     assert stat.S_IMODE(os.stat(relay.path).st_mode) == 0o600 and stat.S_ISSOCK(os.stat(relay.path).st_mode)
@@ -95,7 +108,7 @@ def test_the_relay_socket_is_private(closing, tmp_path):
     os.chmod(relay.dir, 0o755)  # a directory others can enter: the rank connects directly instead
     assert not usable_socket(relay.path)
     os.chmod(relay.dir, 0o700)
-    plain = tmp_path / "plain"
+    plain = short_tmp / "plain"
     plain.write_bytes(b"")
     assert not usable_socket(str(plain)) and not usable_socket(None) and not usable_socket("0")
     d = relay.dir
@@ -103,8 +116,8 @@ def test_the_relay_socket_is_private(closing, tmp_path):
     assert not os.path.exists(d)
 
 
-def test_ranks_go_direct_when_their_relay_is_gone(closing, monkeypatch, tmp_path):
-    j = _relayed_job(closing, monkeypatch, tmp_path)
+def test_ranks_go_direct_when_their_relay_is_gone(closing, monkeypatch, short_tmp):
+    j = _relayed_job(closing, monkeypatch, short_tmp)
     j.step(1)
     j.relay.close()  # the launcher's relay ends: every rank connects directly and registers again
     _wait(lambda: all(type(j.ctl.server.ident.get(r)) is bytes and j.procs[r].link.registered.is_set()
@@ -128,7 +141,7 @@ def test_register_resend_waits_longer_in_a_larger_job():
     assert [b.next_delay() for _ in range(3)] == [4.0, 8.0, 8.0]
 
 
-def test_a_gone_relays_directory_is_removed_and_nothing_else(tmp_path):
+def test_a_gone_relays_directory_is_removed_and_nothing_else(short_tmp):
     """A SIGKILLed launcher leaves its relay's directory (its socket file, nobody listening):
     the next relay removes it; a live relay's, one with another file in it, and one whose
     socket is not there yet are left alone."""
@@ -137,7 +150,7 @@ def test_a_gone_relays_directory_is_removed_and_nothing_else(tmp_path):
     from mindspeed_ha.control.relay import remove_stale
 
     def relay_dir(name, listen, extra=False, sock=True):
-        d = tmp_path / name
+        d = short_tmp / name
         d.mkdir(mode=0o700)
         s = None
         if sock:
@@ -157,7 +170,19 @@ def test_a_gone_relays_directory_is_removed_and_nothing_else(tmp_path):
     starting, _ = relay_dir("mindspeed-ha-relay-0-starting", listen=False, sock=False)
     not_ours, _ = relay_dir("something-else", listen=False)
     try:
-        assert remove_stale(str(tmp_path)) == [str(gone)]
+        assert remove_stale(str(short_tmp)) == [str(gone)]
     finally:
         s.close()
     assert not gone.exists() and live.exists() and other.exists() and starting.exists() and not_ours.exists()
+
+
+def test_a_socket_path_too_long_for_af_unix_moves_to_tmp(tmp_path):
+    """A deep TMPDIR (pytest's own under xdist is one) would make the socket's path longer
+    than AF_UNIX takes: the relay's directory goes to /tmp instead."""
+    from mindspeed_ha.control.relay import MAX_SOCKET_PATH, socket_base
+
+    deep = tmp_path / ("d" * 60)
+    deep.mkdir()
+    assert len(str(deep)) + len("/mindspeed-ha-relay-0-xxxxxxxx/relay.sock") > MAX_SOCKET_PATH
+    assert socket_base(str(deep), 0) == "/tmp"
+    assert socket_base("/tmp", 0) == "/tmp"

@@ -59,6 +59,29 @@ MAX_LOCAL_PER_TURN = 4 * RELAY_BATCH
 LEASE_POLL_S = 0.25
 #: poll timeout of the relay's thread, ms (how soon it sees :meth:`NodeRelay.close`)
 POLL_MS = 100
+#: the longest socket path AF_UNIX takes on Linux (``sizeof(sockaddr_un.sun_path)`` - 1, bytes)
+MAX_SOCKET_PATH = 107
+
+
+def socket_base(directory: Optional[str], node_rank: int) -> str:
+    """Where a relay makes its directory: ``directory`` (default: the system's temp dir,
+    i.e. ``TMPDIR``), or ``/tmp`` when the socket's path there would not fit AF_UNIX's
+    :data:`MAX_SOCKET_PATH` bytes (a deep ``TMPDIR``); logged.
+
+    Raises:
+        OSError: neither fits (the workers then connect to the controller directly).
+    """
+    first = directory or tempfile.gettempdir()
+    for base in (first, "/tmp"):
+        path = os.path.join(base, f"mindspeed-ha-relay-{node_rank}-xxxxxxxx", SOCKET_NAME)
+        if len(os.fsencode(path)) <= MAX_SOCKET_PATH:
+            if base != first:
+                log.info("relay: %s is too deep for a socket path (%d bytes > %d); using %s", first,
+                         len(os.fsencode(os.path.join(first, os.path.basename(os.path.dirname(path)), SOCKET_NAME))),
+                         MAX_SOCKET_PATH, base)
+            return base
+    raise OSError(f"relay: no directory short enough for a socket path of at most {MAX_SOCKET_PATH} bytes "
+                  f"({first!r} and /tmp)")
 
 
 def usable_socket(path: Optional[str]) -> bool:
@@ -158,8 +181,9 @@ class NodeRelay:
     def open(self) -> "NodeRelay":
         """Make the directory (0700) and the sockets, start the thread; a failure closes
         what was made and raises (zmq.ZMQError, OSError)."""
-        remove_stale(self.directory)
-        self.dir = tempfile.mkdtemp(prefix=f"mindspeed-ha-relay-{self.node_rank}-", dir=self.directory)
+        base = socket_base(self.directory, self.node_rank)
+        remove_stale(base)
+        self.dir = tempfile.mkdtemp(prefix=f"mindspeed-ha-relay-{self.node_rank}-", dir=base)
         self.path = os.path.join(self.dir, SOCKET_NAME)
         ctx = zmq.Context()
         try:
