@@ -26,7 +26,7 @@ import signal
 import subprocess
 import sys
 import threading
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from mindspeed_ha import env as ha_env
 from mindspeed_ha.control import operator
@@ -65,7 +65,9 @@ def job_args(loss_log: str, train_iters: int = TRAIN_ITERS, extra: Sequence[str]
             "--loss-log", loss_log, *extra]
 
 
-class _Op:
+class Operator:
+    """The operator channel of a running job (``job``: its launcher, whose end stops a wait)."""
+
     def __init__(self, port: int, key: bytes, job: subprocess.Popen):
         self.target, self.key, self.job = operator.Target("127.0.0.1", port), key, job
         self.pause = threading.Event()  # never set: its wait() is the poll interval
@@ -102,7 +104,7 @@ def _ready_for_next(s: Dict[str, Any], after: int) -> bool:
             and not s.get("switching") and min(_iterations(s)) >= after)
 
 
-def _switch_killing_the_spare(op: _Op, rank: int) -> Dict[str, Any]:
+def _switch_killing_the_spare(op: Operator, rank: int) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     t = threading.Thread(target=lambda: out.setdefault("reply", op("switch", params={"ranks": [rank]})), daemon=True)
     t.start()
@@ -114,7 +116,7 @@ def _switch_killing_the_spare(op: _Op, rank: int) -> Dict[str, Any]:
     return {"killed_pid": pid, **_reply(out["reply"])}
 
 
-def _switch_by_the_controller(op: _Op, rank: int, release: str) -> Dict[str, Any]:
+def _switch_by_the_controller(op: Operator, rank: int, release: str) -> Dict[str, Any]:
     open(release, "w").close()
     ended = ("done", "aborted", "failed")
     s = op.status_until(lambda s: any(w["ranks"] == [rank] and w["phase"] in ended for w in s["switches"]),
@@ -135,10 +137,14 @@ def _metrics(events_file: str) -> Dict[Any, float]:
                 for f in text_string_to_metric_families(resp.read().decode()) for m in f.samples}
 
 
-def _switch_while_held(op: _Op, rank: int, held: int, release: str, events_file: str,
-                       metrics: Dict[Any, float]) -> Dict[str, Any]:
-    op.status_until(lambda s: _ready_for_next(s, held), f"every rank past iteration {held}, a warm spare parked")
-    metrics.update(_metrics(events_file))
+def switch_while_held(op: Operator, rank: int, release: str, ready: Callable[[Dict[str, Any]], bool],
+                      at_hold: Optional[Callable[[], None]] = None) -> Dict[str, Any]:
+    """Wait until ``ready(status)`` (the job held by a ``fault=hold``), call ``at_hold``, ask
+    the switch of ``rank``, create ``release`` once the job is pausing for it (or the switch
+    ended; whatever happens), and return the reply (code, detail, result)."""
+    op.status_until(ready, f"the job held, the spare for rank {rank} parked")
+    if at_hold is not None:
+        at_hold()
     out: Dict[str, Any] = {}
     t = threading.Thread(target=lambda: out.setdefault("reply", op("switch", params={"ranks": [rank]})), daemon=True)
     t.start()
@@ -171,7 +177,7 @@ def run(workdir: str, schedule: Sequence[str], train_iters: int = TRAIN_ITERS, e
     with open(out_path, "w") as out:
         job = subprocess.Popen(cmd, env=run_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        op = _Op(port, key, job)
+        op = Operator(port, key, job)
         # a "detector:R" schedule's job holds after iteration 1 until that entry releases it
         first = 1 if schedule and schedule[0].startswith("detector:") else 2
         s = op.status_until(lambda s: _ready_for_next(s, first), "every rank training, a warm spare parked")
@@ -181,8 +187,9 @@ def run(workdir: str, schedule: Sequence[str], train_iters: int = TRAIN_ITERS, e
                 replies.append(dict(entry=entry, **_switch_by_the_controller(op, int(entry[9:]), release)))
             elif entry.startswith("held:"):
                 rank, _, held = entry[5:].partition("@")
-                replies.append(dict(entry=entry, **_switch_while_held(op, int(rank), int(held), release, events_file,
-                                                                      metrics)))
+                replies.append(dict(entry=entry, **switch_while_held(
+                    op, int(rank), release, lambda s, k=int(held): _ready_for_next(s, k),
+                    lambda: metrics.update(_metrics(events_file)))))
             elif entry.startswith("kill:"):
                 replies.append(dict(entry=entry, **_switch_killing_the_spare(op, int(entry[5:]))))
             elif entry == "node":
@@ -220,7 +227,7 @@ def baseline(workdir: str, train_iters: int = TRAIN_ITERS, extra_args: Sequence[
                   env={ha_env.TTP_PORT: str(free_port())})
 
 
-__all__ = ["SwitchRun", "TRAIN_ITERS", "baseline", "job_args", "run"]
+__all__ = ["Operator", "SwitchRun", "TRAIN_ITERS", "baseline", "job_args", "run", "switch_while_held"]
 
 
 if __name__ == "__main__":  # pragma: no cover - a manual run
