@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from mindspeed_ha import env as ha_env
 from mindspeed_ha.control import operator
-from mindspeed_ha.testing.harness import TRAINER_MODULE, free_port, launcher_command, losses_from_log, \
+from mindspeed_ha.testing.harness import TRAINER_MODULE, _end_run, free_port, launcher_command, losses_from_log, \
     read_loss_log, tiny_gpt_args
 
 #: long enough for three switches on two loaded cores (the job then trains to the end)
@@ -204,8 +204,8 @@ def run(workdir: str, schedule: Sequence[str], train_iters: int = TRAIN_ITERS, e
     finally:
         if os.path.exists(release):
             os.unlink(release)
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
+        if job.poll() is None:  # the launcher and every process under it (workers have sessions of their own)
+            _end_run(job.pid)
             job.wait()
     with open(out_path) as f:
         output = f.read()
