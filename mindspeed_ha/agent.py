@@ -367,20 +367,27 @@ class WorkerRebootAgent(LocalElasticAgent):
         """Every monitor turn (hot switch, what ``hooks.switch_wanted`` says per rank): start
         the new processes asked for, report those that died, end those no longer wanted, and
         put a committed one in its old process's place once that one exited 0 (not a restart:
-        no restart is counted, only the PID changes)."""
+        no restart is counted, only the PID changes), also when the new one has already ended
+        its training with exit 0."""
         pc = self._pcontext
         wanted = self.hooks.switch_wanted()
         for local_rank, (handler, n, env, stdout, stderr, error_file) in sorted(self._incoming.items()):
             worker = worker_group.workers[local_rank]
             want, code = wanted.get(worker.global_rank), handler.proc.poll()
-            if code is not None or want is None:
+            old_code = pc.subprocess_handlers[local_rank].proc.poll()
+            # a switch committed in the last iterations: the new process may end its training
+            # (exit 0) before this turn sees its old process's exit 0; it takes the place all the same
+            finished = want == "commit" and code == 0 and old_code in (None, 0)
+            if finished and old_code is None:
+                continue
+            if (code is not None and not finished) or want is None:
                 del self._incoming[local_rank]
                 self._end_spare(handler)
                 why = (f"its new process (pid {handler.proc.pid}) exited with {code}" if code is not None
                        else f"its new process (pid {handler.proc.pid}) was ended: the switch is over")
                 log.warning("hot switch of rank %d: %s", worker.global_rank, why)
                 self.hooks.switch_report("gone", worker.global_rank, why)
-            elif want == "commit" and pc.subprocess_handlers[local_rank].proc.poll() == 0:
+            elif want == "commit" and old_code == 0:
                 del self._incoming[local_rank]
                 old_pid, old = worker.id, pc.subprocess_handlers[local_rank]
                 try:  # what is left of its process group (e.g. data loader workers), and its log files

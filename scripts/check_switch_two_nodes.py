@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Hot switch of a rank of the node without the controller, by hand (not in CI: no two-node
-job of the suite runs long enough for a spare to start).
+"""Hot switch of a rank of the node without the controller, by hand, in a longer job than CI's
+(CI: ``tests/test_two_nodes.py``, the stale-lease job, rank 3 switched while rank 0 holds).
 
 Two ``mindspeed-ha-run`` launchers on loopback (tests' ``TwoNodeJob``: TP2 PP1 DP2, the
 controller in node 0's launcher, ``--enable-worker-reboot``, ``MINDSPEED_HA_WARM_SPARES=1``

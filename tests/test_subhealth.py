@@ -523,7 +523,8 @@ def test_controller_action_check_reaches_the_operators_verb_with_the_rank(monkey
     j.run(3.0)
     j.pace[3] = 0.3
     j.run(5.0)
-    assert calls == [("check", {"ranks": [3]}, "internal-1")]
+    assert [(v, p["ranks"], rid) for v, p, rid in calls] == [("check", [3], "internal-1")]
+    assert calls[0][1]["reason"].startswith("sub-health: rank 3: step "), calls  # SwitchRequested's reason
     (e,) = j.events("Subhealth")
     assert e.detail["detail"]["outcome"] == "code 0: check of rank(s) queued (request internal-1)"
     assert j.ctl.operators.requests["internal-1"][0] == "check"

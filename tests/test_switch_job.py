@@ -18,6 +18,18 @@ switches through the operator channel (mindspeed_ha/testing/switch_job.py):
 The job ends with exit 0; after each switch only the switched ranks' PIDs changed, to their
 new processes'; the per-iteration losses and grad norms are bitwise equal to an
 uninterrupted run of the same seed.
+
+A second job, with the default distributed optimizer (2 replica instances) and the
+sub-health detector on (``--ha-subhealth``, 1 s windows, 3 of them to flag, action
+``switch``): rank 3's first process holds after iteration 1 until the driver sees a warm
+spare parked (so that the detector cannot flag before a spare exists), then sleeps 0.5 s per
+iteration; the detector flags it and the controller switches it to the spare by itself (no
+operator request); rank 3's new process is not slowed (the flag clears). Rank 0's first
+process holds after iteration :data:`HELD` (the job cannot end before the next spare has
+started): the driver takes the metrics there, then an operator ``switch --ranks 0``. Exit 0,
+only the switched PIDs changed, the Subhealth / Switch* events and the metrics record it, and
+the losses are bitwise those of the same uninterrupted run (replicas or none: the same
+numbers, tests/test_replica_equivalence.py), which both jobs share.
 """
 
 import pytest
@@ -31,9 +43,32 @@ NO_REPLICA = ["--distributed-optimizer-no-replica"]
 #: the numbers): the four switches take about 80 s on two idle cores (the whole node's: three
 #: cold starts, 35 s), training must not end before them (rank 3's new process trains at full pace)
 SLOW = "rank=3,iteration=1,point=between,fault=slow,sleep=0.3"
+#: the detector's job: see the module doc
+HELD = 60
+DETECTOR_INJECT = ";".join(("rank=3,iteration=1,point=between,fault=hold",
+                            "rank=3,iteration=1,point=between,fault=slow,sleep=0.5",
+                            f"rank=0,iteration={HELD},point=between,fault=hold"))
+DETECTOR_WINDOWS = 3
+DETECTOR_ARGS = ["--ha-subhealth", "--ha-subhealth-window", "1.0", "--ha-subhealth-windows", str(DETECTOR_WINDOWS),
+                 "--ha-subhealth-action", "switch", "--ha-metrics-port", "0"]
 
 
-def test_switch_rank_1_then_rank_0_then_a_spare_killed_before_the_commit_point_then_the_whole_node(tmp_path):
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    """The uninterrupted run both jobs are compared with (one per module: ``--dist loadfile``)."""
+    base = switch_job.baseline(str(tmp_path_factory.mktemp("baseline")), extra_args=NO_REPLICA)
+    assert base.returncode == 0, base.stderr[-4000:]
+    norms = {int(r["iteration"]): r["grad_norm"] for r in read_loss_log(base.loss_log_path)}
+    assert sorted(base.losses) == list(range(1, switch_job.TRAIN_ITERS + 1)) and len(norms) == switch_job.TRAIN_ITERS
+    return base.losses, norms
+
+
+def _changed(before, after):
+    return [r for r, (a, b) in enumerate(zip(before, after)) if a != b]
+
+
+def test_switch_rank_1_then_rank_0_then_a_spare_killed_before_the_commit_point_then_the_whole_node(tmp_path,
+                                                                                                  baseline):
     run = switch_job.run(str(tmp_path), ["1", "0", "kill:2", "node"], extra_args=NO_REPLICA,
                          env={"MINDSPEED_HA_INJECT": SLOW})
     assert run.returncode == 0, run.output[-6000:]
@@ -62,9 +97,42 @@ def test_switch_rank_1_then_rank_0_then_a_spare_killed_before_the_commit_point_t
     print("phase seconds", [e["phase_seconds"] for e in finished])
     assert not [e for e in run.events if e["type"] in ("WorkerRestarted", "FaultDetected", "RecoveryStarted")]
 
-    base = switch_job.baseline(str(tmp_path), extra_args=NO_REPLICA)
-    assert base.returncode == 0, base.stderr[-4000:]
-    assert sorted(run.losses) == list(range(1, switch_job.TRAIN_ITERS + 1))
-    assert run.losses == base.losses
-    base_norms = {int(r["iteration"]): r["grad_norm"] for r in read_loss_log(base.loss_log_path)}
-    assert run.grad_norms == base_norms and len(base_norms) == switch_job.TRAIN_ITERS
+    assert not [e for e in run.events if e["type"].startswith("Subhealth")]  # the detector is off here
+    assert run.losses == baseline[0] and run.grad_norms == baseline[1]
+
+
+def test_the_detector_switches_a_slowed_rank_by_itself_then_the_operator_rank_0_with_replicas(tmp_path, baseline):
+    run = switch_job.run(str(tmp_path), ["detector:3", f"held:0@{HELD}"], extra_args=DETECTOR_ARGS,
+                         env={"MINDSPEED_HA_INJECT": DETECTOR_INJECT})
+    assert run.returncode == 0, run.output[-6000:]
+    by_detector, by_operator = run.replies
+    for done, moved, after in ((by_detector, [3], run.pids_each[0]), (by_operator, [0], run.pids_each[1])):
+        assert done["code"] == 0 and done["result"]["phase"] == "done" and done["result"]["ranks"] == moved, done
+        assert {"spare_ready", "pause", "rebuild", "transfer", "pause_window"} <= set(done["result"]["phase_seconds"])
+        assert after[moved[0]] == int(done["result"]["spares"][str(moved[0])]), (done, after)
+    assert _changed(run.pids_before, run.pids_each[0]) == [3], (run.pids_before, run.pids_each)
+    assert _changed(run.pids_each[0], run.pids_each[1]) == [0], run.pids_each
+    assert "switched out with exit 0" in run.output and "restarted alone as pid" not in run.output
+
+    sub = [e for e in run.events if e["type"].startswith("Subhealth")]
+    flagged = sub[0]["detail"]
+    assert sub[0]["type"] == "Subhealth" and sub[0]["ranks"] == [3] and flagged["signal"] == "step", sub
+    assert flagged["windows"] == DETECTOR_WINDOWS and flagged["action"] == "switch", flagged
+    assert "under way" in flagged["outcome"] or flagged["outcome"].startswith("code 0"), flagged
+    # rank 3's new process is not slowed: the flag clears; nothing else is flagged
+    assert [(e["type"], e["ranks"]) for e in sub] == [("Subhealth", [3]), ("SubhealthCleared", [3])], sub
+    switch_events = [e for e in run.events if e["type"].startswith("Switch")]
+    assert [e["type"] for e in switch_events] == ["SwitchRequested", "SwitchReady", "SwitchFinished"] * 2
+    assert switch_events[0]["detail"]["request_id"].startswith("internal-"), switch_events[0]
+    assert switch_events[0]["reason"].startswith("sub-health: rank 3: step"), switch_events[0]
+    assert [e["ranks"] for e in switch_events if e["type"] == "SwitchFinished"] == [[3], [0]]
+    print("detector: flagged after", flagged["windows"], "windows; phase seconds",
+          [e["phase_seconds"] for e in switch_events if e["type"] == "SwitchFinished"])
+    assert not [e for e in run.events if e["type"] in ("WorkerRestarted", "FaultDetected", "RecoveryStarted")]
+    # the metrics, taken while rank 0 held after iteration HELD (after the detector's switch)
+    m = run.metrics
+    assert m[("mindspeed_ha_subhealth_flagged_total", (("signal", "step"),))] == 1, m
+    assert m[("mindspeed_ha_switches_total", (("outcome", "done"),))] == 1, m
+    assert m[("mindspeed_ha_events_total", (("type", "Subhealth"),))] == 1, m
+
+    assert run.losses == baseline[0] and run.grad_norms == baseline[1]

@@ -116,6 +116,21 @@ def test_the_verb_is_callable_inside_the_controller(job, closing):
     assert reply is not None and reply.code == REFUSED and "no spare" in reply.detail
 
 
+def test_the_controllers_own_switch_names_its_reason(job, closing):
+    """The sub-health detector's ``switch`` (operator_desk.internal_request): the switch
+    starts, its SwitchRequested event carries the detector's reason, not ``operator``."""
+    from mindspeed_ha.control.operator_desk import internal_request
+
+    j = _ready_job(job, closing)
+    with j.ctl._lock:
+        ok, detail = internal_request(j.ctl, j.ctl.clock(), "switch", [3], "sub-health: rank 3: step slow")
+    assert ok and detail == "switch under way (request internal-1)", detail
+    (requested,) = j.ctl.recorder.events("SwitchRequested")
+    assert list(requested.detail["ranks"]) == [3], requested
+    assert requested.detail["reason"] == "sub-health: rank 3: step slow", requested
+    _wait_for(lambda: j.ctl.operators.switches.current is None, what="the switch given up (no READY spare)")
+
+
 def test_a_whole_node_in_one_switch(job, closing, monkeypatch, capsys):
     """``switch --node HOST``: every rank registered from HOST in one switch (one pause, one
     plan); its one warm spare is enough (the other new processes start cold); an unknown

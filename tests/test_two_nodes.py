@@ -231,10 +231,19 @@ def test_split_brain_a_frozen_leader_steps_down_and_never_acts_again(tmp_path):
 def test_a_lease_left_by_an_earlier_run_is_not_taken_for_a_live_leader(tmp_path, baseline):
     """The same job run again (same key) finds the lease directory of a run that ended
     without clearing it (term 5, a stale roster): node 0 waits to see it is dead, leads
-    term 6, node 1's standby never succeeds the dead term, and no rank starts as a rejoin."""
-    from mindspeed_ha.control.lease import LeaseDir, Term, lease_dir
+    term 6, node 1's standby never succeeds the dead term, and no rank starts as a rejoin.
 
-    env = _failover_env(tmp_path)
+    The same job carries the hot switch of a rank of the node without the controller
+    (issue 18; ``MINDSPEED_HA_WARM_SPARES=1`` on both nodes): rank 0 holds after iteration
+    ITERS - 2 (``fault=hold``; the pause comes after the next one, K = ITERS - 1) until both
+    nodes reported a warm spare and the switch of rank 3 is pausing the job; node 1's agent starts the new process from its spare (SWITCH_VIEW
+    over its agent link), rank 3's old process hands over and exits 0, nothing restarts."""
+    from mindspeed_ha.control.lease import LeaseDir, Term, lease_dir
+    from mindspeed_ha.testing import switch_job
+
+    release = str(tmp_path / "release")
+    env = dict(_failover_env(tmp_path), MINDSPEED_HA_WARM_SPARES="1", MINDSPEED_HA_INJECT_RELEASE=release,
+               MINDSPEED_HA_INJECT=f"rank=0,iteration={ITERS - 2},point=between,fault=hold")
     with TwoNodeJob(_two_node_args(), env=env) as job:
         key = bytes.fromhex(job.env["MINDSPEED_HA_AUTH_KEY"])
         stale = LeaseDir(lease_dir(os.path.abspath(env["MINDSPEED_HA_LEASE_ROOT"]), key), key)
@@ -242,9 +251,29 @@ def test_a_lease_left_by_an_earlier_run_is_not_taken_for_a_live_leader(tmp_path,
         stale.renew(5, 42)
         stale.write_roster({"ranks": {"0": {"layout": {}, "pid": 1, "host": "gone"}}, "recoveries": []})
         n0, n1 = job.start(0), job.start(1)
+        try:
+            op = switch_job.Operator(job.controller_port, key, n0)
+            held = {}
+
+            def ready(s):  # rank 0 held after ITERS - 2, a warm spare parked on each node
+                ok = s["by_state"]["healthy"] == [0, 1, 2, 3] and min(
+                    r.get("iteration") or -1 for r in s["ranks"]) >= ITERS - 2 and len(
+                    {sp.get("node") for sp in s.get("spares") or ()}) == 2
+                if ok:
+                    held.update(pids=[r["pid"] for r in s["ranks"]])
+                return ok
+
+            reply = switch_job.switch_while_held(op, 3, release, ready)
+        finally:
+            open(release, "w").close()
         c0, c1 = job.wait(n0, 480), job.wait(n1, 60)
         log = job.output(0)[-6000:] + "\n----- node 1 -----\n" + job.output(1)[-6000:]
         assert (c0, c1) == (0, 0), log
+        assert reply["code"] == 0 and reply["result"]["phase"] == "done" and reply["result"]["ranks"] == [3], reply
+        new_pid = int(reply["result"]["spares"]["3"])
+        assert new_pid not in held["pids"] and f"moved from pids [{held['pids'][3]}] to [{new_pid}]" in reply["detail"]
+        assert "switched out with exit 0" in job.output(1) and "restarted alone as pid" not in job.output(0) + job.output(1)
+        print("two-node switch phase seconds", reply["result"]["phase_seconds"])
         assert "this launcher (node 0) leads term 6" in job.output(0), log
         assert "leads term" not in job.output(1) and "incarnations [0, 0]" in job.output(0) + job.output(1), log
         assert job.losses() == baseline

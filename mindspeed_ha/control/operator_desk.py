@@ -272,8 +272,8 @@ def internal_request(ctl: "Controller", now: float, verb: str, ranks: Any, reaso
     ranks = [int(r) for r in ranks]
     desk = ctl.operators
     desk.internal += 1
-    rid = f"internal-{desk.internal}"
-    reply = fn(ctl, now, wire.OperatorRequest(request_id=rid, verb=verb, params={"ranks": ranks}))
+    rid = f"{switch_desk.INTERNAL_REQUEST}{desk.internal}"
+    reply = fn(ctl, now, wire.OperatorRequest(request_id=rid, verb=verb, params={"ranks": ranks, "reason": reason}))
     desk.requests[rid] = (verb, reply, [])
     log.warning("controller: %s of ranks %s requested by itself (%s)%s", verb, ranks, reason,
                 "" if reply is None else f": code {reply.code} {reply.detail}")

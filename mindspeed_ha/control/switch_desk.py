@@ -53,6 +53,8 @@ log = logging.getLogger("mindspeed_ha.control.controller")
 
 #: reply codes (as :mod:`.operator_desk`'s)
 DONE, FAILED, REFUSED = 0, 1, 4
+#: request ids of the controller's own requests start so (:func:`.operator_desk.internal_request`)
+INTERNAL_REQUEST = "internal-"
 #: ended switches kept for ``status``
 KEEP_SWITCHES = 5
 #: seconds between two SWITCH_VIEW of the same content to another node's agent (while not empty)
@@ -113,10 +115,12 @@ class SwitchDesk:
 
     # ------------------------------------------------------------------ inputs
     def request(self, ctl: "Controller", now: float, request_id: str, ranks: Sequence[int],
-                node: Optional[str] = None) -> Optional[wire.OperatorReply]:
+                node: Optional[str] = None, requested_by: str = "operator") -> Optional[wire.OperatorReply]:
         """A switch of ``ranks``, or of every rank registered from host ``node`` (``--node``:
         one switch, one pause, every group rebuilt once): the refusal (REFUSED, nothing else
-        happens), or None (the reply comes with the switch's end, from :meth:`settle`)."""
+        happens), or None (the reply comes with the switch's end, from :meth:`settle`).
+        ``requested_by``: the SwitchRequested event's ``reason`` (``operator``, or the
+        controller's own reason, e.g. the sub-health detector's flag)."""
         ranks = [int(r) for r in ranks]
         if node is not None:
             if ranks:
@@ -136,7 +140,7 @@ class SwitchDesk:
         with self._mail:
             self._reports = []
             self._agent_view.update({r: "start" for r in sw.ranks})
-        job_events.note(ctl.recorder, "SwitchRequested", None, ranks=sw.ranks, reason="operator",
+        job_events.note(ctl.recorder, "SwitchRequested", None, ranks=sw.ranks, reason=requested_by,
                         request_id=request_id, **({"node": str(node)} if node is not None else {}))
         log.warning("operator: hot switch of ranks %s: new processes starting (training goes on)", list(sw.ranks))
         return None
@@ -478,10 +482,14 @@ def spares_listed(ctl: "Controller") -> Optional[List[Dict[str, Any]]]:
 
 def request(ctl: "Controller", now: float, body: wire.OperatorRequest) -> Optional[wire.OperatorReply]:
     """The ``switch`` verb (:data:`.operator_desk.VERBS`): ``body.params["ranks"]`` (or every
-    rank registered from host ``body.params["node"]``) to new processes."""
+    rank registered from host ``body.params["node"]``) to new processes; the controller's
+    own request (:func:`.operator_desk.internal_request`) gives its reason in
+    ``body.params["reason"]``."""
     node = body.params.get("node")
+    internal = body.request_id.startswith(INTERNAL_REQUEST)
+    by = str(body.params.get("reason") or "controller") if internal else "operator"
     return ctl.operators.switches.request(ctl, now, body.request_id, list(body.params.get("ranks") or ()),
-                                          None if node is None else str(node))
+                                          None if node is None else str(node), by)
 
 
 __all__ = ["Incoming", "SwitchDesk", "describe", "node_of", "request", "spares_by_node", "spares_listed"]

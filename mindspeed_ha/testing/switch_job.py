@@ -5,9 +5,16 @@ of hot switches, driven through the operator channel: ``tests/test_switch_job.py
 Schedule entries: ``"R"`` switches rank R (expects code 0); ``"node"`` switches every rank
 of the job's one host (``switch --node HOST``); ``"kill:R"`` switches rank R and
 SIGKILLs its new process as soon as the agent reports its pid (expects code 1: abandoned
-before the commit point, training goes on on the old ranks). Between entries the driver
-waits for a warm spare to be parked again and for two more iterations. Synchronisation is
-on the job's observable state (``status``), never on time.
+before the commit point, training goes on on the old ranks); ``"detector:R"`` sends no
+request: it creates the hold release file (``MINDSPEED_HA_INJECT_RELEASE``, always set to
+``<workdir>/release``: the job's ``fault=hold`` waits for it) and waits for the switch of
+rank R that the controller asked itself (the sub-health detector's ``switch`` action), then
+removes the file again; ``"held:R@H"`` waits until every rank has completed iteration H (a
+``fault=hold`` after H keeps the job there), takes the metrics (``--ha-metrics-port``), asks
+the switch of rank R and creates the release file once the job is pausing for it (or the
+switch ended). Between entries the driver waits for a warm spare to be parked again and for
+two more iterations. Synchronisation is on the job's observable state (``status``, files),
+never on time.
 """
 
 from __future__ import annotations
@@ -19,11 +26,11 @@ import signal
 import subprocess
 import sys
 import threading
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from mindspeed_ha import env as ha_env
 from mindspeed_ha.control import operator
-from mindspeed_ha.testing.harness import TRAINER_MODULE, free_port, launcher_command, losses_from_log, \
+from mindspeed_ha.testing.harness import TRAINER_MODULE, _end_run, free_port, launcher_command, losses_from_log, \
     read_loss_log, tiny_gpt_args
 
 #: long enough for three switches on two loaded cores (the job then trains to the end)
@@ -48,6 +55,8 @@ class SwitchRun:
     grad_norms: Dict[int, Any]
     output: str
     events: List[Dict[str, Any]]
+    #: the metrics (``(name, sorted labels) -> value``) a ``"held:R@H"`` entry took, else empty
+    metrics: Dict[Any, float] = dataclasses.field(default_factory=dict)
 
 
 def job_args(loss_log: str, train_iters: int = TRAIN_ITERS, extra: Sequence[str] = ()) -> List[str]:
@@ -56,7 +65,9 @@ def job_args(loss_log: str, train_iters: int = TRAIN_ITERS, extra: Sequence[str]
             "--loss-log", loss_log, *extra]
 
 
-class _Op:
+class Operator:
+    """The operator channel of a running job (``job``: its launcher, whose end stops a wait)."""
+
     def __init__(self, port: int, key: bytes, job: subprocess.Popen):
         self.target, self.key, self.job = operator.Target("127.0.0.1", port), key, job
         self.pause = threading.Event()  # never set: its wait() is the poll interval
@@ -93,7 +104,7 @@ def _ready_for_next(s: Dict[str, Any], after: int) -> bool:
             and not s.get("switching") and min(_iterations(s)) >= after)
 
 
-def _switch_killing_the_spare(op: _Op, rank: int) -> Dict[str, Any]:
+def _switch_killing_the_spare(op: Operator, rank: int) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     t = threading.Thread(target=lambda: out.setdefault("reply", op("switch", params={"ranks": [rank]})), daemon=True)
     t.start()
@@ -103,6 +114,46 @@ def _switch_killing_the_spare(op: _Op, rank: int) -> Dict[str, Any]:
     os.kill(pid, signal.SIGKILL)
     t.join()
     return {"killed_pid": pid, **_reply(out["reply"])}
+
+
+def _switch_by_the_controller(op: Operator, rank: int, release: str) -> Dict[str, Any]:
+    open(release, "w").close()
+    ended = ("done", "aborted", "failed")
+    s = op.status_until(lambda s: any(w["ranks"] == [rank] and w["phase"] in ended for w in s["switches"]),
+                        f"the controller's own switch of rank {rank}")
+    os.unlink(release)  # rank R's old process is past its hold: it handed over or went on
+    sw = [w for w in s["switches"] if w["ranks"] == [rank] and w["phase"] in ended][-1]
+    return {"code": 0 if sw["phase"] == "done" else 1, "detail": sw["reason"], "result": sw}
+
+
+def _metrics(events_file: str) -> Dict[Any, float]:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url = [e for e in read_loss_log(events_file) if e["type"] == "ControllerStarted"][-1]["detail"]["metrics_url"]
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        return {(m.name, tuple(sorted(m.labels.items()))): m.value
+                for f in text_string_to_metric_families(resp.read().decode()) for m in f.samples}
+
+
+def switch_while_held(op: Operator, rank: int, release: str, ready: Callable[[Dict[str, Any]], bool],
+                      at_hold: Optional[Callable[[], None]] = None) -> Dict[str, Any]:
+    """Wait until ``ready(status)`` (the job held by a ``fault=hold``), call ``at_hold``, ask
+    the switch of ``rank``, create ``release`` once the job is pausing for it (or the switch
+    ended; whatever happens), and return the reply (code, detail, result)."""
+    op.status_until(ready, f"the job held, the spare for rank {rank} parked")
+    if at_hold is not None:
+        at_hold()
+    out: Dict[str, Any] = {}
+    t = threading.Thread(target=lambda: out.setdefault("reply", op("switch", params={"ranks": [rank]})), daemon=True)
+    t.start()
+    try:
+        op.status_until(lambda s: s["phase"] in ("pausing", "paused") or "reply" in out, "the switch's pause")
+    finally:
+        open(release, "w").close()
+    t.join()
+    return _reply(out["reply"])
 
 
 def _reply(r) -> Dict[str, Any]:
@@ -116,6 +167,8 @@ def run(workdir: str, schedule: Sequence[str], train_iters: int = TRAIN_ITERS, e
     port, loss_log = free_port(), os.path.join(workdir, "loss.jsonl")
     run_env = dict(os.environ, OMP_NUM_THREADS="1", **{
         ha_env.TTP_PORT: str(port), ha_env.AUTH_KEY: key.hex(), ha_env.WARM_SPARES: "1"}, **(env or {}))
+    release = run_env[ha_env.INJECT_RELEASE] = os.path.join(workdir, "release")
+    metrics: Dict[Any, float] = {}
     events_file = os.path.join(workdir, "events.jsonl")
     cmd = [*launcher_command(4), "--log-dir", os.path.join(workdir, "torchrun"), "-m", TRAINER_MODULE,
            *job_args(loss_log, train_iters, extra_args), "--ha-events-file", events_file]
@@ -124,11 +177,20 @@ def run(workdir: str, schedule: Sequence[str], train_iters: int = TRAIN_ITERS, e
     with open(out_path, "w") as out:
         job = subprocess.Popen(cmd, env=run_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        op = _Op(port, key, job)
-        s = op.status_until(lambda s: _ready_for_next(s, 2), "every rank training, a warm spare parked")
+        op = Operator(port, key, job)
+        # a "detector:R" schedule's job holds after iteration 1 until that entry releases it
+        first = 1 if schedule and schedule[0].startswith("detector:") else 2
+        s = op.status_until(lambda s: _ready_for_next(s, first), "every rank training, a warm spare parked")
         pids_before, pids_each = [r["pid"] for r in s["ranks"]], []
         for entry in schedule:
-            if entry.startswith("kill:"):
+            if entry.startswith("detector:"):
+                replies.append(dict(entry=entry, **_switch_by_the_controller(op, int(entry[9:]), release)))
+            elif entry.startswith("held:"):
+                rank, _, held = entry[5:].partition("@")
+                replies.append(dict(entry=entry, **switch_while_held(
+                    op, int(rank), release, lambda s, k=int(held): _ready_for_next(s, k),
+                    lambda: metrics.update(_metrics(events_file)))))
+            elif entry.startswith("kill:"):
                 replies.append(dict(entry=entry, **_switch_killing_the_spare(op, int(entry[5:]))))
             elif entry == "node":
                 replies.append(dict(entry=entry, **_reply(op("switch", params={"node": s["ranks"][0]["host"]}))))
@@ -140,15 +202,17 @@ def run(workdir: str, schedule: Sequence[str], train_iters: int = TRAIN_ITERS, e
         pids_after = [r["pid"] for r in s["ranks"]]
         rc: Optional[int] = job.wait(timeout=timeout_s)
     finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
+        if os.path.exists(release):
+            os.unlink(release)
+        if job.poll() is None:  # the launcher and every process under it (workers have sessions of their own)
+            _end_run(job.pid)
             job.wait()
     with open(out_path) as f:
         output = f.read()
     records = read_loss_log(loss_log)
     events = read_loss_log(events_file)  # JSON lines too
     return SwitchRun(rc, replies, pids_before, pids_after, pids_each, losses_from_log(loss_log),
-                     {int(r["iteration"]): r["grad_norm"] for r in records}, output, events)
+                     {int(r["iteration"]): r["grad_norm"] for r in records}, output, events, metrics)
 
 
 def baseline(workdir: str, train_iters: int = TRAIN_ITERS, extra_args: Sequence[str] = (),
@@ -163,7 +227,7 @@ def baseline(workdir: str, train_iters: int = TRAIN_ITERS, extra_args: Sequence[
                   env={ha_env.TTP_PORT: str(free_port())})
 
 
-__all__ = ["SwitchRun", "TRAIN_ITERS", "baseline", "job_args", "run"]
+__all__ = ["Operator", "SwitchRun", "TRAIN_ITERS", "baseline", "job_args", "run", "switch_while_held"]
 
 
 if __name__ == "__main__":  # pragma: no cover - a manual run
