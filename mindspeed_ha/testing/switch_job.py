@@ -9,7 +9,7 @@ before the commit point, training goes on on the old ranks); ``"detector:R"`` se
 request: it creates the hold release file (``MINDSPEED_HA_INJECT_RELEASE``, always set to
 ``<workdir>/release``: the job's ``fault=hold`` waits for it) and waits for the switch of
 rank R that the controller asked itself (the sub-health detector's ``switch`` action), then
-removes the file again; ``"held:R@H"`` waits until every rank has completed iteration H (a
+removes the file again and takes the metrics (``--ha-metrics-port``); ``"held:R@H"`` waits until every rank has completed iteration H (a
 ``fault=hold`` after H keeps the job there), takes the metrics (``--ha-metrics-port``), asks
 the switch of rank R and creates the release file once the job is pausing for it (or the
 switch ended). Between entries the driver waits for a warm spare to be parked again and for
@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from mindspeed_ha import env as ha_env
 from mindspeed_ha.control import operator
-from mindspeed_ha.testing.harness import TRAINER_MODULE, _end_run, free_port, launcher_command, losses_from_log, \
+from mindspeed_ha.testing.harness import TRAINER_MODULE, end_run, free_port, launcher_command, losses_from_log, \
     read_loss_log, tiny_gpt_args
 
 #: long enough for three switches on two loaded cores (the job then trains to the end)
@@ -185,6 +185,7 @@ def run(workdir: str, schedule: Sequence[str], train_iters: int = TRAIN_ITERS, e
         for entry in schedule:
             if entry.startswith("detector:"):
                 replies.append(dict(entry=entry, **_switch_by_the_controller(op, int(entry[9:]), release)))
+                metrics.update(_metrics(events_file))  # training goes on: the controller still serves them
             elif entry.startswith("held:"):
                 rank, _, held = entry[5:].partition("@")
                 replies.append(dict(entry=entry, **switch_while_held(
@@ -205,7 +206,7 @@ def run(workdir: str, schedule: Sequence[str], train_iters: int = TRAIN_ITERS, e
         if os.path.exists(release):
             os.unlink(release)
         if job.poll() is None:  # the launcher and every process under it (workers have sessions of their own)
-            _end_run(job.pid)
+            end_run(job.pid)
             job.wait()
     with open(out_path) as f:
         output = f.read()
