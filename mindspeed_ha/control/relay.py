@@ -71,13 +71,14 @@ def socket_base(directory: Optional[str], node_rank: int) -> str:
     Raises:
         OSError: neither fits (the workers then connect to the controller directly).
     """
+    def length(base: str) -> int:  # bytes of the socket's path under ``base`` (mkdtemp adds 8 characters)
+        return len(os.fsencode(os.path.join(base, f"mindspeed-ha-relay-{node_rank}-xxxxxxxx", SOCKET_NAME)))
+
     first = directory or tempfile.gettempdir()
     for base in (first, "/tmp"):
-        path = os.path.join(base, f"mindspeed-ha-relay-{node_rank}-xxxxxxxx", SOCKET_NAME)
-        if len(os.fsencode(path)) <= MAX_SOCKET_PATH:
+        if length(base) <= MAX_SOCKET_PATH:
             if base != first:
-                log.info("relay: %s is too deep for a socket path (%d bytes > %d); using %s", first,
-                         len(os.fsencode(os.path.join(first, os.path.basename(os.path.dirname(path)), SOCKET_NAME))),
+                log.info("relay: %s is too deep for a socket path (%d bytes > %d); using %s", first, length(first),
                          MAX_SOCKET_PATH, base)
             return base
     raise OSError(f"relay: no directory short enough for a socket path of at most {MAX_SOCKET_PATH} bytes "
