@@ -75,7 +75,7 @@ class Sim:
     """The ranks of one simulator process."""
 
     def __init__(self, conn, sim_id: int, ranks: List[int], world: int, port: int, key: bytes, slow_s: float,
-                 save_dir: str, connect_rate: float = 0.0, per_node: int = 0):
+                 save_dir: str, connect_rate: float = 0.0, per_node: int = 0, merge: bool = True):
         from mindspeed_ha.control import auth, wire
         from mindspeed_ha.control import link as link_mod
 
@@ -93,6 +93,13 @@ class Sim:
         #: CURVE connection, as behind the node relay (control/relay.py): frames go up as
         #: [sub, frame, ...] per node and loop turn, a killed rank's close as [sub, b""]
         self.per_node = per_node
+        #: relayed and merged (the relay's default, wire schema 13): a rank's heartbeat is not a
+        #: frame but its sub named in its node's next NODE_BEAT, one per node and STEP_S
+        self.merge = bool(per_node) and merge
+        self.heard: Dict[Any, List[bytes]] = {}  # node socket -> subs heard since its last beat
+        self.beat_due: List[Any] = []  # (when, node index) of the next NODE_BEAT
+        self.beat_sender: Dict[Any, str] = {}
+        self.beat_seq: Dict[Any, int] = {}
         self.socks: Dict[int, Any] = {}  # rank -> its socket (its node's, when relayed)
         self.rank_of: Dict[Any, int] = {}  # socket -> rank (direct only)
         self.sub: Dict[int, bytes] = {r: f"r{r}-{secrets.token_hex(4)}".encode() for r in ranks}
@@ -110,6 +117,9 @@ class Sim:
             s.setsockopt(zmq.RECONNECT_IVL, 100)
             s.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
             self.node_ranks[s] = g
+            if per_node and merge:
+                self.beat_sender[s], self.beat_seq[s] = wire.new_sender("relay", g[0]), 0
+                self.heard[s] = []
             for r in g:
                 self.socks[r] = s
                 self.rank_of[s] = r
@@ -143,6 +153,20 @@ class Sim:
         env = msgpack.packb({"v": self.v, "type": mtype, "seq": self.seq[r], "sender": self.sender[r],
                              "body": body}, use_bin_type=True)
         return hmac.new(self.key, env, hashlib.sha256).digest() + env
+
+    def beat(self, s) -> None:
+        """One NODE_BEAT of node ``s``: the subs heard since its last one (none: not sent)."""
+        subs, self.heard[s] = self.heard[s], []
+        if not subs:
+            return
+        self.beat_seq[s] += 1
+        env = msgpack.packb({"v": self.v, "type": "node_beat", "seq": self.beat_seq[s], "sender": self.beat_sender[s],
+                             "body": {"node_rank": self.node_ranks[s][0], "subs": subs}}, use_bin_type=True)
+        try:
+            s.send(hmac.new(self.key, env, hashlib.sha256).digest() + env, zmq.NOBLOCK)
+            self.sent += 1
+        except zmq.Again:
+            self.dropped += 1
 
     def send(self, r: int, mtype: str, body: Dict[str, Any]) -> None:
         if r in self.dead:
@@ -269,6 +293,9 @@ class Sim:
             if arg in self.socks and self.per_node:  # the relay reports the rank's closed local connection
                 self.dead.add(arg)
                 self.socks[arg].send_multipart([self.sub[arg], b""], zmq.NOBLOCK)
+                heard = self.heard.get(self.socks[arg])
+                if heard is not None and self.sub[arg] in heard:  # the relay never names a closed connection
+                    heard.remove(self.sub[arg])
             elif arg in self.socks:
                 self.socks[arg].close(linger=0)
                 self.dead.add(arg)
@@ -293,6 +320,9 @@ class Sim:
         pending = list(self.node_ranks)  # sockets not connected yet (--connect-rate paces them)
         total = len(pending)
         turn_start = now
+        nodes = list(self.heard)
+        for i, s in enumerate(nodes):
+            heapq.heappush(self.beat_due, (now + STEP_S * (1 + random.random()), i))
         poller = zmq.Poller()
         poller.register(self.conn.fileno(), zmq.POLLIN)
         self.conn.send(("started", now))
@@ -338,8 +368,16 @@ class Sim:
                 if not self.frozen[r] and self.hold is None:
                     self.it[r] += 1  # one step per second; its STATUS rides with the heartbeat flush
                     self.send(r, "status", self.status_body(r))
-                self.send(r, "heartbeat", {"rank": r, "iteration": self.it[r], "status": "updated"})
+                if self.merge:  # the relay heard it: named in the node's next NODE_BEAT
+                    if r in self.registered:
+                        self.heard[self.socks[r]].append(self.sub[r])
+                else:
+                    self.send(r, "heartbeat", {"rank": r, "iteration": self.it[r], "status": "updated"})
             self.flush()
+            while self.beat_due and self.beat_due[0][0] <= now:
+                t, i = heapq.heappop(self.beat_due)
+                heapq.heappush(self.beat_due, (t + STEP_S, i))
+                self.beat(nodes[i])
             if self.slow_s:
                 time.sleep(self.slow_s)
         for s in self.node_ranks:
@@ -348,11 +386,12 @@ class Sim:
         self.ctx.term()
 
 
-def sim_main(conn, sim_id, ranks, world, port, key, slow_s, save_dir, pythonpath, connect_rate=0.0, per_node=0):
+def sim_main(conn, sim_id, ranks, world, port, key, slow_s, save_dir, pythonpath, connect_rate=0.0, per_node=0,
+             merge=True):
     sys.path.insert(0, pythonpath)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    sim = Sim(conn, sim_id, ranks, world, port, key, slow_s, save_dir, connect_rate, per_node)
+    sim = Sim(conn, sim_id, ranks, world, port, key, slow_s, save_dir, connect_rate, per_node, merge)
     sim.port = port
     sim.run()
 
@@ -369,6 +408,19 @@ class Probe:
         self.on = False
         codec_decode = ctl.codec.try_decode
         dispatch = handlers.dispatch
+        register = handlers.register
+        #: the controller's clock at the first and the last REGISTER handled (the last one's
+        #: REGISTERED is sent before the call returns), and how many
+        self.register_first: Optional[float] = None
+        self.register_last: Optional[float] = None
+        self.registers = 0
+
+        def timed_register(*a, **k):
+            register(*a, **k)
+            self.register_last = time.monotonic()
+            if self.register_first is None:
+                self.register_first = self.register_last
+            self.registers += 1
         turn = ctl._turn
         start = [0.0]
 
@@ -399,9 +451,11 @@ class Probe:
 
         ctl.codec.try_decode = try_decode
         handlers.dispatch = timed_dispatch
+        handlers.register = timed_register
         table.gone_ranks = watched_gone
         ctl._turn = timed_turn
-        self._undo = lambda: (setattr(handlers, "dispatch", dispatch), setattr(table, "gone_ranks", gone_ranks))
+        self._undo = lambda: (setattr(handlers, "dispatch", dispatch), setattr(table, "gone_ranks", gone_ranks),
+                              setattr(handlers, "register", register))
 
     def close(self):
         self._undo()
@@ -463,7 +517,7 @@ def cpu_split() -> Dict[str, float]:
 
 def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
             profile: Optional[str] = None, register_wait: float = 60.0,
-            connect_rate: float = 0.0, per_node: int = 0) -> Dict[str, Any]:
+            connect_rate: float = 0.0, per_node: int = 0, merge: bool = True) -> Dict[str, Any]:
     from mindspeed_ha.config import HAConfig
     from mindspeed_ha.control.controller import Controller
     from mindspeed_ha.control.policy import ActionKind
@@ -490,6 +544,7 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
     probe = Probe(ctl)
     ctl.start()
     out: Dict[str, Any] = {"ranks": n, "sims": sims, "slowed": slow, "per_node": per_node,
+                           "merged": bool(per_node) and merge,
                            "load_before": os.getloadavg()[0]}
     import mindspeed_ha
     tree = os.path.dirname(os.path.dirname(os.path.abspath(mindspeed_ha.__file__)))  # the simulators use it too
@@ -501,7 +556,7 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
             a, b = spawn.Pipe()
             p = spawn.Process(target=sim_main, args=(b, i, per[i], n, ctl.port, key,
                                                      slow_s if i < slow else 0.0, save_dir, tree,
-                                                     connect_rate / sims, per_node),
+                                                     connect_rate / sims, per_node, merge),
                               daemon=True)
             p.start()
             pipes.append(a)
@@ -509,6 +564,7 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
         overflows = listen_overflows()
         cpu_reg0 = cpu_split()
         starts = [p.recv()[1] for p in pipes]
+        sims_cpu0 = sum(r["cpu_s"] for r in ask(pipes, "report"))
         t0 = min(starts)
         # 1. registration (the processor gives up after 60 s; the bench waits up to --register-wait)
         registered_60 = None
@@ -526,6 +582,13 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
         time.sleep(0.5)
         reps = ask(pipes, "report")
         regd = sum(r["registered"] for r in reps)
+        # where registration's time went: the simulators' own CPU, and the controller's span
+        # from its first REGISTER handled to its last REGISTERED sent
+        out["registration_sims_cpu_s"] = sum(r["cpu_s"] for r in reps) - sims_cpu0
+        out["registration_sims_cpu_max_s"] = max(r["cpu_s"] for r in reps)
+        out["register_handled"] = probe.registers
+        out["controller_first_register_s"] = (probe.register_first - t0) if probe.register_first else None
+        out["controller_last_registered_s"] = (probe.register_last - t0) if probe.register_last else None
         out["registration_s"] = (max(r["last_registered"] or t0 for r in reps) - t0) if regd == n else None
         out["unregistered_60s"] = n - (registered_60 if registered_60 is not None else regd)
         out["register_frames"] = sum(r["register_sent"] for r in reps)
@@ -540,7 +603,9 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
         log(f"N={n} {'direct' if not per_node else f'{per_node} per node'}: registered {regd}/{n} in {out['registration_s']} s, REGISTER frames "
             f"{out['register_frames']} (max {out['register_max_per_rank']} per rank); CPU {out['registration_cpu_s']:.1f} s "
             f"({out['registration_loop_cpu_s']:.1f} s the loop thread); frames the simulators dropped (queue full) "
-            f"{out['sim_dropped_registration']}")
+            f"{out['sim_dropped_registration']}; simulators' CPU {out['registration_sims_cpu_s']:.1f} s; the controller "
+            f"handled {out['register_handled']} REGISTER from {out['controller_first_register_s']} s to "
+            f"{out['controller_last_registered_s']} s")
         if regd < n:
             return out
         # 2. steady state
@@ -559,10 +624,13 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
         out["frame_p50_us"] = pct(probe.frames, 0.5) * 1e6
         out["frame_p99_us"] = pct(probe.frames, 0.99) * 1e6
         out["frames_per_s"] = len(probe.frames) / (w1 - w0)
+        # what the ranks send per second: a STATUS each, and a HEARTBEAT each or a NODE_BEAT per node
+        out["frames_expected_per_s"] = n + (-(-n // per_node) if out["merged"] else n)
+        out["node_beats"] = getattr(ctl, "node_beats", None)
         out["turn_max_ms"] = max(probe.turns, default=0.0) * 1e3
         out["turn_p99_ms"] = pct(probe.turns, 0.99) * 1e3
         log(f"N={n}: steady {out['controller_cores']:.2f} cores ({out['loop_cores']:.2f} the loop thread), "
-            f"{out['frames_per_s']:.0f} of {2 * n} frames/s (simulators {out['simulators_cores']:.2f} cores), "
+            f"{out['frames_per_s']:.0f} of {out['frames_expected_per_s']} frames/s (simulators {out['simulators_cores']:.2f} cores), "
             f"p50 {out['frame_p50_us']:.0f} us, p99 {out['frame_p99_us']:.0f} us, turns max "
             f"{out['turn_max_ms']:.1f} ms, RSS {out['rss_mb']:.0f} MB")
         # 3. UCE -> RETRY at every rank
@@ -660,6 +728,9 @@ def main() -> None:
     ap.add_argument("--per-node", type=int, nargs="+", default=[0],
                     help="ranks per simulated node relay, one run per value (0: one connection per rank; 8: the "
                          "ranks of a node share one, as behind control/relay.py); e.g. --per-node 0 8")
+    ap.add_argument("--no-merge", action="store_true",
+                    help="relayed: forward every rank's HEARTBEAT frame instead of one NODE_BEAT per node and second "
+                         "(the relay's default since wire schema 13)")
     ap.add_argument("--json", default=None, help="append the figures to this file (one JSON line per N)")
     ns = ap.parse_args()
     if not ns.connect_rate >= 0:
@@ -679,7 +750,7 @@ def main() -> None:
     for n in ns.ranks:
         for k in ns.per_node:
             res = one_run(n, ns.sims, ns.slow, ns.slow_s, ns.steady_s, say, ns.profile, ns.register_wait,
-                          ns.connect_rate, k)
+                          ns.connect_rate, k, not ns.no_merge)
             say(json.dumps(res))
             if ns.json:
                 with open(ns.json, "a") as f:

@@ -67,6 +67,9 @@ log = logging.getLogger(__name__)
 
 #: decisions chained in one step when they need no new input (e.g. DONE right after EXIT)
 MAX_DECISIONS_PER_STEP = 8
+#: while only routine frames arrive, a decision step waits this many times the last one's
+#: cost (the steps take at most about 1/ROUTINE_STEP_GAP of the thread; see Controller._routine_gap)
+ROUTINE_STEP_GAP = 10
 
 
 class Controller:
@@ -140,10 +143,15 @@ class Controller:
         #: them (``[{"host", "pid"}]``; None: not reported; ``mindspeed-ha status``)
         self.spares: Optional[List[Dict[str, Any]]] = None
         self._last_decision_at: Optional[float] = None  # the previous decision step (controller clock)
+        #: seconds the last decision step took (controller clock; paces routine steps, see _routine_gap)
+        self.decision_cost_s = 0.0
         #: something since the last decision step may change a decision (see :meth:`_turn`)
         self._news = True
         #: REGISTERs of a rank already registered by the same process, answered again (counter)
         self.duplicate_registers = 0
+        #: NODE_BEATs of node relays handled, and the local connections they named that were no
+        #: rank's connection through that relay (counters, ``handlers.node_beat``)
+        self.node_beats = self.beat_unknown = 0
         #: the heap was frozen when every rank registered (``handlers.FREEZE_HEAP_FROM``)
         self.heap_frozen = False
         #: seconds the I/O thread spent busy outside reading its socket beyond ``tick_s`` in a
@@ -415,9 +423,12 @@ class Controller:
             return
         if self.subhealth is not None:
             self.subhealth.tick(self, now)
-        recent = self._last_decision_at is not None and now - self._last_decision_at < self.tick_s
-        if recent and ((not self._news and self.state.phase is Phase.RUNNING) or not self.server.input_empty):
+        since = None if self._last_decision_at is None else now - self._last_decision_at
+        recent = since is not None and since < self.tick_s
+        if recent and not self.server.input_empty:
             return
+        if not self._news and self.state.phase is Phase.RUNNING and since is not None and since < self._routine_gap():
+            return  # nothing but heartbeats, status and registrations since the last step
         self._news = False
         previous, self._last_decision_at = self._last_decision_at, now
         if previous is not None and now - previous < self.config.heartbeat_timeout_s / 2:
@@ -432,6 +443,17 @@ class Controller:
                 break
             effects.apply(self, now, d)
         self.operators.settle(self, now)
+        self.decision_cost_s = max(0.0, self.clock() - now)
+
+    def _routine_gap(self) -> float:
+        """Seconds between two decision steps while only routine frames arrive: ``tick_s``,
+        or ``ROUTINE_STEP_GAP`` times the last step's cost if more (at most a tenth of the
+        heartbeat timeout): each step reads every rank, and at 16,384 ranks one costs
+        10-60 ms, so a step every ``tick_s`` left the thread too little time to read the
+        frames (265 of 32,768 frames/s handled, every rank taken for silent: docs/RESULTS.md).
+        Silence is still judged within a tenth of its timeout; anything else (a death, a
+        fault, an answer) is decided at once."""
+        return max(self.tick_s, min(ROUTINE_STEP_GAP * self.decision_cost_s, self.config.heartbeat_timeout_s / 10))
 
 
 def credit_busy(ctl: Controller, busy_s: float, now: float) -> None:
@@ -459,7 +481,8 @@ def credit_busy(ctl: Controller, busy_s: float, now: float) -> None:
 
 #: the frames that change no decision while the job runs (silence is judged by the clock;
 #: a registration, thousands of them at a job's start, changes none either)
-ROUTINE = frozenset({wire.MsgType.HEARTBEAT, wire.MsgType.STATUS, wire.MsgType.REGISTER, wire.MsgType.HEALTH})
+ROUTINE = frozenset({wire.MsgType.HEARTBEAT, wire.MsgType.STATUS, wire.MsgType.REGISTER, wire.MsgType.HEALTH,
+                     wire.MsgType.NODE_BEAT})
 
 
 def _discard(commands: "queue.SimpleQueue[Any]") -> None:

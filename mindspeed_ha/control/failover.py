@@ -19,7 +19,6 @@ a RETRY is sent) is written at once, on the I/O thread: a successor must count i
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import threading
@@ -38,9 +37,11 @@ ROSTER_MIN_INTERVAL_S = 1.0
 
 
 def roster_entry(info: RankInfo) -> str:
-    """``info``'s roster entry as a JSON fragment (``"<rank>": {...}``)."""
+    """``info``'s roster entry as a JSON fragment (``"<rank>": {...}``). (``Layout``'s fields are
+    plain ints: ``vars`` instead of ``dataclasses.asdict``'s deep copy, a third of a
+    registration's cost at 16,384 ranks.)"""
     return json.dumps(str(info.rank)) + ": " + json.dumps(
-        {"layout": dataclasses.asdict(info.layout), "pid": info.pid, "host": info.host, "save_dir": info.save_dir,
+        {"layout": dict(vars(info.layout)), "pid": info.pid, "host": info.host, "save_dir": info.save_dir,
          "incarnation": info.incarnation, "rejoins": info.rejoins, "verifies": info.verifies})
 
 

@@ -53,6 +53,9 @@ def dispatch(ctl: "Controller", now: float, ident: bytes, fd: Optional[int], msg
     if msg.type is wire.MsgType.OPERATOR_REQUEST:  # an operator (mindspeed-ha status | pause | ...)
         ctl.operators.handle(ctl, now, ident, body)
         return
+    if msg.type is wire.MsgType.NODE_BEAT:  # a node relay's merged heartbeats
+        node_beat(ctl, now, ident, body)
+        return
     incoming = ctl.operators.switches.owns(ident)
     if incoming is not None:  # a hot switch's new process, not the rank yet (control/switch_desk.py)
         ctl.operators.switches.incoming_message(ctl, now, incoming, msg)
@@ -274,6 +277,33 @@ RANK_HANDLERS: Dict[wire.MsgType, RankHandler] = {
     wire.MsgType.PAUSE_TASK_RESULT: _pause_task_result,
     wire.MsgType.HEALTH: _health,
 }
+
+
+def node_beat(ctl: "Controller", now: float, relay: Any, body: wire.NodeBeat) -> None:
+    """NODE_BEAT (schema 13): the node relay on connection ``relay`` heard a valid HEARTBEAT
+    of each local connection it names since its previous beat (``control/relay.py``).
+    Each ``sub`` counts as a heartbeat of the rank whose connection is ``(relay, sub)`` now,
+    if that rank is alive (or of the hot switch's new process on it); a ``sub`` that is no
+    rank's connection through this relay is counted (``ctl.beat_unknown``) and ignored.
+    O(subs); no rank's frame is decoded."""
+    if type(relay) is not bytes:  # a relayed rank's frame cannot speak for a node
+        ctl.codec.rejected["unexpected_type"] += 1
+        return
+    ctl.node_beats += 1
+    server, ranks, switches = ctl.server, ctl.state.ranks, ctl.operators.switches
+    for sub in body.subs:
+        ident = (relay, sub)
+        rank = server.rank_of_ident.get(ident)
+        if rank is not None and server.ident.get(rank) == ident:
+            info = ranks.get(rank)
+            if info is not None and info.alive:
+                info.last_heartbeat = now
+            continue
+        incoming = switches.owns(ident)
+        if incoming is not None:
+            switches.incoming[incoming].info.last_heartbeat = now
+        else:
+            ctl.beat_unknown += 1
 
 
 # ---------------------------------------------------------------------- other evidence

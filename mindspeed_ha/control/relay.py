@@ -21,8 +21,19 @@ pairs), so the heartbeats and statuses of a node's ranks travel together; the co
 frame, ...]`` (a fan-out: one message per relay) and the relay hands each frame to its
 ``sub``. A closed local connection (the rank's process is gone) is reported upstream as
 ``[sub, b""]``, after that connection's last frames: the controller takes it as it takes
-a closed TCP connection of a rank. (Transport framing only: no message type or field was
-added to :mod:`wire`.)
+a closed TCP connection of a rank.
+
+Heartbeats are merged per node (``merge_heartbeats``, the default; wire schema 13): the
+relay verifies each rank's frame with the job's key (:class:`wire.Codec`: HMAC, version,
+body, ``seq``); a valid HEARTBEAT is not forwarded but noted, and every heartbeat
+interval the relay sends ONE ``NODE_BEAT`` frame of its own (its own sender and ``seq``,
+HMAC'd with the job's key) naming the local connections heard since its previous beat.
+A connection whose close the relay saw, or that sent no valid HEARTBEAT since the
+previous beat, is not named: the relay never reports a rank alive that it did not hear.
+Every other frame (STATUS, FAULT, STOPPED, ...) is forwarded unchanged, in order, and
+checked by the controller as before. The controller trusts the relay (it holds the job's
+key, like any rank) for one thing more: that the ranks a NODE_BEAT names sent it a valid
+HEARTBEAT within the last interval.
 
 When the controller connection closes (the controller's process died, or a failover) the
 relay closes its local socket and ends: every rank behind it sees its connection close and
@@ -148,7 +159,10 @@ class NodeRelay:
             term (a lease left by an earlier run names a dead controller).
         heartbeat_ms / timeout_ms: ZMTP heartbeats on the controller connection: a silent
             controller host closes it after ``timeout_ms`` (the processor's own link uses
-            the heartbeat interval and half the heartbeat timeout).
+            the heartbeat interval and half the heartbeat timeout); ``heartbeat_ms`` is
+            also the interval of the merged NODE_BEAT.
+        merge_heartbeats: send the ranks' heartbeats as one NODE_BEAT per interval (see the
+            module doc) instead of forwarding each HEARTBEAT frame.
 
     Raises:
         ConfigError: ZeroMQ without CURVE (from :func:`auth.derive_keys`).
@@ -156,7 +170,7 @@ class NodeRelay:
 
     def __init__(self, max_message_bytes: int, auth_key: bytes, addr: str, port: int, node_rank: int,
                  directory: Optional[str] = None, heartbeat_ms: int = 1000, timeout_ms: int = 5000,
-                 lease=None, term: int = -1):
+                 lease=None, term: int = -1, merge_heartbeats: bool = True):
         self.max_message_bytes = max_message_bytes
         self.keys = auth.derive_keys(auth_key)
         self.addr, self.port, self.node_rank = addr, int(port), int(node_rank)
@@ -172,6 +186,13 @@ class NodeRelay:
         self._sub_of_fd: Dict[int, bytes] = {}
         #: counters: frames up / down, messages up, local closes reported
         self.up_frames = self.down_frames = self.up_messages = self.closes = 0
+        #: heartbeat merging: the relay's own codec (its NODE_BEATs; the ranks' frames checked),
+        #: the local connections heard since the last beat, and counters
+        self.codec = wire.Codec(auth_key, wire.new_sender("relay", self.node_rank), max_message_bytes,
+                                max_senders=wire.MAX_SENDERS) if merge_heartbeats else None
+        self._heard: Dict[bytes, None] = {}
+        #: counters: HEARTBEAT frames merged (not forwarded), NODE_BEAT frames sent
+        self.merged = self.beats = 0
         #: why the relay ended by itself (None while it runs or after :meth:`close`)
         self.ended: Optional[str] = None
 
@@ -247,6 +268,7 @@ class NodeRelay:
             poller.register(s, zmq.POLLIN)
         connected = False
         next_lease_check = 0.0
+        next_beat = time.monotonic() + self.heartbeat_ms / 1000
         try:
             while not self._stop.is_set():
                 ready = dict(poller.poll(POLL_MS))
@@ -270,6 +292,9 @@ class NodeRelay:
                     self._report_closed(closed)
                 if self._up in ready:
                     self._forward_down()
+                if self.codec is not None and time.monotonic() >= next_beat:
+                    next_beat = time.monotonic() + self.heartbeat_ms / 1000
+                    self._send_beat()
         except Exception:  # noqa: BLE001 - keep the reason in the log; the ranks go direct
             log.exception("node %d: relay failed; the node's ranks connect to the controller directly",
                           self.node_rank)
@@ -331,6 +356,9 @@ class NodeRelay:
                 # a reused descriptor: an earlier connection's close is reported before it is rebound
                 self._report_closed(self._events(self._local_mon, values=True))
                 self._sub_of_fd[fd] = sub.bytes
+            if self.codec is not None and fd is not None and self._is_heartbeat(frame):
+                self._heard[sub.bytes] = None  # named in the next NODE_BEAT, not forwarded
+                continue
             parts += (sub, frame)
             if len(parts) >= 2 * RELAY_BATCH:
                 self._send_up(parts)
@@ -347,10 +375,40 @@ class NodeRelay:
             log.warning("node %d: relay: the controller's queue is full; %d frames dropped", self.node_rank,
                         len(parts) // 2)
 
+    def _is_heartbeat(self, frame: Any) -> bool:
+        """Whether ``frame`` is a valid HEARTBEAT of a rank (the job's HMAC, this schema, a
+        ``seq`` above its sender's last); anything else is forwarded as it is (the
+        controller checks and counts it)."""
+        if len(frame) > 1024:  # a HEARTBEAT is about 120 bytes: do not verify what cannot be one
+            return False
+        try:
+            msg = self.codec.decode(frame.bytes)
+        except wire.WireError:
+            return False
+        if msg.type is not wire.MsgType.HEARTBEAT:
+            return False
+        self.merged += 1
+        return True
+
+    def _send_beat(self) -> None:
+        """One NODE_BEAT naming the local connections heard since the previous one (none
+        heard: nothing is sent)."""
+        heard, self._heard = list(self._heard), {}
+        for i in range(0, len(heard), wire.MAX_BEAT_SUBS):
+            try:
+                self._up.send(self.codec.encode(wire.NodeBeat(self.node_rank, heard[i:i + wire.MAX_BEAT_SUBS])),
+                              zmq.NOBLOCK)
+                self.beats += 1
+            except zmq.Again:
+                log.warning("node %d: relay: the controller's queue is full; a NODE_BEAT of %d ranks dropped",
+                            self.node_rank, len(heard[i:i + wire.MAX_BEAT_SUBS]))
+
     def _report_closed(self, events) -> None:
         parts: List[Any] = []
         for event, fd in events:
             sub = self._sub_of_fd.pop(fd, None)
+            if sub is not None:
+                self._heard.pop(sub, None)  # a closed connection is never named alive
             if event == zmq.EVENT_DISCONNECTED and sub is not None:
                 parts += (sub, b"")
         if parts:

@@ -61,7 +61,8 @@ log = logging.getLogger(__name__)
 #: 10: HEALTH: a rank's sub-health samples (--ha-subhealth)
 #: 11: pause tasks (``mindspeed-ha check | relink``): PAUSE_TASK / PAUSE_TASK_RESULT, OPERATOR_REQUEST.params
 #: 12: the hot switch (``mindspeed-ha switch --ranks``): OPERATOR_REQUEST.params ranks, REGISTER.switching
-SCHEMA_VERSION = 12
+#: 13: NODE_BEAT: a node relay's merged heartbeats of its ranks (``control/relay.py``); ``bytes`` fields
+SCHEMA_VERSION = 13
 TAG_BYTES = 32
 DEFAULT_MAX_BYTES = 1 << 20
 #: what CURVE adds to a frame on the wire (MESSAGE command, nonce, MAC: 33 bytes), rounded up
@@ -99,6 +100,7 @@ class MsgType(str, enum.Enum):
     PAUSE_TASK = "pause_task"
     PAUSE_TASK_RESULT = "pause_task_result"
     SWITCH_VIEW = "switch_view"
+    NODE_BEAT = "node_beat"
 
 
 # --------------------------------------------------------------------------- bodies
@@ -398,6 +400,27 @@ class SwitchView:
     wanted: List[str]
 
 
+#: the most local connections one NODE_BEAT names (a relay with more sends several)
+MAX_BEAT_SUBS = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeBeat:
+    """node relay -> controller, every heartbeat interval (schema 13, ``control/relay.py``):
+    the ranks behind the relay that were heard since its previous NODE_BEAT, in place of
+    each one's HEARTBEAT frame. ``subs``: their identities on the relay's local socket (the
+    controller knows ``(relay, sub)`` as the rank's connection, :class:`server.Ident`); a
+    connection that closed, or sent no valid HEARTBEAT since the previous beat, is not
+    named. At most :data:`MAX_BEAT_SUBS` entries of at most 255 bytes each."""
+
+    node_rank: int
+    subs: List[bytes]
+
+    def __post_init__(self) -> None:
+        if len(self.subs) > MAX_BEAT_SUBS or any(len(s) > 255 for s in self.subs):
+            raise WireError("bad_body", f"node_beat.subs: more than {MAX_BEAT_SUBS} entries or one over 255 bytes")
+
+
 # ------------------------------------------------ the operator (mindspeed-ha status | pause | resume | stop)
 #: the verbs an operator may send
 OPERATOR_VERBS = ("status", "pause", "resume", "stop", "check", "relink", "switch")
@@ -491,6 +514,7 @@ BODY_TYPES: Dict[MsgType, Type[Any]] = {
     MsgType.PAUSE_TASK: PauseTask,
     MsgType.PAUSE_TASK_RESULT: PauseTaskResult,
     MsgType.SWITCH_VIEW: SwitchView,
+    MsgType.NODE_BEAT: NodeBeat,
 }
 _TYPE_OF = {cls: t for t, cls in BODY_TYPES.items()}
 
@@ -515,9 +539,22 @@ def _hints(cls: type) -> Dict[str, Any]:
     return _HINTS[cls]
 
 
+#: dataclass -> its field names (read once per class: :func:`_to_plain` runs for every frame sent)
+_NAMES: Dict[type, Any] = {}
+_SCALARS = frozenset({int, str, bool, float, bytes, type(None)})
+
+
 def _to_plain(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj):
-        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    cls = type(obj)
+    names = _NAMES.get(cls)
+    if names is None and dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        names = _NAMES[cls] = tuple(f.name for f in dataclasses.fields(obj))
+    if names is not None:
+        out = {}
+        for name in names:
+            v = getattr(obj, name)
+            out[name] = v if type(v) in _SCALARS else _to_plain(v)
+        return out
     if isinstance(obj, enum.Enum):
         return obj.value
     if isinstance(obj, dict):
@@ -563,6 +600,10 @@ def _check(value: Any, hint: Any, where: str) -> Any:
     if hint is str:
         if not isinstance(value, str):
             raise WireError("bad_body", f"{where}: expected str")
+        return value
+    if hint is bytes:
+        if not isinstance(value, bytes):
+            raise WireError("bad_body", f"{where}: expected bin")
         return value
     return value
 
@@ -760,6 +801,6 @@ __all__ = [
     "Register", "Registered", "Heartbeat", "Status", "Fault", "Stop", "Stopped", "Action", "ActionResult",
     "Integrity", "Goodbye", "GoodbyeAck", "StopRequest", "Drain", "Draining", "BODY_TYPES", "Layout",
     "Release", "OperatorRequest", "OperatorReply", "OPERATOR_VERBS", "Health", "PauseTask", "PauseTaskResult",
-    "SwitchView",
+    "SwitchView", "NodeBeat", "MAX_BEAT_SUBS",
 ]
 
