@@ -186,3 +186,76 @@ def test_a_socket_path_too_long_for_af_unix_moves_to_tmp(tmp_path):
     assert len(str(deep)) + len("/mindspeed-ha-relay-0-xxxxxxxx/relay.sock") > MAX_SOCKET_PATH
     assert socket_base(str(deep), 0) == "/tmp"
     assert socket_base("/tmp", 0) == "/tmp"
+
+
+def test_merged_heartbeats_name_only_the_ranks_heard_and_still_connected(closing, monkeypatch, short_tmp):
+    """Heartbeat merging (wire schema 13): the relay forwards no HEARTBEAT frame, it names
+    the ranks it heard in one NODE_BEAT per interval; a rank that stopped sending or whose
+    local connection closed is never named again (no false liveness at the controller)."""
+    import dataclasses
+
+    from mindspeed_ha.control import handlers
+
+    cfg = dataclasses.replace(CFG, heartbeat_timeout_s=60.0)  # silence is not what this test is about
+    ctl = Controller(cfg, 3, "127.0.0.1", 0, tick_s=0.01).start()
+    closing.callback(ctl.stop)
+    relay = NodeRelay(CFG.max_message_bytes, KEY, "127.0.0.1", ctl.port, 0, directory=str(short_tmp),
+                      heartbeat_ms=50).open()
+    closing.callback(relay.close)
+    named = []  # (relay ident, the ranks a NODE_BEAT named), in arrival order
+    original = handlers.node_beat
+
+    def recorded(c, now, ident, body):
+        named.append({c.server.rank_of_ident.get((ident, s)) for s in body.subs})
+        original(c, now, ident, body)
+    monkeypatch.setattr(handlers, "node_beat", recorded)
+    ctx = zmq.Context()
+    socks = [ctx.socket(zmq.DEALER) for _ in range(3)]
+    closing.callback(wire.close_all, ctx, *socks)
+    codecs = [wire.Codec(KEY, wire.new_sender("processor", r)) for r in range(3)]
+    for r, s in enumerate(socks):
+        wire.configure_socket(s, CFG.max_message_bytes)
+        s.connect(relay.endpoint)
+        s.send(codecs[r].encode(wire.Register(r, 3, os.getpid(), "h", Layout(), None, "")))
+    _wait(lambda: len(ctl.state.ranks) == 3, "the ranks did not register through the relay")
+    forwarded = relay.up_frames
+
+    def beat(r):
+        socks[r].send(codecs[r].encode(wire.Heartbeat(r, 0, "updated")))
+
+    for r in range(3):
+        beat(r)
+    _wait(lambda: set().union(*named) >= {0, 1, 2}, "the three heartbeats were not named in NODE_BEATs")
+    assert relay.up_frames == forwarded and relay.merged == 3, "a HEARTBEAT frame was forwarded"
+    # rank 1 stops sending; rank 2's local connection closes (its process is gone)
+    socks[2].close(linger=0)
+    _wait(lambda: not ctl.state.ranks[2].alive, "the closed connection was not reported")
+    quiet_since = ctl.state.ranks[1].last_heartbeat
+    seen = len(named)
+    for _ in range(3):  # rank 0 goes on: three more beats name it, and only it
+        k = len(named)
+        beat(0)
+        _wait(lambda: len(named) > k and 0 in named[-1], "rank 0's heartbeat was not named")
+    assert all(n == {0} for n in named[seen:]), named[seen:]
+    assert ctl.state.ranks[1].last_heartbeat == quiet_since, "a silent rank was reported alive"
+    assert not ctl.state.ranks[2].alive and ctl.beat_unknown == 0
+
+
+def test_a_node_beat_counts_only_for_the_relays_own_live_ranks():
+    """The controller's side (handlers.node_beat): a sub stamps the rank whose connection is
+    (relay, sub) now, if alive; another relay's rank, a dead rank, an unknown sub and a beat
+    carried as a relayed rank's frame stamp nothing."""
+    from mindspeed_ha.control import handlers
+    from mindspeed_ha.control.state import RankInfo
+
+    ctl = Controller(CFG, 4, "127.0.0.1", 0)  # not started: its state and tables only
+    for r, ident in enumerate([(b"A", b"s0"), (b"A", b"s1"), (b"B", b"s0"), (b"A", b"s3")]):
+        ctl.state.ranks[r] = RankInfo(rank=r, layout=Layout(), last_heartbeat=0.0)
+        ctl.server.ident[r], ctl.server.rank_of_ident[ident] = ident, r
+    ctl.state.mark_dead(3, "control connection closed", None, 0.0)
+    handlers.node_beat(ctl, 5.0, b"A", wire.NodeBeat(0, [b"s0", b"s1", b"s3", b"zz"]))
+    handlers.node_beat(ctl, 6.0, (b"A", b"s0"), wire.NodeBeat(0, [b"s1"]))
+    assert [ctl.state.ranks[r].last_heartbeat for r in range(4)] == [5.0, 5.0, 0.0, 0.0]
+    assert ctl.beat_unknown == 1 and ctl.node_beats == 1
+    with pytest.raises(wire.WireError):
+        wire.NodeBeat(0, [b"x" * 256])

@@ -27,6 +27,7 @@ BODIES = [
     wire.ActionResult(7, 3, False, "disk full"),
     wire.Goodbye(3, 75),
     wire.SwitchView("sw-1", [2, 3], ["start", "commit"]),
+    wire.NodeBeat(2, [b"\x00k\x8b\x45\x67", b"\x00k\x8b\x45\x68"]),
 ]
 
 
@@ -167,3 +168,14 @@ def test_close_all_ends_sockets_and_context_with_pending_messages():
     wire.close_all(ctx, dealer, idle, None)
     assert dealer.closed and idle.closed and ctx.closed
     wire.close_all(ctx, dealer)  # idempotent
+
+
+def test_node_beat_subs_must_be_bytes_and_bounded():
+    """NODE_BEAT (schema 13): ``subs`` are binary identities, at most MAX_BEAT_SUBS of them."""
+    tx, rx = codecs()
+    for subs in (["text"], [b"x"] * (wire.MAX_BEAT_SUBS + 1), [b"x" * 256]):
+        env = {"v": wire.SCHEMA_VERSION, "type": "node_beat", "seq": 1, "sender": "relay-0-aaaa",
+               "body": {"node_rank": 0, "subs": subs}}
+        with pytest.raises(wire.WireError) as ei:
+            rx.decode(_forge(env))
+        assert ei.value.reason == "bad_body"
