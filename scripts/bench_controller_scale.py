@@ -449,6 +449,17 @@ class Probe:
             self.silent.update(r for r, why in gone.items() if "heartbeat" in why)
             return gone
 
+        #: fan-outs (``send_to_ranks``): (what, started, ended, ranks sent to), on the controller's clock
+        self.fanouts: List[Any] = []
+        fan = ctl.server.send_to_ranks
+
+        def timed_fan(ranks, body):
+            t = time.monotonic()
+            sent = fan(ranks, body)
+            what = type(body).__name__ + (f":{body.kind}" if hasattr(body, "kind") else "")
+            self.fanouts.append((what, t, time.monotonic(), sent))
+            return sent
+        ctl.server.send_to_ranks = timed_fan
         ctl.codec.try_decode = try_decode
         handlers.dispatch = timed_dispatch
         handlers.register = timed_register
@@ -647,6 +658,13 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
                 break
             time.sleep(0.2)
         retried = sum(r["retries"] for r in reps)
+        fans = [f for f in probe.fanouts if f[1] >= t_uce]
+        retry_fan = next((f for f in fans if f[0] == "Action:retry"), None)
+        first_stop = next((f for f in fans if f[0] == "Stop"), None)
+        # the round's steps on the controller: STOP(recover) sent, the RETRY fan-out started / ended
+        out["uce_stop_sent_s"] = (first_stop[2] - t_uce) if first_stop else None
+        out["uce_retry_decided_s"] = (retry_fan[1] - t_uce) if retry_fan else None
+        out["uce_retry_sent_s"] = (retry_fan[2] - t_uce) if retry_fan else None
         out["uce_retry_s"] = (max(r["last_retry"] for r in reps if r["last_retry"]) - t_uce) if retried == n else None
         deadline = time.monotonic() + 30.0
         while time.monotonic() < deadline and ctl.phase is not Phase.RUNNING:
@@ -654,7 +672,8 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
         with ctl._lock:
             out["uce_outcome"] = ctl.events[-1].reason[:160] if ctl.events else ""
             out["uce_recovered"] = bool(ctl.state.recoveries and ctl.state.recoveries[-1].get("done_at"))
-        log(f"N={n}: UCE -> RETRY at {retried}/{n} ranks in {out['uce_retry_s']} s; recovered "
+        log(f"N={n}: UCE -> RETRY at {retried}/{n} ranks in {out['uce_retry_s']} s (controller: STOP sent at "
+            f"{out['uce_stop_sent_s']}, RETRY fan-out {out['uce_retry_decided_s']} -> {out['uce_retry_sent_s']} s); recovered "
             f"{out['uce_recovered']}: {out['uce_outcome']}")
         time.sleep(3.0)
         # 4. death -> STOP at every survivor, -> dying checkpoint committed
@@ -671,6 +690,9 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
                 break
             time.sleep(0.2)
         stops = sum(r["stops"] for r in reps)
+        stop_fan = next((f for f in probe.fanouts if f[1] >= t_kill and f[0] == "Stop"), None)
+        out["death_stop_decided_s"] = (stop_fan[1] - t_kill) if stop_fan else None  # the close handled, decided
+        out["death_stop_sent_s"] = (stop_fan[2] - t_kill) if stop_fan else None  # the fan-out's last send
         out["death_stop_s"] = (max(r["last_stop"] for r in reps if r["last_stop"]) - t_kill) if stops == n - 1 \
             else None
         done = ctl.wait_done(240.0)
@@ -689,7 +711,8 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
         out["sim_lag_max_s"] = max(r["hb_late"] for r in reps)
         out["sim_dropped"] = sum(r["dropped"] for r in reps)  # frames the simulators could not queue
         out["longest_reason_chars"] = longest_reason
-        log(f"N={n}: death -> STOP at {stops}/{n - 1} survivors in {out['death_stop_s']} s; -> exit "
+        log(f"N={n}: death -> STOP at {stops}/{n - 1} survivors in {out['death_stop_s']} s (controller: decided "
+            f"{out['death_stop_decided_s']}, sent {out['death_stop_sent_s']} s); -> exit "
             f"{out['exit_code']} in {out['death_commit_s']} s ({out['exit_reason']}); false deaths "
             f"{out['false_deaths']}; done {done is not None}")
         out["load_after"] = os.getloadavg()[0]

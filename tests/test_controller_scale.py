@@ -6,7 +6,7 @@ effects, the real wire frames: msgpack, HMAC, per-sender ``seq``) is driven turn
 connections fairly and, like a loaded controller, costs ``SEND_S`` of the clock per frame
 sent once every rank registered: one fan-out to 1,023 survivors takes 20 s, twice the heartbeat timeout. The
 simulated ranks (layout TP 8, PP 2, DP 64, two optimizer replicas: 512 shards) send a
-HEARTBEAT and a STATUS each second, answer STOP with STOPPED and every action ok (the
+HEARTBEAT (relayed: their node's NODE_BEAT names them) and a STATUS each second, answer STOP with STOPPED and every action ok (the
 savers write nothing). CURVE and real sockets are the benchmark's
 (``scripts/bench_controller_scale.py``); no latency is asserted here.
 """
@@ -116,6 +116,13 @@ class Ranks:
         self.iteration = 5
         self.frozen = False
         self.next_beat = {r: clock.t + (r % 100) / 100 for r in range(WORLD)}
+        # relayed: a rank's heartbeat is its sub named in its relay's next NODE_BEAT (one per
+        # node and second, as control/relay.py merges them; wire schema 13), not a frame
+        self.per_node = per_node
+        nodes = sorted({self.ident[r][0] for r in range(WORLD)}) if per_node else []
+        self.relay_out = {n: wire.Codec(KEY, wire.new_sender("relay", i)) for i, n in enumerate(nodes)}
+        self.heard = {n: [] for n in nodes}
+        self.next_node_beat = {n: clock.t + (i % 20) / 20 for i, n in enumerate(nodes)}
         self.read = 0
         self.received = collections.defaultdict(list)  # message type -> [(rank, body)]
         self.frames = collections.defaultdict(set)  # message type -> distinct frames
@@ -132,7 +139,16 @@ class Ranks:
                 continue
             self.next_beat[r] = max(self.next_beat[r] + 1.0, now)  # a stalled controller's clock jump: one
             self.send(r, wire.Status(r, "updated", self.iteration, self.iteration + 1))
-            self.send(r, wire.Heartbeat(r, self.iteration, "updated"))
+            if self.per_node:
+                self.heard[self.ident[r][0]].append(self.ident[r][1])
+            else:
+                self.send(r, wire.Heartbeat(r, self.iteration, "updated"))
+        for n, at in self.next_node_beat.items():
+            if at <= now:
+                self.next_node_beat[n] = max(at + 1.0, now)
+                subs, self.heard[n] = self.heard[n], []
+                if subs:
+                    self.router.push(n, self.relay_out[n].encode(wire.NodeBeat(int(n[1:]), subs)))
 
     def answer(self):
         """Read what the controller sent since last time and answer it as a processor would."""
@@ -165,8 +181,9 @@ def run(ctl, ranks, clock, until, max_turns):
 
 @pytest.mark.parametrize("per_node", [0, 8], ids=["direct", "relayed"])
 def test_1024_ranks_one_death_no_false_death_and_the_dying_checkpoint_committed(per_node):
-    """``relayed``: 8 ranks per node relay; the victim's death is its relay's report of its
-    closed connection, and a fan-out is one message per relay."""
+    """``relayed``: 8 ranks per node relay; the ranks' liveness is their relays' NODE_BEATs
+    (merged heartbeats), the victim's death is its relay's report of its closed connection,
+    and a fan-out is one message per relay."""
     clock = Clock()
     ctl = Controller(CFG, WORLD, "127.0.0.1", 0, tick_s=TICK_S, clock=clock)  # never started: no socket
     router = SlowRouter(clock)
@@ -216,6 +233,7 @@ def test_1024_ranks_one_death_no_false_death_and_the_dying_checkpoint_committed(
         assert [s[3] for s in body.params["shard_savers"]] == [r]
     if per_node:  # the death was the relay's close report; STOP reached the survivors one message per relay
         assert "control connection closed" in ctl.events[0].reason, ctl.events[0].reason
+        assert ctl.node_beats >= 2 * WORLD // per_node and ctl.beat_unknown == 0  # liveness by NODE_BEATs
         assert router.messages_to_relays >= WORLD // per_node
     # reasons stay short whatever the size of the job
     assert max(len(e.reason) for e in ctl.events) < 1000

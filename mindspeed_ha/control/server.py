@@ -149,6 +149,10 @@ class ControlServer:
         #: closed connections seen by the monitor, (rank, when), held until the ROUTER has
         #: been read empty: a rank's last frames (its GOODBYE) are handled before its close
         self._closed: List[Tuple[int, float]] = []
+        #: those of ``_closed`` a relay reported in the frames read since the last flush (a
+        #: relay's close follows that rank's frames on one connection: no wait for the ROUTER
+        #: to be read empty; at 16,384 ranks it took 2 s to find it empty: death -> STOP 2.3 s)
+        self._closed_relayed: List[Tuple[int, float]] = []
         self._input_empty = False
         #: closed connections reported to ``on_disconnect`` so far (a counter)
         self.closes_reported = 0
@@ -320,6 +324,11 @@ class ControlServer:
         closing has then been handled); otherwise they wait for a later turn."""
         if self._input_empty:
             self._report_closed(list(self._closed))
+        elif self._closed_relayed:
+            # a relay reports a close after that connection's last frames, on the same
+            # connection: those were read in this batch or before, and are handled by now
+            self._report_closed([c for c in self._closed if c in self._closed_relayed])
+        self._closed_relayed.clear()
 
     def _report_closed(self, closed: List[Tuple[int, float]]) -> None:
         for item in closed:
@@ -382,6 +391,7 @@ class ControlServer:
                 rank = self.rank_of_ident.get(ident)
                 if rank is not None and self.ident.get(rank) == ident:
                     self._closed.append((rank, self.clock()))
+                    self._closed_relayed.append(self._closed[-1])
             else:
                 batch.append((ident, parts[i + 1]))
 
