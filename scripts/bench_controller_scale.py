@@ -460,13 +460,22 @@ class Probe:
             self.fanouts.append((what, t, time.monotonic(), sent))
             return sent
         ctl.server.send_to_ranks = timed_fan
+        #: connection closes handled: (rank, when the close was read, when it was handled)
+        self.closes: List[Any] = []
+        closed = handlers.connection_closed
+
+        def timed_closed(c, rank, now):
+            self.closes.append((rank, now, time.monotonic()))
+            closed(c, rank, now)
+        handlers.connection_closed = timed_closed
         ctl.codec.try_decode = try_decode
         handlers.dispatch = timed_dispatch
         handlers.register = timed_register
         table.gone_ranks = watched_gone
         ctl._turn = timed_turn
         self._undo = lambda: (setattr(handlers, "dispatch", dispatch), setattr(table, "gone_ranks", gone_ranks),
-                              setattr(handlers, "register", register))
+                              setattr(handlers, "register", register),
+                              setattr(handlers, "connection_closed", closed))
 
     def close(self):
         self._undo()
@@ -650,6 +659,7 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
         ask(pipes, "hold", k)
         time.sleep(1.5)  # the held status reaches the controller with the next heartbeats
         uce_rank = n // 2 + 3
+        c_uce, s_uce = cpu_split(), sum(r["cpu_s"] for r in ask(pipes, "report"))
         t_uce = min(ask(pipes, "uce", uce_rank))
         deadline = time.monotonic() + 60.0
         while time.monotonic() < deadline:
@@ -658,6 +668,11 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
                 break
             time.sleep(0.2)
         retried = sum(r["retries"] for r in reps)
+        c_ret = cpu_split()
+        # CPU-seconds of the round (until every rank had its RETRY, plus at most one poll)
+        out["uce_round_cpu_s"] = c_ret["process"] - c_uce["process"]
+        out["uce_round_loop_cpu_s"] = c_ret["thread"] - c_uce["thread"]
+        out["uce_round_sims_cpu_s"] = sum(r["cpu_s"] for r in reps) - s_uce
         fans = [f for f in probe.fanouts if f[1] >= t_uce]
         retry_fan = next((f for f in fans if f[0] == "Action:retry"), None)
         first_stop = next((f for f in fans if f[0] == "Stop"), None)
@@ -673,7 +688,8 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
             out["uce_outcome"] = ctl.events[-1].reason[:160] if ctl.events else ""
             out["uce_recovered"] = bool(ctl.state.recoveries and ctl.state.recoveries[-1].get("done_at"))
         log(f"N={n}: UCE -> RETRY at {retried}/{n} ranks in {out['uce_retry_s']} s (controller: STOP sent at "
-            f"{out['uce_stop_sent_s']}, RETRY fan-out {out['uce_retry_decided_s']} -> {out['uce_retry_sent_s']} s); recovered "
+            f"{out['uce_stop_sent_s']}, RETRY fan-out {out['uce_retry_decided_s']} -> {out['uce_retry_sent_s']} s; CPU {out['uce_round_cpu_s']:.2f} s, loop "
+            f"{out['uce_round_loop_cpu_s']:.2f} s, simulators {out['uce_round_sims_cpu_s']:.2f} s); recovered "
             f"{out['uce_recovered']}: {out['uce_outcome']}")
         time.sleep(3.0)
         # 4. death -> STOP at every survivor, -> dying checkpoint committed
@@ -692,6 +708,11 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
         stops = sum(r["stops"] for r in reps)
         stop_fan = next((f for f in probe.fanouts if f[1] >= t_kill and f[0] == "Stop"), None)
         out["death_stop_decided_s"] = (stop_fan[1] - t_kill) if stop_fan else None  # the close handled, decided
+        with ctl._lock:
+            first = next((e for e in ctl.events if e.t >= t_kill), None)
+        out["death_step_began_s"] = (first.t - t_kill) if first else None  # the decision step's clock read
+        close = next((c for c in probe.closes if c[0] == victim), None)
+        out["death_close_read_s"] = (close[1] - t_kill) if close else None  # the relay's report read
         out["death_stop_sent_s"] = (stop_fan[2] - t_kill) if stop_fan else None  # the fan-out's last send
         out["death_stop_s"] = (max(r["last_stop"] for r in reps if r["last_stop"]) - t_kill) if stops == n - 1 \
             else None
@@ -712,7 +733,7 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
         out["sim_dropped"] = sum(r["dropped"] for r in reps)  # frames the simulators could not queue
         out["longest_reason_chars"] = longest_reason
         log(f"N={n}: death -> STOP at {stops}/{n - 1} survivors in {out['death_stop_s']} s (controller: decided "
-            f"{out['death_stop_decided_s']}, sent {out['death_stop_sent_s']} s); -> exit "
+            f"{out['death_stop_decided_s']} (close read {out['death_close_read_s']}, its step began {out['death_step_began_s']}), sent {out['death_stop_sent_s']} s); -> exit "
             f"{out['exit_code']} in {out['death_commit_s']} s ({out['exit_reason']}); false deaths "
             f"{out['false_deaths']}; done {done is not None}")
         out["load_after"] = os.getloadavg()[0]
