@@ -170,6 +170,15 @@ def _admit(ctl: "Controller", now: float, ident: bytes, fd: Optional[int], sende
 
 #: registrations logged one line each at INFO before the log goes to one line per eighth of the job
 REGISTER_LINES = 16
+#: from this world size on, a round's routine per-rank answers (STOPPED, ACTION_RESULT ok, the
+#: FAULT(aborted) of an in-place recovery) are logged at DEBUG: at 16,384 ranks a round is
+#: 16,384 lines per step, about 13 us each of the I/O thread; the decisions' own lines
+#: summarise them (failures stay at INFO / WARNING)
+PER_RANK_LINES_UP_TO = 256
+
+
+def _per_rank_level(ctl: "Controller", ok: bool = True) -> int:
+    return logging.INFO if ctl.world_size <= PER_RANK_LINES_UP_TO or not ok else logging.DEBUG
 
 
 # ---------------------------------------------------------------------- a registered rank's messages
@@ -204,7 +213,8 @@ def _fault(ctl: "Controller", now: float, rank: int, info: RankInfo, body: Any) 
     # STATUS / STOPPED messages stay the only source of (status, iteration).
     if info.failed_at is None:
         info.failed_at = now
-    log.warning("rank %d: %s fault at iteration %d: %s", rank, info.fault.value, body.iteration, body.message)
+    level = logging.WARNING if info.fault is not FaultKind.ABORTED else _per_rank_level(ctl)
+    log.log(level, "rank %d: %s fault at iteration %d: %s", rank, info.fault.value, body.iteration, body.message)
 
 
 def _stopped(ctl: "Controller", now: float, rank: int, info: RankInfo, body: Any) -> None:
@@ -218,7 +228,7 @@ def _stopped(ctl: "Controller", now: float, rank: int, info: RankInfo, body: Any
     info.stopped = True
     info.status, info.iteration = OptimizerStatus(body.status), body.iteration
     info.step = body.step
-    log.info("rank %d: stopped, optimizer %s@%d%s", rank, info.status.value, info.iteration,
+    log.log(_per_rank_level(ctl), "rank %d: stopped, optimizer %s@%d%s", rank, info.status.value, info.iteration,
              f" (paused after iteration {body.pause_at})" if body.pause_at >= 0 else "")
 
 
@@ -236,9 +246,10 @@ def _action_result(ctl: "Controller", now: float, rank: int, info: RankInfo, bod
         log.info("rank %d: hot switch %s %s", rank, "ok" if body.ok else "FAILED", body.detail)
         return
     p = ctl.state.pending
-    if p is not None and p.action_id == body.action_id and rank in p.targets:
+    if p is not None and p.action_id == body.action_id and p.is_target(rank):
         p.results[rank] = (body.ok, body.detail)
-        log.info("rank %d: %s %s %s", rank, p.kind, "ok" if body.ok else "FAILED", body.detail)
+        log.log(_per_rank_level(ctl, body.ok), "rank %d: %s %s %s", rank, p.kind, "ok" if body.ok else "FAILED",
+                body.detail)
 
 
 def _integrity(ctl: "Controller", now: float, rank: int, info: RankInfo, body: Any) -> None:
