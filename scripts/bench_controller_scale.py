@@ -22,6 +22,17 @@ Per N (``--ranks 1024 4096 16384``), on one controller:
    decided and committed (EXIT 75);
 5. false deaths: ranks the controller took for dead (or silent) other than the killed one.
 
+``--per-node 8`` simulates node relays (control/relay.py): a node's 8 ranks share one CURVE
+connection, and their heartbeats are one NODE_BEAT per node and second, as the relay merges
+them (``--no-merge``: every rank's HEARTBEAT frame forwarded instead). Besides the totals,
+each round is split on the controller's clock (the close read, the decision step, the
+fan-out's last send) and its CPU-seconds (controller, its loop, the simulators) are given.
+
+On a shared machine with ``kernel.sched_autogroup_enabled = 1``, ``nice`` alone does not give
+the bench the CPU (each session is one autogroup of equal weight); run it in a session of
+its own whose autogroup is raised too, e.g.
+``setsid sh -c 'echo -20 > /proc/self/autogroup; exec nice -n -20 python scripts/...'``.
+
 ``--slow 2`` slows two of the simulator processes (each sleeps ``--slow-s`` between its
 loop turns, nice 10): their ranks' frames arrive late and in bursts. Figures are
 wall-clock on a shared machine: note the load average printed with them.
