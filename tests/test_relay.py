@@ -190,8 +190,9 @@ def test_a_socket_path_too_long_for_af_unix_moves_to_tmp(tmp_path):
 
 def test_merged_heartbeats_name_only_the_ranks_heard_and_still_connected(closing, monkeypatch, short_tmp):
     """Heartbeat merging (wire schema 13): the relay forwards no HEARTBEAT frame, it names
-    the ranks it heard in one NODE_BEAT per interval; a rank that stopped sending or whose
-    local connection closed is never named again (no false liveness at the controller)."""
+    the ranks it heard in one NODE_BEAT per interval; a rank that stopped sending (or sent a
+    HEARTBEAT that does not verify) or whose local connection closed is never named again
+    (no false liveness at the controller)."""
     import dataclasses
 
     from mindspeed_ha.control import handlers
@@ -233,6 +234,9 @@ def test_merged_heartbeats_name_only_the_ranks_heard_and_still_connected(closing
     with ctl._lock:
         quiet_since, credited = ctl.state.ranks[1].last_heartbeat, ctl.busy_credited_s
     seen = len(named)
+    # a HEARTBEAT that does not verify (another key) is no liveness: forwarded, and the controller rejects it
+    socks[1].send(wire.Codec(b"x" * 32, wire.new_sender("processor", 1)).encode(wire.Heartbeat(1, 0, "updated")))
+    _wait(lambda: ctl.codec.rejected["bad_mac"] >= 1, "the forged heartbeat did not reach the controller")
     for _ in range(3):  # rank 0 goes on: three more beats name it, and only it
         k = len(named)
         beat(0)
