@@ -68,7 +68,7 @@ log = logging.getLogger(__name__)
 #: decisions chained in one step when they need no new input (e.g. DONE right after EXIT)
 MAX_DECISIONS_PER_STEP = 8
 #: while only routine frames arrive, a decision step waits this many times the last one's
-#: cost (the steps take at most about 1/ROUTINE_STEP_GAP of the thread; see Controller._routine_gap)
+#: cost (the steps take at most about 1/ROUTINE_STEP_GAP of the thread; see routine_gap)
 ROUTINE_STEP_GAP = 10
 
 
@@ -143,7 +143,7 @@ class Controller:
         #: them (``[{"host", "pid"}]``; None: not reported; ``mindspeed-ha status``)
         self.spares: Optional[List[Dict[str, Any]]] = None
         self._last_decision_at: Optional[float] = None  # the previous decision step (controller clock)
-        #: seconds the last decision step took (controller clock; paces routine steps, see _routine_gap)
+        #: seconds the last decision step took (controller clock; paces routine steps, see routine_gap)
         self.decision_cost_s = 0.0
         #: something since the last decision step may change a decision (see :meth:`_turn`)
         self._news = True
@@ -427,7 +427,7 @@ class Controller:
         recent = since is not None and since < self.tick_s
         if recent and not self.server.input_empty:
             return
-        if not self._news and self.state.phase is Phase.RUNNING and since is not None and since < self._routine_gap():
+        if not self._news and self.state.phase is Phase.RUNNING and since is not None and since < routine_gap(self):
             return  # nothing but heartbeats, status and registrations since the last step
         self._news = False
         previous, self._last_decision_at = self._last_decision_at, now
@@ -445,15 +445,16 @@ class Controller:
         self.operators.settle(self, now)
         self.decision_cost_s = max(0.0, self.clock() - now)
 
-    def _routine_gap(self) -> float:
-        """Seconds between two decision steps while only routine frames arrive: ``tick_s``,
-        or ``ROUTINE_STEP_GAP`` times the last step's cost if more (at most a tenth of the
-        heartbeat timeout): each step reads every rank, and at 16,384 ranks one costs
-        10-60 ms, so a step every ``tick_s`` left the thread too little time to read the
-        frames (265 of 32,768 frames/s handled, every rank taken for silent: docs/RESULTS.md).
-        Silence is still judged within a tenth of its timeout; anything else (a death, a
-        fault, an answer) is decided at once."""
-        return max(self.tick_s, min(ROUTINE_STEP_GAP * self.decision_cost_s, self.config.heartbeat_timeout_s / 10))
+
+def routine_gap(ctl: Controller) -> float:
+    """Seconds between two decision steps of ``ctl`` while only routine frames arrive:
+    ``tick_s``, or ``ROUTINE_STEP_GAP`` times the last step's cost if more (at most a tenth
+    of the heartbeat timeout): each step reads every rank, and at 16,384 ranks one costs
+    10-60 ms, so a step every ``tick_s`` left the thread too little time to read the frames
+    (265 of 32,768 frames/s handled, every rank taken for silent: docs/RESULTS.md). Silence
+    is still judged within a tenth of its timeout; anything else (a death, a fault, an
+    answer) is decided at once."""
+    return max(ctl.tick_s, min(ROUTINE_STEP_GAP * ctl.decision_cost_s, ctl.config.heartbeat_timeout_s / 10))
 
 
 def credit_busy(ctl: Controller, busy_s: float, now: float) -> None:
