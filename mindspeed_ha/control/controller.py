@@ -411,11 +411,11 @@ class Controller:
 
         While the job runs and only heartbeats, status reports and registrations arrived
         since the last step (nothing any decision reads but silence, judged by the clock), it runs
-        at most every ``tick_s``: each step reads every rank (O(N)), and at thousands of
+        at most every :func:`routine_gap`: each step reads every rank (O(N)), and at thousands of
         ranks one per batch of frames would cost more than the frames. Likewise, while frames
         are still queued after a turn (thousands of STOPPED, FAULT or ACTION_RESULT answers
-        arriving at once), the step waits until they are read or ``tick_s`` passed (16,384
-        ranks: 64 steps of O(N) per round otherwise).
+        arriving at once), the step waits until they are read or :func:`routine_gap` passed
+        (16,384 ranks: 64 steps of O(N) per round otherwise).
         """
         self.codec.reject_log.flush(now)
         self.transport_rejected.flush(now)
@@ -424,9 +424,8 @@ class Controller:
         if self.subhealth is not None:
             self.subhealth.tick(self, now)
         since = None if self._last_decision_at is None else now - self._last_decision_at
-        recent = since is not None and since < self.tick_s
-        if recent and not self.server.input_empty:
-            return
+        if since is not None and not self.server.input_empty and since < routine_gap(self):
+            return  # more answers are queued: one step once they are read (or the gap passed)
         if not self._news and self.state.phase is Phase.RUNNING and since is not None and since < routine_gap(self):
             return  # nothing but heartbeats, status and registrations since the last step
         self._news = False
@@ -447,13 +446,14 @@ class Controller:
 
 
 def routine_gap(ctl: Controller) -> float:
-    """Seconds between two decision steps of ``ctl`` while only routine frames arrive:
-    ``tick_s``, or ``ROUTINE_STEP_GAP`` times the last step's cost if more (at most a tenth
-    of the heartbeat timeout): each step reads every rank, and at 16,384 ranks one costs
-    10-60 ms, so a step every ``tick_s`` left the thread too little time to read the frames
-    (265 of 32,768 frames/s handled, every rank taken for silent: docs/RESULTS.md). Silence
-    is still judged within a tenth of its timeout; anything else (a death, a fault, an
-    answer) is decided at once."""
+    """Seconds between two decision steps of ``ctl`` while only routine frames arrive, or
+    while frames are still queued after a turn: ``tick_s``, or ``ROUTINE_STEP_GAP`` times the
+    last step's cost if more (at most a tenth of the heartbeat timeout): each step reads
+    every rank, and at 16,384 ranks one costs 10-60 ms, so a step every ``tick_s`` left the
+    thread too little time to read the frames (265 of 32,768 frames/s handled, every rank
+    taken for silent; a UCE round's loop 2.2-2.6 -> 1.5 CPU-s: docs/RESULTS.md). Silence is
+    still judged within a tenth of its timeout; a death, a fault or an answer is decided as
+    soon as the queued frames are read."""
     return max(ctl.tick_s, min(ROUTINE_STEP_GAP * ctl.decision_cost_s, ctl.config.heartbeat_timeout_s / 10))
 
 
