@@ -266,3 +266,34 @@ def test_a_node_beat_counts_only_for_the_relays_own_live_ranks():
     assert ctl.beat_unknown == 1 and ctl.node_beats == 1
     with pytest.raises(wire.WireError):
         wire.NodeBeat(0, [b"x" * 256])
+
+
+def test_a_relayed_close_is_a_death_once_its_batch_is_handled():
+    """A relay reports a close after that connection's last frames, on the same connection:
+    the controller takes it as the rank's death at the end of the turn that read it, its
+    GOODBYE (read before) handled first, without waiting for the ROUTER to be read empty
+    (another rank's flood keeps it busy here; at 16,384 ranks that wait was 2 s)."""
+    from test_controller_scale import Clock, SlowRouter
+
+    from mindspeed_ha.control.server import MAX_FRAMES_PER_TURN
+
+    clock = Clock()
+    ctl = Controller(CFG, 4, "127.0.0.1", 0, tick_s=0.05, clock=clock)  # never started: no socket
+    router = SlowRouter(clock)
+    ctl._router = router
+    out = {r: wire.Codec(KEY, wire.new_sender("processor", r)) for r in range(4)}
+    ident = {r: (b"n0", b"r%d" % r) for r in range(4)}
+    for r in range(4):
+        router.push(ident[r], out[r].encode(wire.Register(r, 4, 100 + r, "h", Layout(), None, "run")))
+    ctl._turn()
+    assert len(ctl.state.ranks) == 4
+    router.push(ident[1], out[1].encode(wire.Goodbye(1, 0)))
+    router.push(ident[1], b"")  # rank 1: GOODBYE, then its local connection closes
+    router.push(ident[2], b"")  # rank 2: its process is gone
+    for _ in range(2 * MAX_FRAMES_PER_TURN):  # rank 3 floods: the ROUTER is not read empty in this turn
+        router.push(ident[3], out[3].encode(wire.Heartbeat(3, 0, "updated")))
+    clock.t += 0.1
+    ctl._turn()
+    assert any(router.queues.values()), "the flood was read in one turn: the test proves nothing"
+    assert not ctl.state.ranks[2].alive and ctl.state.ranks[2].dead_reason == "control connection closed"
+    assert "goodbye" in ctl.state.ranks[1].dead_reason, ctl.state.ranks[1].dead_reason
