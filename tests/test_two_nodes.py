@@ -164,6 +164,8 @@ def test_lost_node0_controller_fails_over_and_node0_rejoins(tmp_path, baseline):
         log = job.output(0)[-6000:] + "\n----- node 1 -----\n" + job.output(1)[-8000:]
         assert (c0, c1) == (0, 0), log
         assert "this launcher (node 1) leads term 1" in job.output(1), log
+        # node 1's relay followed the successor (before: it ended and its ranks went direct)
+        assert "relay: connected to the leader of term 1" in job.output(1), log
         assert "ranks [0, 1] start as incarnations [1, 1] and rejoin it" in job.output(0), log
         # Ranks 2 and 3 carry out the successor's rejoin plan (above: exit 0, the rejoin done, the
         # losses below). Whether the lost controller's RETRY reached them before node 0 died

@@ -36,7 +36,7 @@ it, the fault a rank waits on first) and forwards what waited. No successor with
 rank behind it goes on as a directly connected rank (``link.ControlLink``: CURVE to the
 controller, or to the next leader of the lease directory); a rank also leaves a relay that
 has not reached a leader the rank sees in the lease directory within
-``link.RELAY_FOLLOW_GRACE`` of the loss budget. A rank that finds no relay socket at
+``link.RELAY_FOLLOW_GRACE`` x its ``lost_after_s``. A rank that finds no relay socket at
 start-up (e.g. started without ``mindspeed-ha-run``) connects directly.
 """
 
