@@ -198,12 +198,50 @@ def test_ranks_leave_a_relay_that_does_not_reach_the_new_leader(closing, monkeyp
     """The relay follows a lease directory where no successor appears (it cannot reach the
     leader the ranks see): after RELAY_FOLLOW_GRACE of their loss budget the ranks connect
     to term 1's leader directly and register, before its takeover window ends."""
-    cfg = dataclasses.replace(CFG, heartbeat_timeout_s=6.0)  # the ranks' grace: 1.5 s
+    cfg = dataclasses.replace(CFG, heartbeat_timeout_s=4.0)  # the ranks' grace: 1 s; the takeover window 4 s
     j = _failover(closing, monkeypatch, short_tmp, cfg, short_tmp / "elsewhere")
     _wait(lambda: _registered_with(j, relayed=False), "the ranks did not register with the successor directly")
     assert j.relay.followed == 0 and all(p.link.relay is None for p in j.procs)
     assert not any(i.dead_reason for i in j.ctl.state.ranks.values())
     _end_cleanly(j)
+
+
+def test_frames_sent_while_the_relay_follows_wait_and_reach_the_new_leader(closing, monkeypatch, short_tmp):
+    """A frame a rank sends between the relay's two notices is not lost: it waits on the
+    relay's socket and is the first the new leader gets from that rank (its REGISTER, sent
+    once, is answered by the successor)."""
+    from mindspeed_ha.control.lease import LeaseDir, Term
+    from mindspeed_ha.control.relay import NOTICE_CLOSED, NOTICE_OPEN
+
+    lease = LeaseDir(str(short_tmp / "lease"), KEY)
+    first = Controller(CFG, 1, "127.0.0.1", 0, tick_s=0.01).start()
+    closing.callback(first.stop)
+    assert lease.take(Term(0, "127.0.0.1", first.port, 0, 0, os.getpid()))
+    relay = NodeRelay(CFG.max_message_bytes, KEY, "127.0.0.1", first.port, 0, directory=str(short_tmp),
+                      lease=lease, term=0, follow_s=60.0).open()
+    closing.callback(relay.close)
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    closing.callback(wire.close_all, ctx, raw)
+    wire.configure_socket(raw, CFG.max_message_bytes)
+    raw.connect(relay.endpoint)
+    codec, rx = wire.Codec(KEY, wire.new_sender("rank", 0)), wire.Codec(KEY, "t")
+    reg = wire.Register(0, 1, os.getpid(), "h", Layout(), None, "")
+    raw.send(codec.encode(reg))
+    assert raw.poll(10000) and rx.decode(raw.recv()).body.accepted
+    second = Controller(CFG, 1, "127.0.0.1", 0, tick_s=0.01)
+    second.take_over(first.roster())
+    closing.callback(second.stop)
+    second.start()
+    first.stop()
+    assert raw.poll(10000) and raw.recv() == NOTICE_CLOSED
+    raw.send(codec.encode(reg))  # while the relay follows: waits on its socket
+    assert not raw.poll(300)
+    assert lease.take(Term(1, "127.0.0.1", second.port, 0, 1, os.getpid()))
+    assert raw.poll(10000) and raw.recv() == NOTICE_OPEN
+    assert raw.poll(10000) and rx.decode(raw.recv()).body.accepted  # the successor answered the waiting REGISTER
+    assert second.state.ranks[0].sender == codec.sender and isinstance(second.server.ident[0], tuple)
+    assert relay.followed == 1
 
 
 def test_register_resend_waits_longer_in_a_larger_job():

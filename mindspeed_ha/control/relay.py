@@ -336,6 +336,8 @@ class NodeRelay:
     def _resume(self, poller) -> None:
         """A leader reached after a close: the ranks register again; what waited is forwarded."""
         self.followed += 1
+        # the local connections that closed meanwhile, before a frame of a new one on a reused descriptor
+        self._report_closed(self._events(self._local_mon, values=True))
         self._notify(NOTICE_OPEN)
         for sock in (self._local, self._local_mon):
             poller.register(sock, zmq.POLLIN)
