@@ -397,7 +397,8 @@ class ControlLink:
         self._register_now = True
         with self._outbox.cond:
             self._proto.resend_fault_locked()
-        log.warning("rank %d: the node relay reached a leader; registering again through it", self.rank)
+        log.warning("rank %d: the node relay reached a leader; following the leader through it (registering "
+                    "again)", self.rank)
 
     def _drain_monitor(self) -> None:
         """Connection events: a close starts the loss clock, a new authenticated connection stops it."""
@@ -475,8 +476,9 @@ class ControlLink:
                 self._leader_seen_at = now
             if now - self._leader_seen_at <= RELAY_FOLLOW_GRACE * self.lost_after_s:
                 return False
-            log.warning("rank %d: the node relay did not reach the leader of term %d at %s:%s within %.1f s",
-                        self.rank, cur.term, cur.host, cur.port, now - self._leader_seen_at)
+            log.warning("rank %d: the node relay has not reached a leader within %.1f s; following the leader of "
+                        "term %d at %s:%s directly (node %d)", self.rank, now - self._leader_seen_at, cur.term,
+                        cur.host, cur.port, cur.node_rank)
             self.addr, self.port, self._term = cur.host, cur.port, cur.term
             self._leave_relay(now)
             return True

@@ -25,7 +25,7 @@ a closed TCP connection of a rank. (Transport framing only: no message type or f
 added to :mod:`wire`.)
 
 When the controller connection closes after it was made, with a lease directory
-(controller failover), the relay follows the leader: it sends every rank behind it
+(controller failover) and ranks connected, the relay follows the leader: it sends every rank behind it
 :data:`NOTICE_CLOSED` (their loss clock starts, as a direct rank's does at a close), stops
 reading its local socket (what the ranks send meanwhile waits there, in order), connects
 to the leader of a higher term the lease directory names (its entries are HMAC'd with the
@@ -287,7 +287,10 @@ class NodeRelay:
                                 self._resume(poller)
                         elif evt == zmq.EVENT_DISCONNECTED and connected:
                             connected = False
-                            if self.lease is not None and self.follow_s > 0:
+                            for event, fd in self._events(self._local_mon, values=True):  # who is still here
+                                if event == zmq.EVENT_DISCONNECTED:  # (nobody to report a close to now)
+                                    self._sub_of_fd.pop(fd, None)
+                            if self.lease is not None and self.follow_s > 0 and self._sub_of_fd:
                                 closed_at = time.monotonic()
                                 self._forward_down()  # what the lost leader sent goes before the notice
                                 self._pause(poller)
