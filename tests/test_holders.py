@@ -25,9 +25,13 @@ def layout_of(r, tp, pp, dp, replicas):
                   instance_id=d // per, shard_id=d % per)
 
 
-def random_info(rng, r, lay, it):
+#: how far a rank's iteration is from the job's: one pattern per job (all alike, some ahead, some behind)
+SPREADS = ((0,), (0, 0, 0, 1), (0, 0, 0, -1), (0, 1, -1), (0, 0, 0, 0, 1, 2))
+
+
+def random_info(rng, r, lay, it, spread=(0, 0, 0, 0, 1, 2)):
     info = RankInfo(rank=r, layout=lay, stopped=rng.random() < 0.95, status=rng.choice(STATUSES),
-                    iteration=it - rng.choice((0, 0, 0, 0, 1, 2)))
+                    iteration=it - rng.choice(spread))
     if rng.random() < 0.1:
         info.alive, info.dead_reason = False, "killed"
     if rng.random() < 0.05:
@@ -46,8 +50,8 @@ def random_job(rng):
     replicas = rng.choice((1, 2, 3))
     dp = replicas * rng.choice((1, 2, 4))
     world = tp * pp * dp
-    it = rng.randrange(0, 20)
-    return {r: random_info(rng, r, layout_of(r, tp, pp, dp, replicas), it) for r in range(world)}
+    it, spread = rng.randrange(2, 20), rng.choice(SPREADS)
+    return {r: random_info(rng, r, layout_of(r, tp, pp, dp, replicas), it, spread) for r in range(world)}
 
 
 def table_of(rng, infos):

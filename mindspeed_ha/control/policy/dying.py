@@ -208,21 +208,29 @@ def _at_highest(holders: Mapping[ShardKey, List[RankInfo]], n_shards: int, unava
     tries every candidate, as :func:`select_by_scan` does."""
     updated, uce = OptimizerStatus.UPDATED, FaultKind.UCE
     use: Dict[ShardKey, List[RankInfo]] = {}
-    k = None
+    k = lowest = highest = None
     for key, hs in holders.items():
         u = [h for h in hs if h.alive and h.stopped and h.status is updated and h.fault is not uce
              and h.rank not in unavailable]
         if not u:
             return None
-        top = max(h.iteration for h in u)
+        its = [h.iteration for h in u]
+        top, bottom = max(its), min(its)
         if k is None or top < k:
             k = top
+        if lowest is None or bottom < lowest:
+            lowest = bottom
+        if highest is None or top > highest:
+            highest = top
         use[key] = u
     if k is None:
         return None
-    at_k = {key: [h for h in u if h.iteration == k] for key, u in use.items()}
-    if not all(at_k.values()):
-        return None
+    if lowest == highest:  # every usable holder is at k (the usual case): nothing to filter
+        at_k = use
+    else:
+        at_k = {key: [h for h in u if h.iteration == k] for key, u in use.items()}
+        if not all(at_k.values()):
+            return None
     if not verified:
         return _plan(k, at_k, n_shards)
     verdict = integrity.screen(k, at_k)
