@@ -67,7 +67,7 @@ def table_of(rng, infos):
 def test_same_savers_as_the_scan_on_random_layouts_and_deaths():
     rng = random.Random(19)
     plans = 0
-    for _ in range(600):
+    for _ in range(300):
         infos = random_job(rng)
         table = table_of(rng, infos)
         unavailable = {r: "silent" for r in infos if rng.random() < 0.05}
@@ -75,7 +75,7 @@ def test_same_savers_as_the_scan_on_random_layouts_and_deaths():
             got = select_dying_checkpoint(table, unavailable, verified=verified)
             assert got == select_by_scan(dict(infos), unavailable, verified=verified)
             plans += isinstance(got, DumpPlan)
-    assert plans > 200  # most cases have a plan: the table's own path is what is compared
+    assert plans > 100  # most cases have a plan: the table's own path is what is compared
 
 
 def test_same_savers_after_rejoin_and_switch():
