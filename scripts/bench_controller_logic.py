@@ -13,7 +13,17 @@ ranks' own encoding is outside) for registration, one simulated second of steady
 at 1 step/s, a UCE -> the RETRY plan at every rank, and a death -> STOP at every survivor
 and -> the dying checkpoint committed; and false deaths.
 
+``--decisions``: the dying checkpoint's decision alone, per step, for the same layout with
+one rank dead (the best of ``--repeat`` runs, CPU-ms of the thread): the savers' selection from
+the ranks as the controller keeps them (``select_dying_checkpoint``, reading the parts'
+holder table kept at registration) and, for comparison, the same selection grouping every
+rank again (``select_by_scan``, what it did before); the DUMP action's params as sent
+(the whole plan, as the decision carries it, and each saver's own part, encoded as wire
+frames: bytes of the largest); the reason's length; the roster's payload (bytes, and the
+time to make it on the writer thread).
+
     PYTHONPATH=$PWD python scripts/bench_controller_logic.py --ranks 1024 4096 16384
+    PYTHONPATH=$PWD python scripts/bench_controller_logic.py --decisions --ranks 1024 4096 16384
 """
 
 from __future__ import annotations
@@ -121,10 +131,63 @@ def one(n: int) -> dict:
     return out
 
 
+def decisions(n: int, repeat: int) -> dict:
+    """The dying checkpoint's decision steps at ``n`` ranks (see the module's docstring)."""
+    import test_controller_scale as h
+
+    from mindspeed_ha.control import wire
+    from mindspeed_ha.control.failover import roster_entry
+    from mindspeed_ha.control.policy.dying import select_dying_checkpoint
+    from mindspeed_ha.control.state import ClusterState, OptimizerStatus, RankInfo
+
+    try:  # a tree before the holder table (the "before" of RESULTS) has no scan to compare with
+        from mindspeed_ha.control.policy.dying import select_by_scan
+    except ImportError:
+        select_by_scan = select_dying_checkpoint
+    h.WORLD, h.DP = n, n // (h.TP * h.PP)
+    ranks = ClusterState(world_size=n).ranks  # the controller's own container
+    for r in range(n):  # as the controller's registrations fill it
+        ranks[r] = RankInfo(r, h.layout(r), status=OptimizerStatus.UPDATED, iteration=10, stopped=True, pid=r,
+                            host=f"node{r // 8}", save_dir="/save")
+    victim = n // 3 + 1
+    ranks[victim].alive = False
+    gone = {victim: "exited with -9"}
+
+    def best(fn):
+        times = []
+        for _ in range(repeat):
+            t = time.thread_time()
+            out = fn()
+            times.append(time.thread_time() - t)
+        return out, round(min(times) * 1e3, 2)
+
+    plan, out_table = best(lambda: select_dying_checkpoint(ranks, gone))
+    ref, out_scan = best(lambda: select_by_scan(ranks, gone))
+    assert plan == ref, "the table's selection differs from the scan's"
+    codec = wire.Codec(h.KEY, "controller")
+    savers = plan.savers()
+    whole, t_whole = best(lambda: codec.encode(wire.Action(1, "dump", plan.to_params("/save"))))
+    own, t_own = best(lambda: [codec.encode(wire.Action(1, "dump", p))
+                               for p in plan.params_by_rank("/save", savers).values()])
+    entries = {r: roster_entry(i) for r, i in ranks.items()}
+    payload, t_roster = best(lambda: ('{"ranks": {' + ", ".join(entries[r] for r in ranks) + '}, "recoveries": []}')
+                             .encode())
+    return {"ranks": n, "savers": len(savers), "select_table_ms": out_table, "select_scan_ms": out_scan,
+            "dump_whole_plan_bytes": len(whole), "dump_whole_plan_encode_ms": t_whole,
+            "dump_per_saver_bytes_max": max(len(f) for f in own), "dump_all_savers_encode_ms": t_own,
+            "reason_chars": len(plan.reason), "roster_bytes": len(payload), "roster_payload_ms": t_roster}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument("--decisions", action="store_true", help="the dying checkpoint's decision steps alone")
+    ap.add_argument("--repeat", type=int, default=5, help="--decisions: runs of each step (the best is given)")
     ns = ap.parse_args()
+    if ns.decisions:
+        for n in ns.ranks:
+            print(json.dumps(dict(decisions(n, ns.repeat), load=os.getloadavg()[0])), flush=True)
+        return
     import logging
 
     # the controller's log at INFO, as a job runs it (its cost counts), discarded

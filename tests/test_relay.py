@@ -8,6 +8,7 @@ to the user, and ranks whose relay is gone go on connected directly. Teardown an
 checks are test_control's fixtures.
 """
 
+import dataclasses
 import os
 import pathlib
 import shutil
@@ -128,6 +129,119 @@ def test_ranks_go_direct_when_their_relay_is_gone(closing, monkeypatch, short_tm
         p.close(0)
     out = j.ctl.wait_done(10)
     assert out.phase is Phase.DONE and out.exit_code is None and out.fault_rank is None, out.reason
+
+
+def _failover(stack, monkeypatch, short_tmp, cfg, relay_lease_dir):
+    """A relayed job led by term 0's controller, then term 0's controller gone and term 1's
+    (a successor started from its roster) in the lease directory the ranks read; the relay
+    reads ``relay_lease_dir`` (the same one, or one where no successor ever appears)."""
+    from mindspeed_ha.control.lease import LeaseDir, Term
+
+    lease = LeaseDir(str(short_tmp / "lease"), KEY)
+    monkeypatch.setenv(ha_env.LEASE_DIR, lease.path)
+    first = Controller(cfg, WORLD, "127.0.0.1", 0, tick_s=0.01).start()
+    stack.callback(first.stop)
+    assert lease.take(Term(0, "127.0.0.1", first.port, 0, 0, os.getpid()))
+    relay_lease = lease if relay_lease_dir is None else LeaseDir(str(relay_lease_dir), KEY)
+    relay = NodeRelay(cfg.max_message_bytes, KEY, "127.0.0.1", first.port, 0, directory=str(short_tmp),
+                      lease=relay_lease, term=0, follow_s=60.0).open()
+    stack.callback(relay.close)
+    monkeypatch.setenv(ha_env.RELAY, relay.path)
+    j = Job(stack, cfg=cfg, ctl=first)
+    j.relay = relay
+    j.step(1)
+    _wait(lambda: all(first.state.ranks[r].iteration == 1 for r in range(WORLD)), "iteration 1 not reported")
+    second = Controller(cfg, WORLD, "127.0.0.1", 0, tick_s=0.01)
+    second.take_over(first.roster())
+    stack.callback(second.stop)
+    second.start()
+    first.stop()  # the leader's process is gone: the relay's connection to it closes
+    assert lease.take(Term(1, "127.0.0.1", second.port, 0, 1, os.getpid()))
+    j.ctl = second
+    return j
+
+
+def _registered_with(j, relayed):
+    """Every rank registered with ``j.ctl`` (a processor's REGISTER, not the roster's entry),
+    on a relayed connection ``(relay, sub)`` or a direct one."""
+    ctl = j.ctl
+    return all(j.procs[r].link.registered.is_set() and r in ctl.state.ranks and ctl.state.ranks[r].sender
+               and isinstance(ctl.server.ident.get(r), tuple if relayed else bytes) for r in range(WORLD))
+
+
+def _end_cleanly(j):
+    j.step(2)
+    for p in j.procs:
+        p.close(0)
+    out = j.ctl.wait_done(20)
+    assert out.phase is Phase.DONE and out.exit_code is None and out.fault_rank is None, out.reason
+    assert all(not j.ctl.state.ranks[r].dead_reason or "goodbye" in j.ctl.state.ranks[r].dead_reason
+               for r in range(WORLD)), {r: i.dead_reason for r, i in j.ctl.state.ranks.items()}
+
+
+def test_the_relay_follows_a_new_leader_and_its_ranks_stay_on_it(closing, monkeypatch, short_tmp):
+    """Controller failover: the relay's controller connection closes, it tells its ranks,
+    connects to term 1's leader (the lease directory's, CURVE with the job's keys) and the
+    ranks register with it again through the relay: no rank taken for dead, none left the
+    relay, the job ends normally under the successor (before: the relay ended and every
+    rank connected directly)."""
+    cfg = dataclasses.replace(CFG, heartbeat_timeout_s=20.0)  # the relay's grace: 5 s (load), takeover 20 s
+    j = _failover(closing, monkeypatch, short_tmp, cfg, None)
+    _wait(lambda: _registered_with(j, relayed=True), "the ranks did not register with the successor via the relay")
+    assert j.relay.followed == 1 and j.relay.ended is None
+    assert all(p.link.relay == j.relay.path and p.link.handshakes == 1 for p in j.procs)  # never left the relay
+    assert not any(i.dead_reason for i in j.ctl.state.ranks.values())
+    _end_cleanly(j)
+
+
+def test_ranks_leave_a_relay_that_does_not_reach_the_new_leader(closing, monkeypatch, short_tmp):
+    """The relay follows a lease directory where no successor appears (it cannot reach the
+    leader the ranks see): after RELAY_FOLLOW_GRACE of their loss budget the ranks connect
+    to term 1's leader directly and register, before its takeover window ends."""
+    cfg = dataclasses.replace(CFG, heartbeat_timeout_s=4.0)  # the ranks' grace: 1 s; the takeover window 4 s
+    j = _failover(closing, monkeypatch, short_tmp, cfg, short_tmp / "elsewhere")
+    _wait(lambda: _registered_with(j, relayed=False), "the ranks did not register with the successor directly")
+    assert j.relay.followed == 0 and all(p.link.relay is None for p in j.procs)
+    assert not any(i.dead_reason for i in j.ctl.state.ranks.values())
+    _end_cleanly(j)
+
+
+def test_frames_sent_while_the_relay_follows_wait_and_reach_the_new_leader(closing, monkeypatch, short_tmp):
+    """A frame a rank sends between the relay's two notices is not lost: it waits on the
+    relay's socket and is the first the new leader gets from that rank (its REGISTER, sent
+    once, is answered by the successor)."""
+    from mindspeed_ha.control.lease import LeaseDir, Term
+    from mindspeed_ha.control.relay import NOTICE_CLOSED, NOTICE_OPEN
+
+    lease = LeaseDir(str(short_tmp / "lease"), KEY)
+    first = Controller(CFG, 1, "127.0.0.1", 0, tick_s=0.01).start()
+    closing.callback(first.stop)
+    assert lease.take(Term(0, "127.0.0.1", first.port, 0, 0, os.getpid()))
+    relay = NodeRelay(CFG.max_message_bytes, KEY, "127.0.0.1", first.port, 0, directory=str(short_tmp),
+                      lease=lease, term=0, follow_s=60.0).open()
+    closing.callback(relay.close)
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    closing.callback(wire.close_all, ctx, raw)
+    wire.configure_socket(raw, CFG.max_message_bytes)
+    raw.connect(relay.endpoint)
+    codec, rx = wire.Codec(KEY, wire.new_sender("rank", 0)), wire.Codec(KEY, "t")
+    reg = wire.Register(0, 1, os.getpid(), "h", Layout(), None, "")
+    raw.send(codec.encode(reg))
+    assert raw.poll(10000) and rx.decode(raw.recv()).body.accepted
+    second = Controller(CFG, 1, "127.0.0.1", 0, tick_s=0.01)
+    second.take_over(first.roster())
+    closing.callback(second.stop)
+    second.start()
+    first.stop()
+    assert raw.poll(10000) and raw.recv() == NOTICE_CLOSED
+    raw.send(codec.encode(reg))  # while the relay follows: waits on its socket
+    assert not raw.poll(300)
+    assert lease.take(Term(1, "127.0.0.1", second.port, 0, 1, os.getpid()))
+    assert raw.poll(10000) and raw.recv() == NOTICE_OPEN
+    assert raw.poll(10000) and rx.decode(raw.recv()).body.accepted  # the successor answered the waiting REGISTER
+    assert second.state.ranks[0].sender == codec.sender and isinstance(second.server.ident[0], tuple)
+    assert relay.followed == 1
 
 
 def test_register_resend_waits_longer_in_a_larger_job():

@@ -15,6 +15,13 @@ directory (controller failover) the link follows the leader of a higher term as 
 one appears and registers again. If no controller answers within another
 ``heartbeat_timeout_s / 2`` (plus two leases with failover), the controller is lost:
 logged once, and the processor's ``on_lost`` runs.
+
+Through a node relay (:mod:`relay`) the same clock runs on the relay's notices: its
+controller connection closed (:data:`relay.NOTICE_CLOSED`: the clock starts, nothing but
+the notices is expected until) it reached a leader (:data:`relay.NOTICE_OPEN`: register
+again through it, the fault this rank waits on first). A relay that has not reached the
+leader this rank sees in the lease directory within ``RELAY_FOLLOW_GRACE * lost_after_s``,
+or whose own socket closes, is left: the rank connects directly.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import zmq
 from mindspeed_ha.control import auth, wire
 from mindspeed_ha import env as ha_env
 from mindspeed_ha.control.lease import LeaseDir, lease_seconds
-from mindspeed_ha.control.relay import usable_socket
+from mindspeed_ha.control.relay import NOTICE_CLOSED, NOTICE_OPEN, usable_socket
 
 #: the processor's logger: every line of the rank's control plane keeps the name operators and tests filter on
 log = logging.getLogger("mindspeed_ha.control.processor")
@@ -44,6 +51,9 @@ CONNECTION_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 GOODBYE_LINGER_MS = 500
 #: seconds between two looks into the lease directory while the control connection is closed
 LEASE_POLL_S = 0.25
+#: a relayed rank that sees a new leader in the lease directory while its relay follows a
+#: failover waits this share of ``lost_after_s`` for the relay to reach it, then connects directly
+RELAY_FOLLOW_GRACE = 0.5
 
 
 #: ranks of a job per second of the first REGISTER re-send's mean delay (RegisterBackoff.for_job)
@@ -200,12 +210,16 @@ class ControlLink:
             if cur is not None:  # e.g. a rank restarted after its node was lost: the leader moved
                 self.addr, self.port, self._term = cur.host, cur.port, cur.term
         #: the node relay's socket this rank's frames go through (None: a direct connection,
-        #: chosen at start-up; the rank goes direct for good when the relay's connection closes)
+        #: chosen at start-up; the rank goes direct for good when the relay's socket closes)
         relay_path = os.environ.get(ha_env.RELAY)
         self.relay: Optional[str] = relay_path if usable_socket(relay_path) else None
         if relay_path and relay_path != "0" and self.relay is None:
             log.warning("rank %d: %s=%s is not a relay socket of this user (0600 socket in a 0700 directory); "
                         "connecting to the controller directly", rank, ha_env.RELAY, relay_path)
+        #: the relay's controller connection closed at (its NOTICE_CLOSED; None: open), and
+        #: when this rank saw a higher term's leader meanwhile (I/O thread only)
+        self.relay_closed_at: Optional[float] = None
+        self._leader_seen_at: Optional[float] = None
         self.registered = threading.Event()
         self.register_attempts = 0  # REGISTER frames sent (I/O thread only)
         self.handshakes = 0  # authenticated connections made so far (I/O thread only)
@@ -314,7 +328,7 @@ class ControlLink:
                 if self._register_now and not registered:
                     next_register = now
                 self._register_now = False
-                if not lost and not registered and now >= next_register:
+                if not lost and not registered and now >= next_register and self.relay_closed_at is None:
                     self.register_attempts += 1
                     log.debug("rank %d: REGISTER #%d to %s:%s", self.rank, self.register_attempts, self.addr,
                               self.port)
@@ -326,6 +340,8 @@ class ControlLink:
                     next_hb = now + hb
                 self._check_controller(now)
                 wake_at = next_hb if self.registered.is_set() else next_register
+                if self.relay_closed_at is not None:  # nothing to send until the relay's notice
+                    wake_at = now + LEASE_POLL_S
                 if self.disconnected_at is not None and self.controller_lost_at is None:
                     wake_at = min(wake_at, self.disconnected_at + self._lost_after(),
                                   now + LEASE_POLL_S if self._lease is not None else wake_at)
@@ -350,9 +366,39 @@ class ControlLink:
                 frame = self.sock.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            if self.relay is not None and len(frame) <= len(NOTICE_CLOSED) and frame.bytes in (NOTICE_CLOSED,
+                                                                                                   NOTICE_OPEN):
+                self._relay_notice(frame.bytes, time.monotonic())
+                continue
             msg = self.codec.try_decode(frame.buffer, peer="controller")
             if msg is not None and self.controller_lost_at is None:
                 self._handle(msg)
+
+    def _relay_notice(self, notice: bytes, now: float) -> None:
+        """The relay's controller connection closed (the loss clock starts) or reached a
+        leader (register again through it at once, the awaited fault first)."""
+        if self.controller_lost_at is not None:
+            return
+        if notice == NOTICE_CLOSED:
+            if self.relay_closed_at is None:
+                self.relay_closed_at = now
+                if self.registered.is_set() and self.disconnected_at is None:
+                    self.disconnected_at = now
+                self.registered.clear()
+                log.warning("rank %d: the node relay's connection to the controller at %s:%s closed; waiting up to "
+                            "%.1f s for it to reach a leader", self.rank, self.addr, self.port, self._lost_after())
+            return
+        if self.relay_closed_at is None:
+            return
+        self.relay_closed_at = self._leader_seen_at = None
+        if self.disconnected_at is not None:
+            self.disconnected_at = now  # until the leader answers REGISTER (or the loss deadline)
+        self.registered.clear()
+        self._register_now = True
+        with self._outbox.cond:
+            self._proto.resend_fault_locked()
+        log.warning("rank %d: the node relay reached a leader; following the leader through it (registering "
+                    "again)", self.rank)
 
     def _drain_monitor(self) -> None:
         """Connection events: a close starts the loss clock, a new authenticated connection stops it."""
@@ -390,6 +436,7 @@ class ControlLink:
         (a closed connection to it then runs the usual loss clock and lease following), and
         register again at once; the fault the training thread waits on goes first."""
         relay, self.relay = self.relay, None
+        self.relay_closed_at = self._leader_seen_at = None
         try:
             self.sock.disconnect(f"ipc://{relay}")
         except zmq.ZMQError:
@@ -424,6 +471,17 @@ class ControlLink:
             return False
         if cur is None or cur.term <= self._term:
             return False
+        if self.relay is not None:  # the relay follows it too: give it RELAY_FOLLOW_GRACE, then go direct
+            if self._leader_seen_at is None:
+                self._leader_seen_at = now
+            if now - self._leader_seen_at <= RELAY_FOLLOW_GRACE * self.lost_after_s:
+                return False
+            log.warning("rank %d: the node relay has not reached a leader within %.1f s; following the leader of "
+                        "term %d at %s:%s directly (node %d)", self.rank, now - self._leader_seen_at, cur.term,
+                        cur.host, cur.port, cur.node_rank)
+            self.addr, self.port, self._term = cur.host, cur.port, cur.term
+            self._leave_relay(now)
+            return True
         try:
             self.sock.disconnect(wire.endpoint(self.addr, self.port))
         except zmq.ZMQError:

@@ -410,8 +410,10 @@ class Processor:
                     log.info("rank %d registered with the controller at %s:%s (REGISTER sent %d times)",
                              self.rank, link.addr, link.port, link.register_attempts)
                 link.registered.set()
-            elif link.registered.is_set() and body.detail.startswith("unregistered"):
-                link.registered.clear()  # a new controller: register again
+            elif body.detail.startswith("unregistered"):  # never the answer to a REGISTER
+                # a new controller: register again (not registered yet: the answer to a frame
+                # sent before this rank's REGISTER, e.g. one a relay held through a failover)
+                link.registered.clear()
             else:
                 link.register_error = body.detail
                 link.registered.set()

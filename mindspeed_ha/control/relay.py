@@ -35,11 +35,20 @@ checked by the controller as before. The controller trusts the relay (it holds t
 key, like any rank) for one thing more: that the ranks a NODE_BEAT names sent it a valid
 HEARTBEAT within the last interval.
 
-When the controller connection closes (the controller's process died, or a failover) the
-relay closes its local socket and ends: every rank behind it sees its connection close and
-goes on as a directly connected rank (``link.ControlLink``: CURVE to the controller, or to
-the next leader of the lease directory). A rank that finds no relay socket at start-up
-(e.g. started without ``mindspeed-ha-run``) connects directly.
+When the controller connection closes after it was made, with a lease directory
+(controller failover) and ranks connected, the relay follows the leader: it sends every rank behind it
+:data:`NOTICE_CLOSED` (their loss clock starts, as a direct rank's does at a close), stops
+reading its local socket (what the ranks send meanwhile waits there, in order), connects
+to the leader of a higher term the lease directory names (its entries are HMAC'd with the
+job key; the connection is CURVE with the job's keys, as a rank's), and once that
+connection is authenticated sends :data:`NOTICE_OPEN` (the ranks register again through
+it, the fault a rank waits on first) and forwards what waited. No successor within
+``follow_s``, or no lease directory: the relay closes its local socket and ends, and every
+rank behind it goes on as a directly connected rank (``link.ControlLink``: CURVE to the
+controller, or to the next leader of the lease directory); a rank also leaves a relay that
+has not reached a leader the rank sees in the lease directory within
+``link.RELAY_FOLLOW_GRACE`` x its ``lost_after_s``. A rank that finds no relay socket at
+start-up (e.g. started without ``mindspeed-ha-run``) connects directly.
 """
 
 from __future__ import annotations
@@ -72,6 +81,11 @@ LEASE_POLL_S = 0.25
 POLL_MS = 100
 #: the longest socket path AF_UNIX takes on Linux (``sizeof(sockaddr_un.sun_path)`` - 1, bytes)
 MAX_SOCKET_PATH = 107
+#: downstream transport notices to every rank behind the relay (never a wire frame: those are
+#: a msgpack map, whose first byte is not 0): the controller connection closed / is open again
+#: to a leader (register again). Sent only while following a failover (see the module doc)
+NOTICE_CLOSED = b"\x00mindspeed-ha-relay:controller-closed"
+NOTICE_OPEN = b"\x00mindspeed-ha-relay:controller-open"
 
 
 def socket_base(directory: Optional[str], node_rank: int) -> str:
@@ -163,6 +177,9 @@ class NodeRelay:
             also the interval of the merged NODE_BEAT.
         merge_heartbeats: send the ranks' heartbeats as one NODE_BEAT per interval (see the
             module doc) instead of forwarding each HEARTBEAT frame.
+        follow_s: with ``lease``, seconds after the controller connection closed within
+            which a leader of a higher term must be reached, else the relay ends (default:
+            ``timeout_ms`` plus two leases, ``lease.lease_seconds()``: a rank's own loss budget).
 
     Raises:
         ConfigError: ZeroMQ without CURVE (from :func:`auth.derive_keys`).
@@ -170,13 +187,21 @@ class NodeRelay:
 
     def __init__(self, max_message_bytes: int, auth_key: bytes, addr: str, port: int, node_rank: int,
                  directory: Optional[str] = None, heartbeat_ms: int = 1000, timeout_ms: int = 5000,
-                 lease=None, term: int = -1, merge_heartbeats: bool = True):
+                 lease=None, term: int = -1, merge_heartbeats: bool = True,
+                 follow_s: Optional[float] = None):
         self.max_message_bytes = max_message_bytes
         self.keys = auth.derive_keys(auth_key)
         self.addr, self.port, self.node_rank = addr, int(port), int(node_rank)
         self.directory = directory
         self.heartbeat_ms, self.timeout_ms = heartbeat_ms, timeout_ms
         self.lease, self.term = lease, int(term)
+        if follow_s is None and lease is not None:
+            from mindspeed_ha.control.lease import lease_seconds
+
+            follow_s = timeout_ms / 1000.0 + 2 * lease_seconds()
+        self.follow_s = float(follow_s or 0.0)
+        #: failovers followed (a new leader reached after the controller connection closed)
+        self.followed = 0
         self.dir: Optional[str] = None
         self.path: Optional[str] = None
         self._ctx: Optional[zmq.Context] = None
@@ -267,6 +292,7 @@ class NodeRelay:
         for s in (self._local, self._up, self._local_mon, self._up_mon):
             poller.register(s, zmq.POLLIN)
         connected = False
+        closed_at: Optional[float] = None  # following a failover since (the local socket is not read)
         next_lease_check = 0.0
         next_beat = time.monotonic() + self.heartbeat_ms / 1000
         try:
@@ -277,15 +303,34 @@ class NodeRelay:
                     self._follow()
                 if self._up_mon in ready:
                     for evt in self._events(self._up_mon):
-                        if evt == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                        if evt == zmq.EVENT_HANDSHAKE_SUCCEEDED and not connected:
                             connected = True
+                            if closed_at is not None:  # a leader reached: the ranks register again through it
+                                closed_at = None
+                                self._resume(poller)
                         elif evt == zmq.EVENT_DISCONNECTED and connected:
+                            connected = False
+                            for event, fd in self._events(self._local_mon, values=True):  # who is still here
+                                if event == zmq.EVENT_DISCONNECTED:  # (nobody to report a close to now)
+                                    self._sub_of_fd.pop(fd, None)
+                            if self.lease is not None and self.follow_s > 0 and self._sub_of_fd:
+                                closed_at = time.monotonic()
+                                self._forward_down()  # what the lost leader sent goes before the notice
+                                self._pause(poller)
+                                continue
                             self.ended = (f"the connection to the controller at {self.addr}:{self.port} closed; the "
                                           "node's ranks connect to the controller directly")
                             # (the job's normal end: no rank is connected any more, nothing to say)
                             log.log(logging.WARNING if self._sub_of_fd else logging.INFO, "node %d: relay: %s",
                                     self.node_rank, self.ended)
                             return
+                if closed_at is not None:
+                    if time.monotonic() - closed_at > self.follow_s:
+                        self.ended = (f"no leader of a term above {self.term} reached within {self.follow_s:.1f} s "
+                                      "of the controller connection's close; the node's ranks connect directly")
+                        log.warning("node %d: relay: %s", self.node_rank, self.ended)
+                        return
+                    continue  # following: nothing is read from the ranks until a leader is reached
                 closed = [e for e in self._events(self._local_mon, values=True)] if self._local_mon in ready else []
                 self._forward_up()
                 if closed:
@@ -308,8 +353,40 @@ class NodeRelay:
                 self._up.close(linger=0)
                 ctx.term()
 
+    def _pause(self, poller) -> None:
+        """The controller connection closed (a failover): tell the ranks, stop reading them."""
+        for sock in (self._local, self._local_mon):
+            poller.unregister(sock)
+        self._notify(NOTICE_CLOSED)
+        log.warning("node %d: relay: the connection to the controller at %s:%s (term %d) closed; following the "
+                    "leader of the lease directory for up to %.1f s (the node's ranks stay on the relay)",
+                    self.node_rank, self.addr, self.port, self.term, self.follow_s)
+
+    def _resume(self, poller) -> None:
+        """A leader reached after a close: the ranks register again; what waited is forwarded."""
+        self.followed += 1
+        # the local connections that closed meanwhile, before a frame of a new one on a reused descriptor
+        self._report_closed(self._events(self._local_mon, values=True))
+        self._notify(NOTICE_OPEN)
+        for sock in (self._local, self._local_mon):
+            poller.register(sock, zmq.POLLIN)
+        log.warning("node %d: relay: connected to the leader of term %d at %s:%s; the node's ranks register again "
+                    "through the relay", self.node_rank, self.term, self.addr, self.port)
+
+    def _notify(self, notice: bytes) -> None:
+        """``notice`` to every rank connected to the local socket."""
+        for sub in self._subs():
+            try:
+                self._local.send_multipart([sub, notice], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # that rank's connection is gone (ROUTER drops unroutable frames)
+
+    def _subs(self) -> List[bytes]:
+        """The local identities of the ranks connected now (by their descriptors)."""
+        return list(dict.fromkeys(self._sub_of_fd.values()))
+
     def _follow(self) -> None:
-        """Not connected yet: point the controller connection at the leader of a higher term."""
+        """Not connected: point the controller connection at the leader of a higher term."""
         try:
             cur = self.lease.current()
         except Exception:  # noqa: BLE001 - never raises by contract; the thread must outlive a surprise

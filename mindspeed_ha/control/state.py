@@ -44,6 +44,7 @@ import enum
 import logging
 from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Tuple
 
+from mindspeed_ha.control.holders import RankTable
 from mindspeed_ha.faults import FaultKind, IllegalTransition
 
 log = logging.getLogger(__name__)
@@ -346,7 +347,9 @@ class ClusterState:
     """
 
     world_size: int
-    ranks: Dict[int, RankInfo] = dataclasses.field(default_factory=dict)
+    #: rank -> RankInfo; a :class:`~mindspeed_ha.control.holders.RankTable`, whose ``holders``
+    #: (part -> its holders) the dying checkpoint's selection reads
+    ranks: Dict[int, RankInfo] = dataclasses.field(default_factory=RankTable)
     phase: Phase = Phase.RUNNING
     phase_since: float = 0.0
     fault: Optional[FaultRecord] = None

@@ -186,10 +186,103 @@ def select_dying_checkpoint(
         DumpPlan, or NoCompleteData whose reason names a missing shard and its holders.
     """
     unavailable = dict(unavailable or {})
+    table = getattr(ranks, "holders", None)  # a RankTable keeps its parts' holders (control/holders.py)
+    found = table.grouped() if table is not None and len(table) == len(ranks) else None
+    if found is None:
+        found = _holders(ranks)
+    if isinstance(found, NoCompleteData):
+        return found
+    holders, n_shards = found
+    plan = _at_highest(holders, n_shards, unavailable, verified)
+    if plan is not None:
+        return plan
+    return _choose(holders, n_shards, unavailable, verified)
+
+
+def _at_highest(holders: Mapping[ShardKey, List[RankInfo]], n_shards: int, unavailable: Mapping[int, str],
+                verified: bool) -> Optional[DumpPlan]:
+    """The plan at the only iteration that can win, when it does: k = the lowest, over the
+    parts, of the highest iteration of a usable holder of that part (a higher k misses
+    that part). One pass over the holders, no sort of the ranks. None when some part has
+    no usable holder at k (or no trustworthy one, ``verified``): :func:`_choose` then
+    tries every candidate, as :func:`select_by_scan` does."""
+    updated, uce = OptimizerStatus.UPDATED, FaultKind.UCE
+    use: Dict[ShardKey, List[RankInfo]] = {}
+    k = lowest = highest = None
+    for key, hs in holders.items():
+        u = [h for h in hs if h.alive and h.stopped and h.status is updated and h.fault is not uce
+             and h.rank not in unavailable]
+        if not u:
+            return None
+        its = [h.iteration for h in u]
+        top, bottom = max(its), min(its)
+        if k is None or top < k:
+            k = top
+        if lowest is None or bottom < lowest:
+            lowest = bottom
+        if highest is None or top > highest:
+            highest = top
+        use[key] = u
+    if k is None:
+        return None
+    if lowest == highest:  # every usable holder is at k (the usual case): nothing to filter
+        at_k = use
+    else:
+        at_k = {key: [h for h in u if h.iteration == k] for key, u in use.items()}
+        if not all(at_k.values()):
+            return None
+    if not verified:
+        return _plan(k, at_k, n_shards)
+    verdict = integrity.screen(k, at_k)
+    clean = {key: [h for h in hs if verdict.eligible(h)] for key, hs in at_k.items()}
+    if all(clean.values()):
+        return _plan(k, clean, n_shards, verdict)
+    return None
+
+
+def select_by_scan(
+    ranks: Mapping[int, RankInfo], unavailable: Optional[Mapping[int, str]] = None, verified: bool = False
+) -> Union[DumpPlan, NoCompleteData]:
+    """:func:`select_dying_checkpoint` as it was before the holder table: the ranks grouped
+    by part again at each call, every candidate iteration tried. Kept as the reference the
+    tests compare the table's selection with (tests/test_holders.py); same arguments, same
+    result.
+
+    The rule, as :func:`select_dying_checkpoint` states it:
+
+    A shard (tp_rank, pp_rank, shard_id) is held by ``replica_count`` ranks (one per
+    optimizer instance). Picks the highest k such that every shard of every (tp, pp)
+    has a usable holder (alive, answered STOP, no UCE, not in ``unavailable``) whose
+    authoritative status is UPDATED at exactly k. UPDATING holders are dirty. With
+    ``verified``, a holder that can verify must also be clean at k (see
+    :mod:`mindspeed_ha.control.integrity`: finite, and its shard and model digests are
+    the trusted ones); the plan then carries the trusted digests.
+
+    Savers: the instance covering the most shards at k is preferred (ties: lowest
+    instance id), so each rank saves at most one shard when possible; otherwise the
+    holder of the lowest instance id, then lowest rank. The model file of (tp, pp) is
+    written by the saver of shard 0, the assembly by the saver of shard 1 (spreading
+    load; shard 0 again if there is one shard), the commit by the model saver of (0, 0).
+
+    Args:
+        ranks: rank -> RankInfo of every registered rank.
+        unavailable: rank -> reason for ranks to exclude (e.g. heartbeat silence).
+        verified: apply the integrity rule (after the VERIFY round).
+
+    Returns:
+        DumpPlan, or NoCompleteData whose reason names a missing shard and its holders.
+    """
+    unavailable = dict(unavailable or {})
     found = _holders(ranks)
     if isinstance(found, NoCompleteData):
         return found
     holders, n_shards = found
+    return _choose(holders, n_shards, unavailable, verified)
+
+
+def _choose(holders: Mapping[ShardKey, List[RankInfo]], n_shards: int, unavailable: Mapping[int, str],
+            verified: bool) -> Union[DumpPlan, NoCompleteData]:
+    """Every candidate iteration, highest first (the rule of :func:`select_dying_checkpoint`)."""
     use = {k: [h for h in hs if usable(h, unavailable)] for k, hs in holders.items()}
     candidates = sorted({h.iteration for hs in use.values() for h in hs}, reverse=True)
     first_failure: Optional[str] = None
@@ -269,10 +362,14 @@ def _plan(k: int, at_k: Dict[ShardKey, List[RankInfo]], n_shards: int,
             coverage[inst] = coverage.get(inst, 0) + 1
     order = sorted(coverage, key=lambda inst: (-coverage[inst], inst))
     rank_of_inst = {inst: i for i, inst in enumerate(order)}
-    shard_savers = {
-        key: min(hs, key=lambda h: (rank_of_inst[h.layout.instance_id], h.rank)).rank
-        for key, hs in sorted(at_k.items())
-    }
+    shard_savers: Dict[ShardKey, int] = {}
+    for key, hs in sorted(at_k.items()):  # the holder of the most preferred instance, then the lowest rank
+        best = (len(order), 0)
+        for h in hs:
+            pref = (rank_of_inst[h.layout.instance_id], h.rank)
+            if pref < best:
+                best = pref
+        shard_savers[key] = best[1]
     model_keys = sorted({(t, p) for t, p, _ in shard_savers})
     model_savers = {mk: shard_savers[(mk[0], mk[1], 0)] for mk in model_keys}
     assemblers = {mk: shard_savers[(mk[0], mk[1], 1 % n_shards)] for mk in model_keys}
@@ -298,4 +395,4 @@ def _plan(k: int, at_k: Dict[ShardKey, List[RankInfo]], n_shards: int,
 
 
 __all__ = ["DumpOrder", "DumpPlan", "ModelKey", "NoCompleteData", "ShardKey", "holder_state",
-           "select_dying_checkpoint", "usable"]
+           "select_by_scan", "select_dying_checkpoint", "usable"]
