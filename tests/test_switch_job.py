@@ -128,7 +128,8 @@ def test_switch_rank_1_then_rank_0_then_a_spare_killed_before_the_commit_point_t
 def test_the_detector_switches_a_slowed_rank_then_the_operator_rank_0_then_the_whole_node_with_replicas(
         tmp_path, baseline):
     run = switch_job.run(str(tmp_path), ["detector:3", "0", "node"],
-                         extra_args=DETECTOR_ARGS + ["--exit-interval", str(END)], env={"MINDSPEED_HA_INJECT": DETECTOR_INJECT})
+                         extra_args=[*DETECTOR_ARGS, "--exit-interval", str(END)],
+                         env={"MINDSPEED_HA_INJECT": DETECTOR_INJECT})
     assert run.returncode == 0, run.output[-6000:]
     assert len(run.replies) == len(run.pids_each) == 3, run.replies
     before = run.pids_before
