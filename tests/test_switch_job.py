@@ -70,9 +70,9 @@ DETECTOR_INJECT = ";".join(("rank=3,iteration=1,point=between,fault=hold",
                             *(f"rank={r},iteration=1,point=forward,fault=slow,sleep={s},incarnation={n}"
                               for (r, n), s in PACED.items())))
 DETECTOR_WINDOWS = 3
-#: 2 s windows: a few iterations each at load 40 (1 s windows held one: a rank descheduled for
-#: 3 s was "1.57x its peers" and flagged); the whole node's three cold starts may take over the
-#: default 60 s to be READY on loaded cores (the job trains on meanwhile)
+#: 2 s windows: a few iterations each at load 40 (1 s windows held about one there: rank 1, not
+#: slowed, was 1.57x its peers for 3 of them and flagged); the whole node's three cold starts
+#: took over the default 60 s to be READY at load 60-85 (the job trains on meanwhile)
 DETECTOR_ARGS = ["--ha-subhealth", "--ha-subhealth-window", "2.0", "--ha-subhealth-windows", str(DETECTOR_WINDOWS),
                  "--ha-subhealth-action", "switch", "--ha-metrics-port", "0", "--ha-connect-timeout", "180"]
 
