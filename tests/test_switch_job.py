@@ -39,10 +39,10 @@ stays a small part of a step (at full pace, 0.04 s steps at load 20, it made ran
 its peers for 3 windows: the detector flagged rank 0 and switched it by itself, an extra
 Subhealth event); the whole node's new processes sleep :data:`PACE_AFTER` s, enough for
 that, so that the job ends sooner. Nothing is held but the slowed rank 3 (a held rank is
-rightly flagged too). Exit 0, after each switch only the switched ranks' PIDs changed, the
-Subhealth / Switch* events and the metrics record them, and the losses are bitwise those of
-the same uninterrupted run (replicas or none: the same numbers,
-tests/test_replica_equivalence.py), which both jobs share.
+rightly flagged too). The job ends at :data:`END` (``--exit-interval``). Exit 0, after each
+switch only the switched ranks' PIDs changed, the Subhealth / Switch* events and the metrics
+record them, and the losses of 1..END are bitwise those of the same uninterrupted run
+(replicas or none: the same numbers, tests/test_replica_equivalence.py), which both jobs share.
 """
 
 import pytest
@@ -61,7 +61,7 @@ SLOW = "rank=3,iteration=1,point=between,fault=slow,sleep=0.3"
 #: and 2: 1, rank 3: 2)
 PACE, PACE_AFTER = 0.3, 0.1
 #: the detector's job ends there (``--exit-interval``; the baseline's schedule of TRAIN_ITERS):
-#: the whole node was switched at iteration 123 on 2 cores at load 35-40, 0.85 s per iteration
+#: the whole node was switched after iteration 123 and 185 in two runs on 2 cores at load 30-40
 END = 300
 PACED = {(0, 0): PACE, (1, 0): PACE, (2, 0): PACE, (3, 0): PACE, (3, 1): PACE, (0, 1): PACE,
          (0, 2): PACE_AFTER, (1, 1): PACE_AFTER, (2, 1): PACE_AFTER, (3, 2): PACE_AFTER}
