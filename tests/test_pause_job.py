@@ -1,38 +1,44 @@
-"""The operator's graceful pause on Megatron-LM's own pretrain_gpt.py (core_v0.12.1, unmodified,
-unpacked from ../shared/third_party) on 4 CPU/gloo ranks (TP1 PP2 DP2), through ``mindspeed-ha-run``.
+"""The operator's graceful pause and hot switch on Megatron-LM's own pretrain_gpt.py (core_v0.12.1,
+unmodified, unpacked from ../shared/third_party) on 4 CPU/gloo ranks (TP1 PP2 DP2), through
+``mindspeed-ha-run``.
 
 One job, driven from the real ``mindspeed-ha`` console entry (subprocesses) in sequence:
-``pause`` (every rank holds after one iteration K1; ``status --json`` shows every rank at
-K1), the CLI with a wrong key (exit 6, the job unaffected: still paused at K1, same PIDs),
-``resume``; the pause tasks, each one command on the running job (pause, task, resume):
+``switch --ranks 3`` (the hot switch of the last pipeline stage's rank, which logs the losses:
+code 0, only rank 3's PID changed, to its new process's; this job runs with
+``--enable-worker-reboot`` and ``MINDSPEED_HA_WARM_SPARES=1``; rank 0 holds after iteration
+:data:`HELD` until the job is pausing for it, so that the new process's start-up costs no
+iterations); ``pause`` (every rank holds after one iteration K1; ``status --json`` shows every
+rank at K1), the CLI with a wrong key (exit 6, the job unaffected: still paused at K1, same
+PIDs), ``resume``; the pause tasks, each one command on the running job (pause, task, resume):
 ``check`` of every test on every rank (code 0, the training state digests equal before and
 after on every rank), ``check`` of rank 1 whose GEMM result the injector flips one bit of
 (code 2 naming rank 1), ``relink --ranks 1 --addr 127.0.0.2`` (rank 1's new groups' gloo device
 listens on 127.0.0.2, seen in its process's sockets) and ``relink --ranks 1 --back`` (127.0.0.2 gone);
-``switch --ranks 3`` (the hot switch of the last pipeline stage's rank, which logs the losses:
-code 0, only rank 3's PID changed, to its new process's; this job runs with
-``--enable-worker-reboot`` and ``MINDSPEED_HA_WARM_SPARES=1``);
 ``pause --max 1`` (resumes by itself: ``status`` shows the job running again and
-the pause's held seconds); ``pause`` a third time and SIGKILL a rank while every rank holds
-at K3: the fault is handled as during a graceful stop, the dying checkpoint of K3, exit 75.
+the pause's held seconds). The job then trains to :data:`END` (Megatron-LM's ``--exit-interval``:
+its own checkpoint of END, written with rank 3's new process) and exits 0, its switched-out
+process having exited 0 and no process restarted.
 Then the same job again with ``--load`` (a second job: the scheduler's requeue): it trains on
-from K3, is paused at K4 and ``stop``-ped while every rank holds: the checkpoint of K4 (no
+from END, is paused at K4 and ``stop``-ped while every rank holds: the checkpoint of K4 (no
 step lost), exit 75.
-Standard of proof: the per-iteration losses of 1..K3 (two pauses and resumes among them)
-and K3+1..K4 (after --load, nothing re-run, nothing past K4) (and grad norms; the two checks,
-the two relinks and the switch among 1..K3; the dying checkpoint of K3 holds rank 3's new
-process's state) are bitwise
+Standard of proof: the per-iteration losses of 1..END (the switch, two pauses and resumes among them)
+and END+1..K4 (after --load, nothing re-run, nothing past K4) (and grad norms; the two checks
+and the two relinks among 1..END) are bitwise
 equal to an uninterrupted run of the same job, HA off, stopped at K4 by Megatron-LM's
 ``--exit-interval``. Synchronisation
 is on the job's observable state (``status`` output), never on time.
+(A SIGKILL of a rank while every rank held in a third pause used to end the first job (the
+dying checkpoint, exit 75, loaded by the second job): a fault during a pause is
+tests/test_operator.py's (the dying checkpoint of the iteration held at), a SIGKILLed rank of
+stock pretrain_gpt.py tests/test_stock_megatron_lm.py's (the dying checkpoint, --load bitwise).)
 """
 
 import json
 import os
 import secrets
-import signal
 import subprocess
 import sys
+import threading
 
 import psutil
 import pytest
@@ -47,8 +53,12 @@ from mindspeed_ha.testing.harness import free_port, launcher_command, read_rank_
 CHECK_FLIP = "rank=1,iteration=2,point=check,fault=corrupt,what=gemm,how=bitflip"
 #: the rank the hot switch moves: the last pipeline stage (its new process logs the losses after the switch)
 SWITCHED = 3
-#: long enough never to end before a pause (the kill during the third, the stop during the fourth end the jobs)
-ITERS = 400
+#: rank 0 holds after iteration HELD until the job is pausing for the switch
+HELD = 2
+HOLD = f"rank=0,iteration={HELD},point=between,fault=hold"
+#: the first job's end (``--exit-interval``): after the switch, K1, the pause tasks and K2 (about
+#: 90 iterations at load 15-20); ITERS: the schedule's length (the second job trains on from END)
+END, ITERS = 240, 400
 pytestmark = pytest.mark.timeout(600)
 
 
@@ -140,12 +150,22 @@ def _pause_tasks(op, pids):
     assert out["result"]["phase"] == "running" and [x["pid"] for x in out["result"]["ranks"]] == pids
 
 
-def _switch(op, pids, rank):
-    """``switch --ranks rank`` once a warm spare is parked: code 0, only that rank's PID changed,
-    to its new process's; returns the PIDs after it."""
-    op.status_until(lambda s: s["phase"] == "running" and s.get("spares") and not s.get("switching"),
-                    "a warm spare parked")
-    code, out = op("switch", "--ranks", str(rank))
+def _switch(op, pids, rank, release):
+    """``switch --ranks rank`` once a warm spare is parked and the job holds after iteration
+    :data:`HELD` (rank 0's ``fault=hold``), which ``release`` ends once the job is pausing for
+    the switch: code 0, only that rank's PID changed, to its new process's; returns the PIDs
+    after it."""
+    op.status_until(lambda s: s["phase"] == "running" and s.get("spares") and not s.get("switching")
+                    and min(_iterations(s)) >= HELD, "a warm spare parked, the job held")
+    asked = {}
+    t = threading.Thread(target=lambda: asked.setdefault("reply", op("switch", "--ranks", str(rank))), daemon=True)
+    t.start()
+    try:
+        op.status_until(lambda s: s["phase"] in ("pausing", "paused") or "reply" in asked, "the switch's pause")
+    finally:
+        open(release, "w").close()
+    t.join()
+    code, out = asked["reply"]
     r = out["result"]
     assert code == 0 and r["phase"] == "done", out
     assert {"spare_ready", "pause", "rebuild", "transfer", "pause_window"} <= set(r["phase_seconds"]), r
@@ -159,8 +179,8 @@ def _switch(op, pids, rank):
     return after
 
 
-def test_pause_status_wrong_key_resume_max_a_kill_during_a_pause_then_stop_while_paused(tmp_path, megatron_lm_tarball,
-                                                                                        as_users_run):
+def test_switch_pause_status_wrong_key_resume_max_exit_0_then_stop_while_paused(tmp_path, megatron_lm_tarball,
+                                                                                as_users_run):
     root = mlm.unpack(megatron_lm_tarball, str(tmp_path / "megatron_lm"))
     key = secrets.token_hex(32)
     save, loss_log = str(tmp_path / "ckpt"), str(tmp_path / "loss.jsonl")
@@ -170,13 +190,16 @@ def test_pause_status_wrong_key_resume_max_a_kill_during_a_pause_then_stop_while
         return dict(os.environ, **mlm.stock_env({"TTP_PORT": str(port), "MINDSPEED_HA_AUTH_KEY": key,
                                                   "MINDSPEED_HA_LOSS_LOG": loss_log, **extra}))
 
-    port, out_path = free_port(), tmp_path / "job.out"
-    # the first job also has what a hot switch needs: worker reboot and a warm spare
-    job = _start(root, args + ["--enable-worker-reboot"],
-                 env(port, loss_log, MINDSPEED_HA_INJECT=CHECK_FLIP, MINDSPEED_HA_WARM_SPARES="1"), out_path)
+    port, out_path, release = free_port(), tmp_path / "job.out", str(tmp_path / "release")
+    # the first job also has what a hot switch needs: worker reboot and a warm spare; it ends at END
+    job = _start(root, args + ["--enable-worker-reboot", "--exit-interval", str(END)],
+                 env(port, loss_log, MINDSPEED_HA_INJECT=f"{CHECK_FLIP};{HOLD}", MINDSPEED_HA_INJECT_RELEASE=release,
+                     MINDSPEED_HA_WARM_SPARES="1"), out_path)
     try:
         op = Operator(port, key, job)
-        op.status_until(lambda s: s["phase"] == "running" and min(_iterations(s)) >= 2, "iteration 2")
+        s = op.status_until(lambda s: s["phase"] == "running" and min(_iterations(s)) >= HELD, f"iteration {HELD}")
+        pids = [r["pid"] for r in s["ranks"]]
+        switched_out, pids = pids[SWITCHED], _switch(op, pids, SWITCHED, release)
 
         code, out = op("pause")
         assert code == 0, out
@@ -198,7 +221,6 @@ def test_pause_status_wrong_key_resume_max_a_kill_during_a_pause_then_stop_while
         assert code == 0, out
         s = op.status_until(lambda s: min(_iterations(s)) >= k1 + 2, "training after resume")
         _pause_tasks(op, pids)
-        switched_out, pids = pids[SWITCHED], _switch(op, pids, SWITCHED)
 
         code, out = op("pause", "--max", "1")
         assert code == 0, out
@@ -208,25 +230,19 @@ def test_pause_status_wrong_key_resume_max_a_kill_during_a_pause_then_stop_while
                         "the pause's end (--max 1)")
 
         op.status_until(lambda s: min(_iterations(s)) >= k2 + 2, "training after the automatic resume")
-        code, out = op("pause")
-        assert code == 0, out
-        k3 = out["result"]["iteration"]
-        code, out = op("status")
-        assert _iterations(out["result"]) == [k3] * 4
-        os.kill(out["result"]["ranks"][1]["pid"], signal.SIGKILL)  # a fault while every rank holds
-        rc = job.wait(timeout=300)
+        rc = job.wait(timeout=300)  # trains to END
     finally:
         end_tree(job.pid, include_root=True)
         job.wait()
     log = out_path.read_text()
-    assert rc == EXIT_DYING_CHECKPOINT_SAVED, log[-6000:]
+    assert rc == 0, log[-6000:]
     # the switched-out process ended by itself with exit 0, its new one took its place (no restart)
     assert (f"worker rank {SWITCHED} (pid {switched_out}) switched out with exit 0; pid {pids[SWITCHED]}"
             in log), log[-6000:]
     assert "restarted alone as pid" not in log
-    assert _tracker(save) == k3
+    assert _tracker(save) == END  # Megatron-LM's own save at --exit-interval
 
-    # the same job again from the dying checkpoint of K3 (--load): trains on, is paused at K4,
+    # the same job again from its checkpoint of END (--load): trains on, is paused at K4,
     # then stopped while paused: the checkpoint of K4 (no step lost), exit 75
     loss_log2, out_path2 = str(tmp_path / "resumed.jsonl"), tmp_path / "resumed.out"
     port2 = free_port()
@@ -234,13 +250,13 @@ def test_pause_status_wrong_key_resume_max_a_kill_during_a_pause_then_stop_while
     try:
         op2 = Operator(port2, key, job2)
         # paused as soon as every rank registered: before or after the ranks started their
-        # first iteration (either way, K4 = K3 + 1 or a few more; before: not iteration 1)
+        # first iteration (either way, K4 = END + 1 or a few more)
         op2.status_until(lambda s: s["phase"] == "running" and s["by_state"]["healthy"] == [0, 1, 2, 3],
                          "every rank registered (--load)")
         code, out = op2("pause")
         assert code == 0, out
         k4 = out["result"]["iteration"]
-        assert k4 > k3
+        assert k4 > END
         code, out = op2("status")
         assert code == 0 and out["result"]["phase"] == "paused" and _iterations(out["result"]) == [k4] * 4, out
         code, out = op2("stop")  # while every rank holds at K4
@@ -255,12 +271,13 @@ def test_pause_status_wrong_key_resume_max_a_kill_during_a_pause_then_stop_while
 
     paused, norms = _losses_and_norms(loss_log)
     resumed, norms2 = _losses_and_norms(loss_log2)
-    assert sorted(resumed) == list(range(k3 + 1, k4 + 1))  # nothing re-run, nothing past K4
+    assert sorted(paused) == list(range(1, END + 1))
+    assert sorted(resumed) == list(range(END + 1, k4 + 1))  # nothing re-run, nothing past K4
     base = mlm.launch_stock(root, mlm.stock_gpt_args(tp=1, pp=2, train_iters=ITERS) + ["--exit-interval", str(k4)],
                             timeout_s=300)
     assert base.returncode == 0, base.stderr[-4000:]
     assert sorted(base.losses) == list(range(1, k4 + 1))
-    assert {i: paused[i] for i in range(1, k3 + 1)} == {i: base.losses[i] for i in range(1, k3 + 1)}
-    assert {i: norms[i] for i in range(1, k3 + 1)} == {i: base.grad_norms[i] for i in range(1, k3 + 1)}
-    assert resumed == {i: base.losses[i] for i in range(k3 + 1, k4 + 1)}
-    assert norms2 == {i: base.grad_norms[i] for i in range(k3 + 1, k4 + 1)}
+    assert paused == {i: base.losses[i] for i in range(1, END + 1)}
+    assert norms == {i: base.grad_norms[i] for i in range(1, END + 1)}
+    assert resumed == {i: base.losses[i] for i in range(END + 1, k4 + 1)}
+    assert norms2 == {i: base.grad_norms[i] for i in range(END + 1, k4 + 1)}
