@@ -25,8 +25,13 @@ sub-health detector on (``--ha-subhealth``, 1 s windows, 3 of them to flag, acti
 spare parked (so that the detector cannot flag before a spare exists), then sleeps 0.5 s per
 iteration; the detector flags it and the controller switches it to the spare by itself (no
 operator request); rank 3's new process is not slowed (the flag clears); the driver takes
-the metrics once that switch is done. Exit 0, only rank 3's PID changed, the Subhealth /
-Switch* events and the metrics record it, and
+the metrics once that switch is done. Then ``switch --ranks 1`` whose outgoing process is
+SIGKILLed in the middle of its handoff (the injector's ``point=handoff``: its parameters and
+optimizer shard sent, its progress not), after every group was rebuilt with its new process:
+the replica fallback repairs the new process from rank 3, the holder of rank 1's shard (code
+0, ``fallback`` {1: 3}, SwitchFallback; without it: the dying checkpoint, exit 75). Exit 0,
+only rank 3's then rank 1's PID changed, the Subhealth / Switch* events and the metrics
+record it, and
 the losses are bitwise those of the same uninterrupted run (replicas or none: the same
 numbers, tests/test_replica_equivalence.py), which both jobs share. (An operator switch of
 rank 0 held after an iteration used to follow; the detector rightly flagged the held rank
@@ -47,7 +52,9 @@ NO_REPLICA = ["--distributed-optimizer-no-replica"]
 SLOW = "rank=3,iteration=1,point=between,fault=slow,sleep=0.3"
 #: the detector's job: see the module doc
 DETECTOR_INJECT = ";".join(("rank=3,iteration=1,point=between,fault=hold",
-                            "rank=3,iteration=1,point=between,fault=slow,sleep=0.5"))
+                            "rank=3,iteration=1,point=between,fault=slow,sleep=0.5",
+                            # the replica fallback: rank 1's first process dies in its (first) handoff
+                            "rank=1,iteration=1,point=handoff,fault=kill"))
 DETECTOR_WINDOWS = 3
 DETECTOR_ARGS = ["--ha-subhealth", "--ha-subhealth-window", "1.0", "--ha-subhealth-windows", str(DETECTOR_WINDOWS),
                  "--ha-subhealth-action", "switch", "--ha-metrics-port", "0"]
@@ -102,10 +109,10 @@ def test_switch_rank_1_then_rank_0_then_a_spare_killed_before_the_commit_point_t
 
 
 def test_the_detector_switches_a_slowed_rank_by_itself_with_replicas(tmp_path, baseline):
-    run = switch_job.run(str(tmp_path), ["detector:3"], extra_args=DETECTOR_ARGS,
+    run = switch_job.run(str(tmp_path), ["detector:3", "1"], extra_args=DETECTOR_ARGS,
                          env={"MINDSPEED_HA_INJECT": DETECTOR_INJECT})
     assert run.returncode == 0, run.output[-6000:]
-    (done,) = run.replies
+    done, fallback = run.replies
     assert done["code"] == 0 and done["result"]["phase"] == "done" and done["result"]["ranks"] == [3], done
     assert {"spare_ready", "pause", "rebuild", "transfer", "pause_window"} <= set(done["result"]["phase_seconds"])
     assert run.pids_each[0][3] == int(done["result"]["spares"]["3"]), (done, run.pids_each)
@@ -120,11 +127,21 @@ def test_the_detector_switches_a_slowed_rank_by_itself_with_replicas(tmp_path, b
     # rank 3's new process is not slowed: the flag clears; nothing else is flagged
     assert [(e["type"], e["ranks"]) for e in sub] == [("Subhealth", [3]), ("SubhealthCleared", [3])], sub
     switch_events = [e for e in run.events if e["type"].startswith("Switch")]
-    assert [e["type"] for e in switch_events] == ["SwitchRequested", "SwitchReady", "SwitchFinished"]
+    assert [e["type"] for e in switch_events] == ["SwitchRequested", "SwitchReady", "SwitchFinished"] + \
+        ["SwitchRequested", "SwitchReady", "SwitchFallback", "SwitchFinished"], switch_events
     assert switch_events[0]["detail"]["request_id"].startswith("internal-"), switch_events[0]
     assert switch_events[0]["reason"].startswith("sub-health: rank 3: step"), switch_events[0]
-    assert switch_events[-1]["ranks"] == [3]
-    print("detector: flagged after", flagged["windows"], "windows; phase seconds", switch_events[-1]["phase_seconds"])
+    assert switch_events[2]["ranks"] == [3]
+    print("detector: flagged after", flagged["windows"], "windows; phase seconds", switch_events[2]["phase_seconds"])
+    # the replica fallback: rank 1's outgoing process died in its handoff, rank 3 repaired its new one
+    assert fallback["code"] == 0 and fallback["result"]["phase"] == "done", fallback
+    assert fallback["result"]["fallback"] == {"1": 3} and "the replica fallback" in fallback["detail"], fallback
+    assert {"pause_window", "fallback", "rebuild", "repair"} <= set(fallback["result"]["phase_seconds"]), fallback
+    assert switch_events[5]["detail"]["sources"] == {"1": 3} and switch_events[6]["ranks"] == [1], switch_events
+    assert _changed(run.pids_each[0], run.pids_each[1]) == [1], run.pids_each
+    assert run.pids_each[1][1] == int(fallback["result"]["spares"]["1"]), (fallback, run.pids_each)
+    assert "switched out with exit -9" in run.output and "injector: kill rank 1 at handoff" in run.output
+    print("replica fallback: phase seconds", switch_events[6]["phase_seconds"])
     assert not [e for e in run.events if e["type"] in ("WorkerRestarted", "FaultDetected", "RecoveryStarted")]
     # the metrics, taken once the detector's switch was done (training going on)
     m = run.metrics
