@@ -327,7 +327,10 @@ class WorkerRebootAgent(LocalElasticAgent):
         self._switches(worker_group)
         codes = {local_rank: h.proc.poll() for local_rank, h in pc.subprocess_handlers.items()}
         for local_rank, code in sorted(codes.items()):
-            if code in (None, 0):
+            if code in (None, 0) or local_rank in self._incoming:
+                # a hot switch's rank (its new process there): the controller decides on a death
+                # of its old process (its replica fallback commits the new one; else the switch
+                # ends, its new process goes, and this death is handled at the next turn)
                 continue
             why = self._refusal(worker_group, local_rank, code)
             if why is not None:
@@ -368,7 +371,8 @@ class WorkerRebootAgent(LocalElasticAgent):
         the new processes asked for, report those that died, end those no longer wanted, and
         put a committed one in its old process's place once that one exited 0 (not a restart:
         no restart is counted, only the PID changes), also when the new one has already ended
-        its training with exit 0."""
+        its training with exit 0, and when the old one died in its handoff (the controller's
+        replica fallback repaired the new one: committed all the same)."""
         pc = self._pcontext
         wanted = self.hooks.switch_wanted()
         for local_rank, (handler, n, env, stdout, stderr, error_file) in sorted(self._incoming.items()):
@@ -376,8 +380,8 @@ class WorkerRebootAgent(LocalElasticAgent):
             want, code = wanted.get(worker.global_rank), handler.proc.poll()
             old_code = pc.subprocess_handlers[local_rank].proc.poll()
             # a switch committed in the last iterations: the new process may end its training
-            # (exit 0) before this turn sees its old process's exit 0; it takes the place all the same
-            finished = want == "commit" and code == 0 and old_code in (None, 0)
+            # (exit 0) before this turn sees its old process's exit; it takes the place all the same
+            finished = want == "commit" and code == 0
             if finished and old_code is None:
                 continue
             if (code is not None and not finished) or want is None:
@@ -387,7 +391,7 @@ class WorkerRebootAgent(LocalElasticAgent):
                        else f"its new process (pid {handler.proc.pid}) was ended: the switch is over")
                 log.warning("hot switch of rank %d: %s", worker.global_rank, why)
                 self.hooks.switch_report("gone", worker.global_rank, why)
-            elif want == "commit" and old_code == 0:
+            elif want == "commit" and old_code is not None:
                 del self._incoming[local_rank]
                 old_pid, old = worker.id, pc.subprocess_handlers[local_rank]
                 try:  # what is left of its process group (e.g. data loader workers), and its log files
@@ -402,8 +406,8 @@ class WorkerRebootAgent(LocalElasticAgent):
                 worker.id = handler.proc.pid
                 self._incarnation[local_rank] = n
                 record(self._construct_event("START", EventSource.WORKER, worker), worker_group.spec.event_log_handler)
-                log.warning("hot switch: worker rank %d (pid %d) switched out with exit 0; pid %d (incarnation %d) "
-                            "is the rank now", worker.global_rank, old_pid, handler.proc.pid, n)
+                log.warning("hot switch: worker rank %d (pid %d) switched out with exit %d; pid %d (incarnation %d) "
+                            "is the rank now", worker.global_rank, old_pid, old_code, handler.proc.pid, n)
                 self.hooks.switch_report("switched", worker.global_rank, handler.proc.pid)
         for worker in worker_group.workers:
             if wanted.get(worker.global_rank) == "start" and worker.local_rank not in self._incoming:

@@ -16,7 +16,7 @@ from mindspeed_ha import env as ha_env
 
 ENV = ha_env.INJECT
 POINTS = ("forward", "backward", "grad_sync", "optimizer", "between", "data", "eval", "save", "final_save",
-          "dying", "pp", "tp", "recover", "check")
+          "dying", "pp", "tp", "recover", "check", "handoff")
 FAULTS = ("kill", "raise", "stop", "corrupt", "term", "term_launcher", "int_launcher", "kill_launcher", "uce",
           "network", "kill_node", "stop_launcher", "hold", "slow")
 #: faults that signal a process and let this rank go on: SIGTERM to itself (a preempted
@@ -31,6 +31,9 @@ CORRUPT_POINTS = ("optimizer", "between", "dying", "check")  # fired by the runt
 #: ``point=check`` (the online check, ``mindspeed-ha check``): ``iteration`` counts the checks this
 #: process ran (1: the first), ``what=gemm`` flips a bit of the check's GEMM result (a test double)
 CHECK_WHAT = ("gemm",)
+#: ``point=handoff`` (a hot switch's outgoing rank, between the state and the progress it sends
+#: its new process): ``iteration`` counts the handoffs this process made (1: its first and only:
+#: it exits after it)
 UCE_WHAT = ("param", "grad", "main_param", "exp_avg", "exp_avg_sq")
 UCE_POINTS = ("forward", "backward", "optimizer", "between")
 NETWORK_POINTS = ("grad_sync", "pp", "tp")

@@ -24,9 +24,10 @@ def test_every_plan_mode_has_its_stages_in_the_order_the_result_reports():
     assert names["forward"] == ["clean", "rebuild", "repair"]
     assert names["reload"] == ["clean", "rebuild", "reload", "repair"]
     assert names["switch"] == ["rebuild"]  # a hot switch's paused ranks (the outgoing one hands over instead)
+    assert names["switch_repair"] == ["repair"]  # its replica fallback: the groups stay as rebuilt
     assert {m: [n for n, _ in s] for m, s in stages.REJOINING.items()} == {
         "rejoin": ["rebuild", "repair"], "forward": ["rebuild", "repair"], "reload": ["rebuild", "reload", "repair"],
-        "switch": ["rebuild", "repair"]}
+        "switch": ["rebuild", "repair"], "switch_repair": ["repair"]}
 
 
 def _plan(mode="rollback", generation=1, **kw):

@@ -21,7 +21,7 @@ uninterrupted run of the same seed.
 
 A second job, with the default distributed optimizer (2 replica instances) and the
 sub-health detector on (``--ha-subhealth``, 2 s windows, 3 of them to flag, action
-``switch``), meets three switches:
+``switch``), meets four switches:
 
 1. the detector's own: rank 3's first process holds after iteration 1 until the driver sees
    a warm spare parked (so that the detector cannot flag before a spare exists), then sleeps
@@ -29,8 +29,13 @@ sub-health detector on (``--ha-subhealth``, 2 s windows, 3 of them to flag, acti
    switches it to the spare by itself (no operator request); rank 3's new process is not
    slowed more than the others (the flag clears); the driver takes the metrics once that
    switch is done;
-2. ``switch --ranks 0`` (the operator's, with replicas);
-3. ``switch --node HOST`` (the operator's, all four ranks, with replicas).
+2. ``switch --ranks 1`` whose outgoing process is SIGKILLed in the middle of its handoff
+   (the injector's ``point=handoff``: its parameters and optimizer shard sent, its progress
+   not), after every group was rebuilt with its new process: the replica fallback repairs
+   the new process from rank 3, the holder of rank 1's shard (code 0, ``fallback`` {1: 3},
+   SwitchFallback; without it: the dying checkpoint, exit 75);
+3. ``switch --ranks 0`` (the operator's, with replicas);
+4. ``switch --node HOST`` (the operator's, all four ranks, with replicas).
 
 Every process but the last four (those of the whole-node switch) sleeps :data:`PACE` s in
 each forward (the injector's ``fault=slow`` per incarnation, the same for all, so nobody is
@@ -57,16 +62,18 @@ NO_REPLICA = ["--distributed-optimizer-no-replica"]
 #: cold starts, 35 s), training must not end before them (rank 3's new process trains at full pace)
 SLOW = "rank=3,iteration=1,point=between,fault=slow,sleep=0.3"
 #: the detector's job: see the module doc. Incarnations: rank 3's first process (0) is switched
-#: by the detector (1), rank 0's by the operator (1), then the whole node (rank 0: 2, ranks 1
-#: and 2: 1, rank 3: 2)
+#: by the detector (1), rank 1's by the operator with the replica fallback (1), rank 0's by the
+#: operator (1), then the whole node (ranks 0, 1 and 3: 2, rank 2: 1)
 PACE, PACE_AFTER = 0.3, 0.1
 #: the detector's job ends there (``--exit-interval``; the baseline's schedule of TRAIN_ITERS):
 #: the whole node was switched after iteration 123 and 185 in two runs on 2 cores at load 30-40
 END = 300
-PACED = {(0, 0): PACE, (1, 0): PACE, (2, 0): PACE, (3, 0): PACE, (3, 1): PACE, (0, 1): PACE,
-         (0, 2): PACE_AFTER, (1, 1): PACE_AFTER, (2, 1): PACE_AFTER, (3, 2): PACE_AFTER}
+PACED = {(0, 0): PACE, (1, 0): PACE, (2, 0): PACE, (3, 0): PACE, (3, 1): PACE, (1, 1): PACE, (0, 1): PACE,
+         (0, 2): PACE_AFTER, (1, 2): PACE_AFTER, (2, 1): PACE_AFTER, (3, 2): PACE_AFTER}
 DETECTOR_INJECT = ";".join(("rank=3,iteration=1,point=between,fault=hold",
                             "rank=3,iteration=1,point=between,fault=slow,sleep=0.5",
+                            # the replica fallback: rank 1's first process dies in its (first) handoff
+                            "rank=1,iteration=1,point=handoff,fault=kill",
                             *(f"rank={r},iteration=1,point=forward,fault=slow,sleep={s},incarnation={n}"
                               for (r, n), s in PACED.items())))
 DETECTOR_WINDOWS = 3
@@ -125,17 +132,20 @@ def test_switch_rank_1_then_rank_0_then_a_spare_killed_before_the_commit_point_t
     assert run.losses == baseline[0] and run.grad_norms == baseline[1]
 
 
-def test_the_detector_switches_a_slowed_rank_then_the_operator_rank_0_then_the_whole_node_with_replicas(
+def test_the_detector_switches_a_slowed_rank_then_rank_1_with_the_replica_fallback_then_rank_0_then_the_node(
         tmp_path, baseline):
-    run = switch_job.run(str(tmp_path), ["detector:3", "0", "node"],
+    run = switch_job.run(str(tmp_path), ["detector:3", "1", "0", "node"],
                          extra_args=[*DETECTOR_ARGS, "--exit-interval", str(END)],
                          env={"MINDSPEED_HA_INJECT": DETECTOR_INJECT})
     assert run.returncode == 0, run.output[-6000:]
-    assert len(run.replies) == len(run.pids_each) == 3, run.replies
+    assert len(run.replies) == len(run.pids_each) == 4, run.replies
     before = run.pids_before
-    for done, moved, after in zip(run.replies, ([3], [0], [0, 1, 2, 3]), run.pids_each):
+    for done, moved, after in zip(run.replies, ([3], [1], [0], [0, 1, 2, 3]), run.pids_each):
         assert done["code"] == 0 and done["result"]["phase"] == "done" and done["result"]["ranks"] == moved, done
-        assert {"spare_ready", "pause", "rebuild", "transfer", "pause_window"} <= set(done["result"]["phase_seconds"])
+        # the fallback's new process is repaired from a replica holder, not by the outgoing's transfer
+        need = {"rebuild", "pause_window"} | ({"fallback", "repair"} if moved == [1] else {"spare_ready", "pause",
+                                                                                         "transfer"})
+        assert need <= set(done["result"]["phase_seconds"]), done
         assert _changed(before, after) == moved, (done["entry"], before, after)
         assert all(after[r] == int(done["result"]["spares"][str(r)]) for r in moved), (done, after)
         before = after
@@ -150,15 +160,23 @@ def test_the_detector_switches_a_slowed_rank_then_the_operator_rank_0_then_the_w
     # rank 3's new process is not slowed more than its peers: the flag clears; nothing else is flagged
     assert [(e["type"], e["ranks"]) for e in sub] == [("Subhealth", [3]), ("SubhealthCleared", [3])], sub
     switch_events = [e for e in run.events if e["type"].startswith("Switch")]
-    assert [e["type"] for e in switch_events] == ["SwitchRequested", "SwitchReady", "SwitchFinished"] * 3
-    by_detector, by_operator = switch_events[0], switch_events[3::3]
+    assert [e["type"] for e in switch_events] == ["SwitchRequested", "SwitchReady", "SwitchFinished"] + [
+        "SwitchRequested", "SwitchReady", "SwitchFallback", "SwitchFinished"] + [
+        "SwitchRequested", "SwitchReady", "SwitchFinished"] * 2, switch_events
+    by_detector, by_operator = switch_events[0], [switch_events[3], switch_events[7], switch_events[10]]
     assert by_detector["detail"]["request_id"].startswith("internal-"), by_detector
     assert by_detector["reason"].startswith("sub-health: rank 3: step"), by_detector
-    assert [e["reason"] for e in by_operator] == ["operator"] * 2, by_operator
-    finished = switch_events[2::3]
-    assert [e["ranks"] for e in finished] == [[3], [0], [0, 1, 2, 3]]
-    print("detector: flagged after", flagged["windows"], "windows; phase seconds (detector, rank 0, node)",
-          [e["phase_seconds"] for e in finished])
+    assert [e["reason"] for e in by_operator] == ["operator"] * 3, by_operator
+    finished = [e for e in switch_events if e["type"] == "SwitchFinished"]
+    assert [e["ranks"] for e in finished] == [[3], [1], [0], [0, 1, 2, 3]]
+    print("detector: flagged after", flagged["windows"], "windows; phase seconds (detector, rank 1 by the fallback, "
+          "rank 0, node)", [e["phase_seconds"] for e in finished])
+    # the replica fallback: rank 1's outgoing process died in its handoff, rank 3 repaired its new one
+    fallback = run.replies[1]
+    assert fallback["result"]["fallback"] == {"1": 3} and "the replica fallback" in fallback["detail"], fallback
+    assert {"pause_window", "fallback", "rebuild", "repair"} <= set(fallback["result"]["phase_seconds"]), fallback
+    assert switch_events[5]["detail"]["sources"] == {"1": 3}, switch_events
+    assert "switched out with exit -9" in run.output and "injector: kill rank 1 at handoff" in run.output
     assert not [e for e in run.events if e["type"] in ("WorkerRestarted", "FaultDetected", "RecoveryStarted")]
     # the metrics, taken once the detector's switch was done (training going on)
     m = run.metrics

@@ -226,6 +226,18 @@ def _stopping(st):
     return st
 
 
+def _no_replica(st):
+    """--distributed-optimizer-no-replica: one optimizer instance, each shard on its own rank."""
+    for r, info in st.ranks.items():
+        info.layout = dataclasses.replace(info.layout, replica_count=1, instance_id=0, shard_id=r)
+    return st
+
+
+def _holder_died(st):
+    st.ranks[3].alive, st.ranks[3].dead_reason = False, "control connection closed"
+    return st
+
+
 @pytest.mark.parametrize("case,change,gone,failed,late,now,expect,stop,words", [
     ("every answer ok", None, {}, {}, [], 20.0, SwitchAction.FINISH, False, "answered"),
     ("answers due", None, {}, {}, [("rank", 1)], 20.0, SwitchAction.WAIT, False, ""),
@@ -234,10 +246,34 @@ def _stopping(st):
      "incoming 1: recv timed out"),
     ("the new process died", None, {1: "exited with -9"}, {}, [("incoming", 1)], 20.0, SwitchAction.FAIL, True,
      "a new process died after the commit point (rank 1: exited with -9)"),
-    # the outgoing process dies in the middle of its handoff: the controller saw its death as
-    # a fault during the pause (its handling: the dying checkpoint of K); no stop asked on top
-    ("the outgoing process died", _outgoing_died, {}, {}, [("rank", 1), ("incoming", 1)], 20.0,
-     SwitchAction.FAIL, False, "ranks [1] ended after the commit point (control connection closed)"),
+    # the outgoing process dies in the middle of its handoff, --distributed-optimizer-no-replica:
+    # the controller saw its death as a fault during the pause (its handling: the dying
+    # checkpoint of K, impossible without a replica); no stop asked on top (as before the fallback)
+    ("the outgoing process died, no replica", lambda st: _outgoing_died(_no_replica(st)), {}, {},
+     [("rank", 1), ("incoming", 1)], 20.0, SwitchAction.FAIL, False,
+     "ranks [1] ended after the commit point (control connection closed): the job's fault handling"),
+    ("no replica: the new process's handoff failed first", _no_replica, {}, {("incoming", 1): "Connection closed"},
+     [("rank", 1)], 20.0, SwitchAction.FAIL, True, "incoming 1: Connection closed"),
+    # with replicas (rank 3 holds rank 1's shard): the replica fallback
+    ("the outgoing process died, rank 3 holds its shard", _outgoing_died, {}, {}, [("rank", 1), ("incoming", 1)],
+     20.0, SwitchAction.FALLBACK, False, "repaired from the replica holder rank 3 (of rank 1)"),
+    ("its new process died too", _outgoing_died, {1: "exited with -9"}, {}, [("rank", 1), ("incoming", 1)], 20.0,
+     SwitchAction.FAIL, False, "the job's fault handling takes over"),
+    ("its replica holder died too", lambda st: _outgoing_died(_holder_died(st)), {}, {}, [("rank", 1)], 20.0,
+     SwitchAction.FAIL, False, "ranks [1, 3] ended after the commit point"),
+    ("a staying rank died", _holder_died, {}, {}, [("rank", 1)], 20.0, SwitchAction.FAIL, False,
+     "ranks [3] ended after the commit point"),
+    ("the outgoing died, the job left the pause", lambda st: _outgoing_died(_stopping(st)), {}, {}, [("rank", 1)],
+     20.0, SwitchAction.FAIL, False, "the job's fault handling takes over"),
+    # the new process's link breaks before the controller sees the outgoing process's death: its
+    # failed answer waits for the outgoing process's answer or death (replicas only)
+    ("the new process's handoff failed first", None, {}, {("incoming", 1): "Connection closed"}, [("rank", 1)],
+     20.0, SwitchAction.WAIT, False, ""),
+    ("... and the outgoing neither answered nor died in time", None, {}, {("incoming", 1): "Connection closed"},
+     [("rank", 1)], 31.0, SwitchAction.FAIL, True, "incoming 1: Connection closed"),
+    ("... and the outgoing answered a failure", None, {}, {("incoming", 1): "Connection closed",
+                                                         ("rank", 1): "send failed"}, [], 20.0,
+     SwitchAction.FAIL, True, "rank 1: send failed"),
     ("the job left the pause", _stopping, {}, {}, [("rank", 1)], 20.0, SwitchAction.FAIL, False,
      "left the pause"),
 ])
@@ -248,3 +284,63 @@ def test_decisions_after_the_commit_point(case, change, gone, failed, late, now,
     d = committed(now, _switch(SwitchPhase.COMMITTED, (1,)), st, gone, failed, late, deadline=30.0)
     assert d.action is expect and d.stop is stop, d
     assert words in d.reason
+    assert dict(d.sources) == ({1: 3} if expect is SwitchAction.FALLBACK else {}), d
+
+
+def _falling_back(repair_out=False):
+    sw = _switch(SwitchPhase.COMMITTED, (1,))
+    sw.fallback = {1: 3}
+    sw.mark("died", 15.0)
+    if repair_out:
+        sw.mark("repair", 16.0)
+    return sw
+
+
+FIRST_ROUND_LATE = [("rank", 1)]  # the dead outgoing process never answers
+
+
+@pytest.mark.parametrize("case,repair_out,change,gone,failed,late,parked,now,expect,words", [
+    # the new process stands for rank 1 in the controller's view: every rank is alive
+    ("staying ranks' answers due", False, None, {}, {}, [("rank", 0), ("incoming", 1)], (), 20.0,
+     SwitchAction.WAIT, ""),
+    ("its handoff failed, not parked again yet", False, None, {}, {("incoming", 1): "closed"}, FIRST_ROUND_LATE,
+     (), 20.0, SwitchAction.WAIT, ""),
+    ("parked again: the plan goes out", False, None, {}, {("incoming", 1): "closed"}, FIRST_ROUND_LATE, (1,),
+     20.0, SwitchAction.REPAIR, "repaired from the replica holder rank 3 (of rank 1)"),
+    ("never parked again", False, None, {}, {("incoming", 1): "closed"}, FIRST_ROUND_LATE, (), 31.0,
+     SwitchAction.FAIL, "not parked again in time"),
+    ("it received everything before the death", False, None, {}, {}, FIRST_ROUND_LATE, (), 20.0,
+     SwitchAction.FINISH, "received its whole state"),
+    ("a staying rank's rebuild failed", False, None, {}, {("incoming", 1): "closed", ("rank", 0): "rebuild"},
+     FIRST_ROUND_LATE, (1,), 20.0, SwitchAction.FAIL, "rank 0: rebuild"),
+    ("the plan out, answers due", True, None, {}, {}, [("rank", 3)], (1,), 20.0, SwitchAction.WAIT, ""),
+    ("the plan out, every answer ok", True, None, {}, {}, [], (1,), 20.0, SwitchAction.FINISH,
+     "repaired from its replica holder"),
+    ("the plan out, the repair failed", True, None, {}, {("rank", 3): "send failed"}, [], (1,), 20.0,
+     SwitchAction.FAIL, "the replica fallback failed (rank 3: send failed)"),
+    ("the plan out, answers late", True, None, {}, {}, [("incoming", 1)], (1,), 31.0, SwitchAction.FAIL,
+     "no answer from [('incoming', 1)]"),
+    ("the new process died", True, None, {1: "exited with 1"}, {}, [("incoming", 1)], (1,), 20.0,
+     SwitchAction.FAIL, "a new process died during the replica fallback"),
+    ("the holder died", True, _holder_died, {}, {}, [("rank", 3)], (1,), 20.0, SwitchAction.FAIL,
+     "ranks [3] ended during the replica fallback"),
+    ("the job left the pause", False, _stopping, {}, {}, [], (1,), 20.0, SwitchAction.FAIL, "left the pause"),
+])
+def test_decisions_of_the_replica_fallback(case, repair_out, change, gone, failed, late, parked, now, expect, words):
+    """An outgoing process died in its handoff, rank 3 holds its shard: every FAIL gives the
+    death back to the job's fault handling (no stop on top: the dying checkpoint of K)."""
+    st = _paused_after()
+    if change is not None:
+        st = change(st)
+    d = committed(now, _falling_back(repair_out), st, gone, failed, late, 30.0, frozenset(parked))
+    assert d.action is expect and not d.stop, d
+    assert words in d.reason, d
+    assert dict(d.sources) == ({1: 3} if expect is SwitchAction.REPAIR else {}), d
+
+
+def test_the_fallback_phase_runs_from_the_death_to_the_answers():
+    marks = {"requested": 0.0, "ready": 1.0, "paused": 1.5, "died": 1.75, "repair": 2.0, "answered": 2.5,
+             "resumed": 2.5}
+    seconds = phase_seconds(marks, {"rebuild": 0.125, "repair": 0.25})
+    assert seconds["fallback"] == 0.75 and seconds["pause_window"] == 1.0 and seconds["repair"] == 0.25
+    assert "fallback" not in phase_seconds({k: v for k, v in marks.items() if k != "died"})

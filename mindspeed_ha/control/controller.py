@@ -436,6 +436,7 @@ class Controller:
             remote = frozenset(self.arbiter.agent_of) - self.hosted_ranks
             self.arbiter.note_hung(now, self.hosted_ranks | remote)
             self.arbiter.end_remote(now, remote)
+        self.operators.switches.claim_deaths(self, now)  # a hot switch's replica fallback takes its deaths first
         for _ in range(MAX_DECISIONS_PER_STEP):
             d = decide(now, self.state, self.config)
             if d.action is ActionKind.NOOP and d.next_phase is None:

@@ -74,6 +74,8 @@ TYPES: Dict[str, str] = {
     "SwitchReady": NORMAL,  # every spare of the hot switch is READY (phase_seconds: spare_ready)
     "SwitchFinished": NORMAL,  # the switched ranks train in their new processes (phase_seconds: every phase)
     "SwitchAborted": WARNING,  # a hot switch given up before its commit point: training goes on (reason)
+    # an outgoing process died in its handoff: its new process is repaired from a replica holder (detail: sources)
+    "SwitchFallback": WARNING,
     "DyingCheckpointCommitted": WARNING,  # the dying checkpoint of ``iteration`` is committed
     "WorkerRestarted": WARNING,  # a worker's process restarted alone (ARF; notes: the restart arbiter)
     "JobExit": NORMAL,  # the job is over (detail: exit_code; Warning unless 0)

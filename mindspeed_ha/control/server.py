@@ -314,9 +314,11 @@ class ControlServer:
 
     def forget_rank(self, rank: int) -> None:
         """Connections bound to ``rank`` no longer carry it (a hot switch: the old process's
-        close is not the rank's death); its new connection is bound next (:meth:`bind_fd`)."""
+        close is not the rank's death; a close of it already read is dropped too: the replica
+        fallback takes a dead old process); its new connection is bound next (:meth:`bind_fd`)."""
         for fd in [fd for fd, r in self._rank_of_fd.items() if r == rank]:
             del self._rank_of_fd[fd]
+        self._closed = [c for c in self._closed if c[0] != rank]
 
     def flush_closed(self) -> None:
         """Call ``on_disconnect`` for the closes :meth:`drain_monitor` held, once

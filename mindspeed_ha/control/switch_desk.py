@@ -25,13 +25,16 @@ Entry points:
   new process, :mod:`mindspeed_ha.recovery.switch`); every answer ok -> the new process
   becomes the rank (RankInfo, connection), EXIT 0 to the old one, RELEASE: DONE.
   A failed answer after the commit point: FAILED, the graceful stop of the job (its
-  checkpoint of K; the replica fallback is not built).
+  checkpoint of K).
+* :meth:`SwitchDesk.claim_deaths` (before each decision step): the replica fallback
+  (:mod:`.switch_commit`): an outgoing process that died in its handoff while a replica
+  holder of its state lives is the switch's, not a fault of the job; its new process is
+  repaired from the holder (REPAIR: a second plan, mode ``switch_repair``), then DONE as above.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import threading
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
@@ -43,7 +46,8 @@ from mindspeed_ha.control.policy import ActionKind
 from mindspeed_ha.control.policy import switch as policy
 from mindspeed_ha.control.policy.recovery import RecoveryMode, RecoveryPlan
 from mindspeed_ha.control.policy.switch import Switch, SwitchAction, SwitchPhase
-from mindspeed_ha.control.state import OptimizerStatus, PauseRequest, Phase, RankInfo
+from mindspeed_ha.control.state import OptimizerStatus, PauseRequest, Phase, RankInfo, summarise_ranks
+from mindspeed_ha.control.switch_commit import FALLBACK_STAGES, SWITCH_STAGES, Answers, ReplicaFallback, old_pid
 from mindspeed_ha.faults import FaultKind
 
 if TYPE_CHECKING:
@@ -81,10 +85,9 @@ class SwitchDesk:
         #: switched rank -> its new process, once registered
         self.incoming: Dict[int, Incoming] = {}
         self._paused_by_switch = False
-        #: the commit: action id -> who answers it ("rank" r or "incoming" r) and the answers
-        self._waiting: Dict[Tuple[str, int], int] = {}
-        self._answers: Dict[Tuple[str, int], Tuple[bool, str]] = {}
-        self._deadline: Optional[float] = None
+        #: the answers the plan out waits for (the switch's, then its replica fallback's)
+        self.answers = Answers()
+        self.fallback = ReplicaFallback()
         # the agent's side (its thread): guarded by _mail
         self._mail = threading.Lock()
         #: global rank -> what its agent does: "start" a new process, "keep" it (parked or
@@ -136,7 +139,7 @@ class SwitchDesk:
             return wire.OperatorReply(request_id, REFUSED, why)
         self.current = sw = Switch(request_id, tuple(sorted(ranks)), now)
         self.spares_gone, self.incoming = {}, {}
-        self._waiting, self._answers, self._deadline = {}, {}, None
+        self.answers, self.fallback = Answers(), ReplicaFallback()
         with self._mail:
             self._reports = []
             self._agent_view.update({r: "start" for r in sw.ranks})
@@ -203,7 +206,11 @@ class SwitchDesk:
         inc, body = self.incoming[rank], msg.body
         inc.info.last_heartbeat = now
         if msg.type is wire.MsgType.FAULT and body.where == "rejoin":
-            self.spare_ready(ctl, now, rank, inc.info.pid)
+            sw = self.current
+            if sw is not None and sw.phase is SwitchPhase.COMMITTED:  # its handoff failed: parked again
+                self.fallback.parked_again.add(rank)
+            else:
+                self.spare_ready(ctl, now, rank, inc.info.pid)
         elif msg.type is wire.MsgType.ACTION_RESULT:
             self.action_result(now, ("incoming", rank), body)
         elif msg.type is wire.MsgType.GOODBYE:
@@ -211,12 +218,21 @@ class SwitchDesk:
 
     def action_result(self, now: float, who: Tuple[str, int], body: Any) -> bool:
         """An answer to the commit's actions; False when it is not one."""
-        if self._waiting.get(who) != body.action_id:
-            return False
-        self._answers[who] = (bool(body.ok), str(body.detail))
-        return True
+        return self.answers.note(who, body.action_id, body.ok, body.detail)
 
     # ------------------------------------------------------------------ the controller's turn
+    def claim_deaths(self, ctl: "Controller", now: float) -> None:
+        """Before the decision step: an outgoing process that died in its handoff, where
+        :func:`.policy.switch.committed` says FALLBACK, is taken by the switch (its new process
+        stands for the rank) before the pause's decision would take it for a fault of the job."""
+        sw = self.current
+        if sw is None or sw.phase is not SwitchPhase.COMMITTED or sw.fallback:
+            return
+        decision = policy.committed(now, sw, ctl.state, self.spares_gone, self.answers.failed(), self.answers.late(),
+                                    _due(self.answers, now), self.fallback.parked_again)
+        if decision.action is SwitchAction.FALLBACK:
+            self.fallback.claim(ctl, now, sw, decision, {r: self.incoming[r].info for r in decision.sources})
+
     def settle(self, ctl: "Controller", now: float) -> List[Tuple[str, wire.OperatorReply]]:
         """After the decision step: act for the switch under way; returns the replies of
         switches that ended (request id, reply)."""
@@ -270,40 +286,36 @@ class SwitchDesk:
                               "done_at": None, "ranks": {}})
         ctl.failover.roster_dirty = True
         sw.transition(SwitchPhase.COMMITTED, now, why)
-        self._deadline = now + 2 * ctl.config.action_timeout_s
-        aid = next(ctl.action_ids)
-        for r in range(st.world_size):
-            self._waiting[("rank", r)] = aid
-        ctl.server.send_to_ranks(range(st.world_size), wire.Action(aid, ActionKind.SWITCH.value, params))
-        for r in sw.ranks:
-            raid = next(ctl.action_ids)
-            self._waiting[("incoming", r)] = raid
-            self._send(ctl, self.incoming[r].ident, wire.Action(raid, ActionKind.RETRY.value, params))
+        self.answers = _send_plan(ctl, now, range(st.world_size), [self.incoming[r] for r in sw.ranks], params)
         log.warning("hot switch of ranks %s: the plan goes out (generation %d, iteration %d)", list(sw.ranks),
                     generation, k)
 
     def _committing(self, ctl: "Controller", now: float, sw: Switch) -> List[Tuple[str, wire.OperatorReply]]:
-        failed = {who: detail for who, (ok, detail) in self._answers.items() if not ok}
-        late = [who for who in self._waiting if who not in self._answers]
-        decision = policy.committed(now, sw, ctl.state, self.spares_gone, failed, late,
-                                    self._deadline if self._deadline is not None else now)
+        answers = self.answers
+        decision = policy.committed(now, sw, ctl.state, self.spares_gone, answers.failed(), answers.late(),
+                                    _due(answers, now), self.fallback.parked_again)
         if decision.action is SwitchAction.WAIT:
             return []
         if decision.action is SwitchAction.FAIL:
             return self._fail(ctl, now, sw, decision.reason, decision.stop)
-        stages: Dict[str, float] = {}
-        for (_, _), (_, detail) in self._answers.items():
-            try:
-                seconds = json.loads(detail)
-            except ValueError:
-                continue
-            for name, key in (("rebuild", "rebuild"), ("transfer", "transfer"), ("transfer", "repair")):
-                if isinstance(seconds.get(key), (int, float)):
-                    stages[name] = max(stages.get(name, 0.0), float(seconds[key]))
+        stages = answers.stage_seconds(FALLBACK_STAGES if "repair" in sw.marks else SWITCH_STAGES, sw.stage_seconds)
+        if decision.action is SwitchAction.FALLBACK:
+            self.fallback.claim(ctl, now, sw, decision, {r: self.incoming[r].info for r in decision.sources})
+            return []
+        if decision.action is SwitchAction.REPAIR:  # the replica fallback's plan: holders send, new processes receive
+            params = self.fallback.plan(ctl.state, sw, decision).to_params()
+            sw.stage_seconds = stages  # the switch's plan's (rebuild)
+            sw.mark("repair", now)
+            staying = [r for r in range(ctl.state.world_size) if r not in sw.ranks]
+            self.answers = _send_plan(ctl, now, staying, [self.incoming[r] for r in sorted(decision.sources)], params)
+            log.warning("hot switch of ranks %s: the replica fallback's plan goes out (ranks %s from %s)",
+                        list(sw.ranks), summarise_ranks(sorted(decision.sources)), dict(decision.sources))
+            return []
         sw.mark("answered", now)
-        old_pids = {r: ctl.state.ranks[r].pid for r in sw.ranks}
+        old_pids = {r: old_pid(ctl.state, self.fallback, r) for r in sw.ranks}
         for r in sw.ranks:
             self._take_place(ctl, now, r, sw.iteration)
+        self.fallback = ReplicaFallback()
         ctl.state.recoveries[-1]["done_at"] = now
         if ctl.state.pause is not None:
             ctl.state.pause.resume_at = now  # RELEASE: training resumes at K+1
@@ -311,7 +323,8 @@ class SwitchDesk:
         sw.mark("resumed", now)
         sw.stage_seconds = stages
         sw.transition(SwitchPhase.DONE, now, f"ranks {list(sw.ranks)} moved from pids "
-                      f"{[old_pids[r] for r in sw.ranks]} to {[ctl.state.ranks[r].pid for r in sw.ranks]}")
+                      f"{[old_pids[r] for r in sw.ranks]} to {[ctl.state.ranks[r].pid for r in sw.ranks]}" + (
+                          f" (the replica fallback: {decision.reason})" if sw.fallback else ""))
         return [self._end(ctl, sw, DONE, f"hot switch of ranks {list(sw.ranks)} done after iteration "
                           f"{sw.iteration}: {sw.reason}", "SwitchFinished")]
 
@@ -333,14 +346,16 @@ class SwitchDesk:
         with self._mail:
             self._agent_view[rank] = "commit"
         self.push_views(ctl, now)  # another node's agent knows before its old process exits 0
-        if old_ident is not None:
+        if old_ident is not None and rank not in self.fallback.claimed:  # (a claimed one is dead)
             self._send(ctl, old_ident, wire.Action(next(ctl.action_ids), ActionKind.EXIT.value, {
                 "code": 0, "reason": f"hot switch: rank {rank} goes on in pid {info.pid}"}))
 
     def _fail(self, ctl: "Controller", now: float, sw: Switch, why: str, stop: bool = True
               ) -> List[Tuple[str, wire.OperatorReply]]:
         """After the commit point: the new processes end; the graceful stop of the job (the
-        checkpoint of K) when ``stop``, else the fault handling under way decides."""
+        checkpoint of K) when ``stop``, else the fault handling under way decides (the
+        outgoing processes the replica fallback took are dead ranks again for it)."""
+        self.fallback.restore(ctl.state)
         for r, inc in sorted(self.incoming.items()):
             self._send(ctl, inc.ident, wire.Action(next(ctl.action_ids), ActionKind.EXIT.value, {
                 "code": 1, "reason": f"hot switch failed: {why}"}))
@@ -382,7 +397,7 @@ class SwitchDesk:
             for r in sw.ranks:
                 if self._agent_view.get(r) != "commit":
                     self._agent_view.pop(r, None)
-        self._waiting, self._answers = {}, {}
+        self.answers = Answers()
         return sw.request_id, wire.OperatorReply(sw.request_id, code, detail, describe(sw))
 
     @staticmethod
@@ -449,7 +464,28 @@ def describe(sw: Switch) -> Dict[str, Any]:
     return {"ranks": list(sw.ranks), "phase": sw.phase.value, "iteration": sw.iteration, "reason": sw.reason,
             "started": {str(r): p for r, p in sorted(sw.started.items())},
             "spares": {str(r): p for r, p in sorted(sw.ready.items())},
-            "phase_seconds": policy.phase_seconds(sw.marks, sw.stage_seconds)}
+            "phase_seconds": policy.phase_seconds(sw.marks, sw.stage_seconds),
+            **({"fallback": {str(r): s for r, s in sorted(sw.fallback.items())}} if sw.fallback else {})}
+
+
+def _due(answers: Answers, now: float) -> float:
+    return answers.deadline if answers.deadline is not None else now
+
+
+def _send_plan(ctl: "Controller", now: float, ranks: Sequence[int], incoming: Sequence[Incoming],
+               params: Dict[str, Any]) -> Answers:
+    """ACTION ``switch`` with the plan ``params`` to ``ranks``, RETRY to each new process of
+    ``incoming``; returns the answers it waits for (due 2 x ``--ha-action-timeout`` from ``now``)."""
+    answers = Answers(now + 2 * ctl.config.action_timeout_s)
+    aid = next(ctl.action_ids)
+    for r in ranks:
+        answers.expect(("rank", r), aid)
+    ctl.server.send_to_ranks(ranks, wire.Action(aid, ActionKind.SWITCH.value, params))
+    for inc in incoming:
+        raid = next(ctl.action_ids)
+        answers.expect(("incoming", inc.info.rank), raid)
+        SwitchDesk._send(ctl, inc.ident, wire.Action(raid, ActionKind.RETRY.value, params))
+    return answers
 
 
 def node_of(ctl: "Controller") -> Dict[int, str]:

@@ -187,6 +187,17 @@ def repair_forward(c: RecoveryContext) -> None:
     _transfer_state(c, handover.inside_update)
 
 
+def repair_at_pause(c: RecoveryContext) -> None:
+    """A hot switch's replica fallback (its outgoing process died in its handoff), a paused
+    rank that stays: a replica holder sends the new process the state of K and the progress
+    at the pause (:func:`handover.at_pause`: counters and scheduler of K, the RNG of the entry
+    of K+1), as the outgoing process would have, over the switch's groups; the others have
+    nothing to do."""
+    from mindspeed_ha.recovery import handover
+
+    _transfer_state(c, handover.at_pause)
+
+
 def send_counters(c: RecoveryContext) -> None:
     """Reload with a restarted rank: its source sends it the loop's counters of k only
     (it loads the checkpoint itself)."""
@@ -215,6 +226,8 @@ IN_PLACE: Dict[str, Tuple[Tuple[str, Stage], ...]] = {
     # a hot switch (recovery/switch.py): the paused ranks that stay only rebuild, on their
     # action thread; the outgoing rank hands its state to its new process instead (SWITCH_OUT)
     "switch": (("rebuild", rebuild),),
+    # its replica fallback: the groups stay as rebuilt, a replica holder sends (action thread)
+    "switch_repair": (("repair", repair_at_pause),),
 }
 
 
@@ -317,6 +330,7 @@ def send_handoff(c: RecoveryContext) -> None:
     link = _pair_link(c, OUTGOING)
     try:
         stats = transfer.send_state(c.model, c.optimizer, INCOMING, link)
+        c.rt.injector.fire("handoff", 1, c.rt.ctx)  # testing: e.g. dies in the middle of it (its only one)
         progress.send(handover.at_pause(c.rt, c.plan.iteration), INCOMING, link)
     finally:
         link.close()
@@ -343,6 +357,16 @@ def receive_handoff(c: RecoveryContext) -> None:
         c.rt.processor.switching = False  # a REGISTER again (a new controller) is the rank's
 
 
+def receive_from_replica(c: RecoveryContext) -> None:
+    """A hot switch's new process whose handoff failed (its outgoing process died), parked
+    again at its rejoin point: the state of K and the progress from the plan's replica holder
+    (:func:`receive_state`, ARF's rejoin repair) on the groups it rebuilt for the switch;
+    from now on it is the rank."""
+    receive_state(c)
+    if c.rt.processor is not None:
+        c.rt.processor.switching = False
+
+
 _REJOIN = (("rebuild", rebuild_rejoining), ("repair", receive_state))
 #: plan mode -> the stages of a restarted process's rejoin
 REJOINING: Dict[str, Tuple[Tuple[str, Stage], ...]] = {
@@ -350,6 +374,7 @@ REJOINING: Dict[str, Tuple[Tuple[str, Stage], ...]] = {
     "forward": _REJOIN,
     "reload": (("rebuild", rebuild_rejoining), ("reload", reload_rejoining), ("repair", receive_counters)),
     "switch": (("rebuild", rebuild_rejoining), ("repair", receive_handoff)),
+    "switch_repair": (("repair", receive_from_replica),),
 }
 
 

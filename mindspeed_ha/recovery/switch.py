@@ -19,7 +19,13 @@ rejoin point:
   rejoined process's.
 
 The handoff needs no replica (``--distributed-optimizer-no-replica`` included): the state
-comes from the rank itself.
+comes from the rank itself. Where the outgoing process dies in the middle of it and a
+replica holder of its state lives, the controller sends a second plan (mode
+``switch_repair``, the replica fallback; the groups stay as rebuilt): ACTION ``switch`` to
+the staying ranks (:data:`stages.IN_PLACE` ``"switch_repair"``: each holder sends the state
+and the progress at the pause) and RETRY to the new process, parked again at its rejoin
+point after its failed handoff (:data:`stages.REJOINING` ``"switch_repair"``: it receives
+them as a restarted process does in ARF's rejoin).
 """
 
 from __future__ import annotations
@@ -30,16 +36,21 @@ from typing import Any, Dict, Tuple
 
 log = logging.getLogger("mindspeed_ha.runtime")
 
+#: the plan modes of ACTION ``switch``: the switch's own, its replica fallback's
+SWITCH_MODES = ("switch", "switch_repair")
+
 
 def on_switch(rt, params: Dict[str, Any]) -> Tuple[bool, str]:
     """ACTION ``switch`` (action thread of a paused rank): rebuild with the new processes
     (:data:`stages.IN_PLACE` ``"switch"``), or, on a switched rank, hand its state over
-    (:data:`stages.SWITCH_OUT`); see the module doc.
+    (:data:`stages.SWITCH_OUT`); the replica fallback's plan: :data:`stages.IN_PLACE`
+    ``"switch_repair"``; see the module doc.
 
     Returns:
         (True, JSON of the seconds per stage): the result the controller waits for.
 
     Raises:
+        ValueError: the plan's mode is not one of :data:`SWITCH_MODES`.
         Whatever a stage raised (the action thread answers it as a failed result).
     """
     from mindspeed_ha.control.recovery_plan import RecoveryPlan
@@ -47,15 +58,18 @@ def on_switch(rt, params: Dict[str, Any]) -> Tuple[bool, str]:
     from mindspeed_ha.recovery.executor import run_stages
 
     plan = RecoveryPlan.from_params(params)
+    if plan.mode not in SWITCH_MODES:
+        raise ValueError(f"rank {rt.rank}: ACTION switch with a {plan.mode} plan (expected one of {SWITCH_MODES})")
     ctx = rt.ctx
     c = stages.RecoveryContext(rt, plan, model=ctx.model if ctx is not None else None,
                                optimizer=ctx.optimizer if ctx is not None else None)
     outgoing = rt.rank in plan.rejoin
-    times = run_stages(stages.SWITCH_OUT if outgoing else stages.IN_PLACE["switch"], c, rt.events)
+    times = run_stages(stages.SWITCH_OUT if outgoing else stages.IN_PLACE[plan.mode], c, rt.events)
     log.warning("rank %d: hot switch of ranks %s at iteration %d: %s %s", rt.rank, list(plan.rejoin),
-                plan.iteration, "handed over" if outgoing else "groups rebuilt", times)
+                plan.iteration, "handed over" if outgoing else "groups rebuilt" if plan.mode == "switch" else
+                "replica fallback", times)
     return True, json.dumps(dict(times, rank=rt.rank, outgoing=outgoing, generation=plan.generation),
                             sort_keys=True)
 
 
-__all__ = ["on_switch"]
+__all__ = ["SWITCH_MODES", "on_switch"]

@@ -22,6 +22,10 @@ Points (where in iteration ``k`` the fault fires):
                     result before the digest (the check must report 2 naming this rank)
     ``recover``     during an in-place recovery that re-runs iteration k, after the clean-up,
                     before the process groups are rebuilt (a fault during recovery)
+    ``handoff``     a hot switch's outgoing rank in the middle of its handoff: its parameters
+                    and optimizer shard went to its new process, its progress not yet; k counts
+                    the handoffs of this process (1: its first and only one, it exits after it);
+                    ``fault=kill`` there is the case of the replica fallback
     ``pp``          the first pipeline send/recv this rank launches in iteration k
                     (``fault=network`` only)
     ``tp``          the first tensor-parallel collective this rank launches in iteration k

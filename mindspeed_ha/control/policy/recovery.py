@@ -94,6 +94,9 @@ class RecoveryMode(WireEnum):
     RELOAD = "reload"
     REJOIN = "rejoin"
     SWITCH = "switch"  # a hot switch's new process (its rejoin; control/policy/switch.py)
+    #: a hot switch's replica fallback: its outgoing process died in its handoff, its new
+    #: process is repaired from a replica holder on the switch's groups (no rebuild)
+    SWITCH_REPAIR = "switch_repair"
 
 
 #: every mode's wire string

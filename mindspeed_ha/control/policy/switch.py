@@ -16,7 +16,10 @@ the job and without losing a step. Its flow (the controller side is
               outgoing process sends its own state (parameters, optimizer shard, host state,
               progress, RNG) to the spare, then exits 0; RELEASE: training resumes at K+1
    DONE       (committed(): a failure after the commit point is FAILED: the graceful stop
-              of the job, or, when an old process died, its fault handling)
+              of the job, or, when an old process died, its fault handling; but an outgoing
+              process that died in its handoff while a replica holder of its state lives
+              (the replica fallback): its new process is repaired from that holder, as a
+              restarted worker rejoins (ARF) inside the pause, then DONE)
  before the commit point, anything wrong -> ABORTED: training goes on on the old ranks
  (a spare that dies, READY not within --ha-connect-timeout, a pause that fails, the job
  leaving RUNNING for a fault or a stop); the reason goes into the operator's reply
@@ -33,9 +36,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
-from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
+from typing import AbstractSet, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 from mindspeed_ha.config import HAConfig
+from mindspeed_ha.control.policy.recovery import sources
 from mindspeed_ha.control.state import ClusterState, Phase, summarise_ranks
 
 log = logging.getLogger("mindspeed_ha.control.controller")
@@ -95,7 +99,9 @@ class Switch:
         iteration: K, the iteration every rank holds after (known in PAUSING).
         reason: why it ended (ABORTED / FAILED) or how (DONE).
         stage_seconds: the slowest rank's seconds per stage of the commit (``rebuild``,
-            ``transfer``), from the ranks' answers.
+            ``transfer``; the replica fallback's ``repair``), from the ranks' answers.
+        fallback: switched rank -> the replica holder its new process is repaired from (the
+            replica fallback: its outgoing process died in its handoff; empty otherwise).
     """
 
     request_id: str
@@ -108,6 +114,7 @@ class Switch:
     iteration: Optional[int] = None
     reason: str = ""
     stage_seconds: Dict[str, float] = dataclasses.field(default_factory=dict)
+    fallback: Dict[int, int] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.marks.setdefault("requested", self.at)
@@ -140,11 +147,14 @@ class Switch:
 #: published phase -> (mark it starts at, mark it ends at) on the controller's clock:
 #: ``commit``: the plan sent -> every rank and new process answered (inside it, the ranks'
 #: own ``rebuild`` and ``transfer`` seconds, :attr:`Switch.stage_seconds`); ``pause_window``
-#: is what the training loop sees held (paused -> resumed), independent of the spares' start-up
+#: is what the training loop sees held (paused -> resumed), independent of the spares' start-up;
+#: ``fallback`` (the replica fallback only): an outgoing process's death seen -> every answer of
+#: the repair from its replica holder
 PHASE_SPANS: Tuple[Tuple[str, str, str], ...] = (
     ("spare_ready", "requested", "ready"),
     ("pause", "ready", "paused"),
     ("commit", "paused", "answered"),
+    ("fallback", "died", "answered"),
     ("resume", "answered", "resumed"),
     ("pause_window", "paused", "resumed"),
     ("total", "requested", "resumed"),
@@ -258,6 +268,14 @@ class SwitchAction(str, enum.Enum):
     FAIL = "fail"
     """After the commit point, a failure: the new processes end; the job stops gracefully
     (``SwitchStep.stop``) or its fault handling, already under way, decides."""
+    FALLBACK = "fallback"
+    """After the commit point, an outgoing process died in its handoff and a live replica
+    holder has its state (``SwitchStep.sources``): the switch takes the death (the new process
+    stands for the rank in the controller's view: no fault of the job) and repairs the new
+    process from the holder (REPAIR) instead of the job's fault handling."""
+    REPAIR = "repair"
+    """The replica fallback's plan goes out: every new process to repair failed its handoff
+    and is parked again, every staying rank rebuilt its groups."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,6 +287,9 @@ class SwitchStep:
     stop: bool = False
     """FAIL: ask the graceful stop of the job (its checkpoint of K); False: a fault's
     handling (the dying checkpoint) or a stop is under way already."""
+    sources: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    """FALLBACK: switched rank -> the replica holder (a staying rank with its tp, pp and
+    optimizer shard); REPAIR: the ranks whose new process is repaired now -> their holder."""
 
 
 def step(now: float, sw: Switch, state: ClusterState, config: HAConfig,
@@ -319,33 +340,71 @@ def step(now: float, sw: Switch, state: ClusterState, config: HAConfig,
     return wait
 
 
+def replica_holders(state: ClusterState, sw: Switch, dead: Sequence[int],
+                    spares_gone: Mapping[int, str]) -> Tuple[Dict[int, int], List[int]]:
+    """The replica fallback's sources: (switched rank -> the lowest live staying rank with its
+    (tp, pp, optimizer shard), the ranks of ``dead`` without one). A rank whose new process is
+    gone has none (nothing to repair)."""
+    donors = {r: i for r, i in state.ranks.items() if r not in sw.ranks and i.alive and i.exit_code is None}
+    found, orphans = sources(state.ranks, set(dead), donors)
+    orphans += [r for r in found if r in spares_gone]
+    return {r: s for r, s in found.items() if r not in spares_gone}, sorted(orphans)
+
+
 def committed(now: float, sw: Switch, state: ClusterState, spares_gone: Mapping[int, str],
               failed: Mapping[Tuple[str, int], str], late: Sequence[Tuple[str, int]],
-              deadline: float) -> SwitchStep:
+              deadline: float, parked_again: AbstractSet[int] = frozenset()) -> SwitchStep:
     """The decision for ``sw`` after the commit point (COMMITTED), in this turn.
 
     Args:
         now: the controller's clock, s.
-        sw: the switch.
+        sw: the switch (``sw.fallback`` set: the replica fallback is under way; its mark
+            ``repair``: its plan went out).
         state: the job (PAUSED after K while the plan runs).
         spares_gone: switched rank -> why its new process is gone.
-        failed: who (``("rank", r)`` or ``("incoming", r)``) -> the detail of a failed answer.
-        late: who has not answered yet.
+        failed: who (``("rank", r)`` or ``("incoming", r)``) -> the detail of a failed answer
+            (of the replica fallback's plan once it went out).
+        late: who has not answered yet (the same).
         deadline: when the answers are due (2 x ``--ha-action-timeout`` after the plan went out).
+        parked_again: switched ranks whose new process, its handoff failed, waits at its
+            rejoin point again for another plan.
 
     Returns:
-        WAIT; FINISH (every answer ok); FAIL with ``stop`` True (an answer failed or is late,
-        or a new process died, while every old process lives: the graceful stop of the job,
-        which writes the checkpoint of K from the old processes, replicas or not) or False
-        (an old process died, e.g. the outgoing one in the middle of its handoff, or the job
-        left PAUSED: its fault handling took over, the dying checkpoint of K, which needs a
-        replica of a dead rank's optimizer shard; the state is not fetched from a replica
-        into the new process).
+        The decision, by this table (the first row that holds):
+
+        ===============================================  =======================================
+        the replica fallback under way (``sw.fallback``)  :func:`_falling_back`
+        an outgoing process died, no other rank, the job  FALLBACK (``sources``: the holders)
+        still PAUSED, each one's new process alive and a
+        live staying rank holds its (tp, pp, shard)
+        another rank died, or a replica is missing        FAIL, ``stop`` False: the job's fault
+        (``--distributed-optimizer-no-replica``)           handling took over (the dying
+                                                          checkpoint of K needs a replica of a
+                                                          dead rank's shard)
+        the job left PAUSED                               FAIL, ``stop`` False
+        a new process died                                FAIL, ``stop`` True: the graceful stop
+                                                          (checkpoint of K from the old processes)
+        a failed answer: only new processes whose         WAIT until ``deadline`` (its answer or
+        outgoing process has not answered yet and has a   its death decides: a death mid-handoff
+        replica holder                                     breaks the new process's link first)
+        any other failed answer, or answers late past     FAIL, ``stop`` True
+        ``deadline``
+        answers due                                       WAIT
+        every answer ok                                   FINISH
+        ===============================================  =======================================
     """
+    if sw.fallback:
+        return _falling_back(now, sw, state, spares_gone, failed, late, deadline, parked_again)
     dead = sorted(r for r, i in state.ranks.items() if not i.alive)
     if dead:
-        return SwitchStep(SwitchAction.FAIL, f"ranks {summarise_ranks(dead)} ended after the commit point ("
-                          f"{state.ranks[dead[0]].dead_reason or 'gone'}): the job's fault handling takes over")
+        why = (f"ranks {summarise_ranks(dead)} ended after the commit point ("
+               f"{state.ranks[dead[0]].dead_reason or 'gone'})")
+        holders, orphans = replica_holders(state, sw, dead, spares_gone)
+        staying = sorted(set(dead) - set(sw.ranks))
+        if not staying and not orphans and state.phase is Phase.PAUSED:
+            return SwitchStep(SwitchAction.FALLBACK, f"{why}: the new {_processes(holders)} repaired from the "
+                              f"replica {_holders(holders)} (the replica fallback)", sources=holders)
+        return SwitchStep(SwitchAction.FAIL, f"{why}: the job's fault handling takes over")
     if state.phase is not Phase.PAUSED:
         return SwitchStep(SwitchAction.FAIL, f"the job left the pause after the commit point (phase "
                           f"{state.phase.value}): its own handling takes over")
@@ -354,6 +413,10 @@ def committed(now: float, sw: Switch, state: ClusterState, spares_gone: Mapping[
         why = "; ".join(f"rank {r}: {spares_gone[r]}" for r in gone)
         return SwitchStep(SwitchAction.FAIL, f"a new process died after the commit point ({why})", stop=True)
     if failed:
+        holders, _ = replica_holders(state, sw, sw.ranks, spares_gone)
+        unsettled = all(w[0] == "incoming" and ("rank", w[1]) in late and w[1] in holders for w in failed)
+        if unsettled and now < deadline:
+            return SwitchStep(SwitchAction.WAIT, "")
         why = "; ".join(f"{w[0]} {w[1]}: {d}" for w, d in sorted(failed.items()))
         return SwitchStep(SwitchAction.FAIL, why, stop=True)
     if late and now >= deadline:
@@ -363,5 +426,79 @@ def committed(now: float, sw: Switch, state: ClusterState, spares_gone: Mapping[
     return SwitchStep(SwitchAction.FINISH, "every rank and new process answered")
 
 
+def _processes(holders: Mapping[int, int]) -> str:
+    return f"process{'es' if len(holders) > 1 else ''} of ranks {summarise_ranks(sorted(holders))} " \
+           f"{'are' if len(holders) > 1 else 'is'}"
+
+
+def _holders(holders: Mapping[int, int]) -> str:
+    return ", ".join(f"holder rank {s} (of rank {r})" for r, s in sorted(holders.items()))
+
+
+def _falling_back(now: float, sw: Switch, state: ClusterState, spares_gone: Mapping[int, str],
+                  failed: Mapping[Tuple[str, int], str], late: Sequence[Tuple[str, int]], deadline: float,
+                  parked_again: AbstractSet[int]) -> SwitchStep:
+    """:func:`committed` while the replica fallback is under way (``sw.fallback``: the new
+    processes stand for their ranks; a FAIL gives the outgoing processes' deaths back to the
+    job's fault handling, ``stop`` False).
+
+    ==========================================  ==============================================
+    another rank died, a new process died, or   FAIL
+    the job left PAUSED
+    the plan not out yet (no mark ``repair``):
+      a failed answer but those of the dead     FAIL (e.g. a staying rank's: its groups are
+      outgoing processes and their new ones     not rebuilt)
+      answers due (but the dead outgoing        WAIT until ``deadline``, then FAIL
+      processes'), or a new process whose
+      handoff failed not parked again yet
+      no new process to repair (each one's      FINISH (its outgoing process died after
+      handoff answered ok)                      handing everything over)
+      else                                      REPAIR (``sources``: those whose handoff failed)
+    the plan out: a failed answer, or answers   FAIL
+    late past ``deadline``; answers due; else   WAIT; FINISH
+    ==========================================  ==============================================
+    """
+    dead = sorted(r for r, i in state.ranks.items() if not i.alive)
+    if dead:
+        return SwitchStep(SwitchAction.FAIL, f"ranks {summarise_ranks(dead)} ended during the replica fallback ("
+                          f"{state.ranks[dead[0]].dead_reason or 'gone'}): the job's fault handling takes over")
+    gone = sorted(r for r in sw.ranks if r in spares_gone)
+    if gone:
+        why = "; ".join(f"rank {r}: {spares_gone[r]}" for r in gone)
+        return SwitchStep(SwitchAction.FAIL, f"a new process died during the replica fallback ({why}): the job's "
+                          "fault handling takes over")
+    if state.phase is not Phase.PAUSED:
+        return SwitchStep(SwitchAction.FAIL, f"the job left the pause during the replica fallback (phase "
+                          f"{state.phase.value}): its own handling takes over")
+    if "repair" not in sw.marks:
+        bad = sorted(w for w in failed if w[1] not in sw.fallback)
+        if bad:
+            return SwitchStep(SwitchAction.FAIL, "; ".join(f"{w[0]} {w[1]}: {failed[w]}" for w in bad)
+                              + ": no replica fallback (only a handoff whose outgoing process died is repaired)")
+        to_repair = {r: s for r, s in sw.fallback.items() if ("incoming", r) in failed}
+        due = sorted(w for w in late if w[0] == "incoming" or w[1] not in sw.fallback)
+        waiting = sorted(set(to_repair) - set(parked_again))
+        if due or waiting:
+            if now >= deadline:
+                return SwitchStep(SwitchAction.FAIL, f"the replica fallback: no answer from {due} or ranks "
+                                  f"{waiting} not parked again in time")
+            return SwitchStep(SwitchAction.WAIT, "")
+        if not to_repair:
+            return SwitchStep(SwitchAction.FINISH, "every new process received its whole state before its "
+                              "outgoing process died")
+        return SwitchStep(SwitchAction.REPAIR, f"the new {_processes(to_repair)} repaired from the replica "
+                          f"{_holders(to_repair)} (every group stays as rebuilt)", sources=to_repair)
+    if failed:
+        why = "; ".join(f"{w[0]} {w[1]}: {d}" for w, d in sorted(failed.items()))
+        return SwitchStep(SwitchAction.FAIL, f"the replica fallback failed ({why}): the job's fault handling "
+                          "takes over")
+    if late and now >= deadline:
+        return SwitchStep(SwitchAction.FAIL, f"the replica fallback: no answer from {sorted(late)} in time")
+    if late:
+        return SwitchStep(SwitchAction.WAIT, "")
+    return SwitchStep(SwitchAction.FINISH, "every new process was repaired from its replica holder")
+
+
 __all__ = ["ENDED", "LOCAL_NODE", "MAX_SWITCH_RANKS", "PHASE_SPANS", "SWITCH_MOVES", "Switch", "SwitchAction",
-           "SwitchPhase", "SwitchStep", "committed", "node_ranks", "phase_seconds", "refuse", "step"]
+           "SwitchPhase", "SwitchStep", "committed", "node_ranks", "phase_seconds", "refuse", "replica_holders",
+           "step"]
