@@ -86,7 +86,8 @@ class Sim:
     """The ranks of one simulator process."""
 
     def __init__(self, conn, sim_id: int, ranks: List[int], world: int, port: int, key: bytes, slow_s: float,
-                 save_dir: str, connect_rate: float = 0.0, per_node: int = 0, merge: bool = True):
+                 save_dir: str, connect_rate: float = 0.0, per_node: int = 0, merge: bool = True,
+                 merge_answers: Any = ()):
         from mindspeed_ha.control import auth, wire
         from mindspeed_ha.control import link as link_mod
 
@@ -111,6 +112,13 @@ class Sim:
         self.beat_due: List[Any] = []  # (when, node index) of the next NODE_BEAT
         self.beat_sender: Dict[Any, str] = {}
         self.beat_seq: Dict[Any, int] = {}
+        #: relayed and merged: a rank's routine answer of these types (wire.MERGEABLE, schema 14) is
+        #: not a frame but an entry of its node's next NODE_ANSWERS, sent in the node's message of
+        #: the turn before any later frame of that rank (as control/relay.py does)
+        self.merge_answers = frozenset(merge_answers) if self.merge else frozenset()
+        self.answers: Dict[Any, Dict[Any, Any]] = {}  # node socket -> (type, body) -> (body, subs, ranks)
+        self.answer_sender: Dict[Any, str] = {}
+        self.answer_seq: Dict[Any, int] = {}
         self.socks: Dict[int, Any] = {}  # rank -> its socket (its node's, when relayed)
         self.rank_of: Dict[Any, int] = {}  # socket -> rank (direct only)
         self.sub: Dict[int, bytes] = {r: f"r{r}-{secrets.token_hex(4)}".encode() for r in ranks}
@@ -131,6 +139,8 @@ class Sim:
             if per_node and merge:
                 self.beat_sender[s], self.beat_seq[s] = wire.new_sender("relay", g[0]), 0
                 self.heard[s] = []
+                self.answer_sender[s], self.answer_seq[s] = wire.new_sender("relay", g[0]), 0
+                self.answers[s] = {}
             for r in g:
                 self.socks[r] = s
                 self.rank_of[s] = r
@@ -179,11 +189,40 @@ class Sim:
         except zmq.Again:
             self.dropped += 1
 
+    def merged_answer(self, s, r: int, mtype: str, body: Dict[str, Any]) -> bool:
+        """Relayed and merged: note rank ``r``'s routine answer for its node's next NODE_ANSWERS."""
+        need = self.wire.MERGEABLE.get(mtype)
+        if mtype not in self.merge_answers or need is None or any(body.get(k) != v for k, v in need.items()):
+            return False
+        common = {k: v for k, v in body.items() if k != "rank"}
+        group = self.answers[s].setdefault((mtype, tuple(common.items())), (common, [], []))
+        group[1].append(self.sub[r])
+        group[2].append(r)
+        return True
+
+    def flush_answers(self, s) -> None:
+        """Node ``s``'s noted answers, as NODE_ANSWERS frames of its relay into its message of this turn."""
+        answers, self.answers[s] = self.answers[s], {}
+        for (mtype, _), (common, subs, ranks) in answers.items():
+            self.answer_seq[s] += 1
+            env = msgpack.packb({"v": self.v, "type": "node_answers", "seq": self.answer_seq[s],
+                                 "sender": self.answer_sender[s],
+                                 "body": {"node_rank": self.node_ranks[s][0], "answer": mtype, "body": common,
+                                          "subs": subs, "ranks": ranks}}, use_bin_type=True)
+            self.out.setdefault(s, []).extend((b"", hmac.new(self.key, env, hashlib.sha256).digest() + env))
+            self.sent += 1
+
     def send(self, r: int, mtype: str, body: Dict[str, Any]) -> None:
         if r in self.dead:
             return
         if self.per_node:
-            self.out.setdefault(self.socks[r], []).extend((self.sub[r], self.enc(r, mtype, body)))
+            s = self.socks[r]
+            if self.merge_answers:
+                if self.merged_answer(s, r, mtype, body):
+                    return
+                if any(self.sub[r] in g[1] for g in self.answers[s].values()):
+                    self.flush_answers(s)  # its merged answer goes before this frame
+            self.out.setdefault(s, []).extend((self.sub[r], self.enc(r, mtype, body)))
             self.sent += 1
             return
         try:
@@ -194,6 +233,9 @@ class Sim:
 
     def flush(self) -> None:
         """Relayed: what each node's ranks sent this turn, one message per node (and 256 frames)."""
+        for s, answers in self.answers.items():
+            if answers:
+                self.flush_answers(s)
         out, self.out = self.out, {}
         for s, parts in out.items():
             for i in range(0, len(parts), 512):
@@ -398,11 +440,11 @@ class Sim:
 
 
 def sim_main(conn, sim_id, ranks, world, port, key, slow_s, save_dir, pythonpath, connect_rate=0.0, per_node=0,
-             merge=True):
+             merge=True, merge_answers=()):
     sys.path.insert(0, pythonpath)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    sim = Sim(conn, sim_id, ranks, world, port, key, slow_s, save_dir, connect_rate, per_node, merge)
+    sim = Sim(conn, sim_id, ranks, world, port, key, slow_s, save_dir, connect_rate, per_node, merge, merge_answers)
     sim.port = port
     sim.run()
 
@@ -548,7 +590,8 @@ def cpu_split() -> Dict[str, float]:
 
 def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
             profile: Optional[str] = None, register_wait: float = 60.0,
-            connect_rate: float = 0.0, per_node: int = 0, merge: bool = True) -> Dict[str, Any]:
+            connect_rate: float = 0.0, per_node: int = 0, merge: bool = True,
+            merge_answers: Any = ()) -> Dict[str, Any]:
     from mindspeed_ha.config import HAConfig
     from mindspeed_ha.control.controller import Controller
     from mindspeed_ha.control.policy import ActionKind
@@ -576,6 +619,7 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
     ctl.start()
     out: Dict[str, Any] = {"ranks": n, "sims": sims, "slowed": slow, "per_node": per_node,
                            "merged": bool(per_node) and merge,
+                           "merged_answers": sorted(merge_answers) if per_node and merge else [],
                            "load_before": os.getloadavg()[0]}
     import mindspeed_ha
     tree = os.path.dirname(os.path.dirname(os.path.abspath(mindspeed_ha.__file__)))  # the simulators use it too
@@ -587,7 +631,7 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
             a, b = spawn.Pipe()
             p = spawn.Process(target=sim_main, args=(b, i, per[i], n, ctl.port, key,
                                                      slow_s if i < slow else 0.0, save_dir, tree,
-                                                     connect_rate / sims, per_node, merge),
+                                                     connect_rate / sims, per_node, merge, tuple(merge_answers)),
                               daemon=True)
             p.start()
             pipes.append(a)
@@ -689,6 +733,9 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
         first_stop = next((f for f in fans if f[0] == "Stop"), None)
         # the round's steps on the controller: STOP(recover) sent, the RETRY fan-out started / ended
         out["uce_stop_sent_s"] = (first_stop[2] - t_uce) if first_stop else None
+        abort = [f for f in fans if f[0] == "Stop"][1:2]  # the second round's STOP(recover), sent once all observed
+        out["uce_abort_sent_s"] = (abort[0][2] - t_uce) if abort else None
+        out["node_answers"] = getattr(ctl, "node_answers", None)
         out["uce_retry_decided_s"] = (retry_fan[1] - t_uce) if retry_fan else None
         out["uce_retry_sent_s"] = (retry_fan[2] - t_uce) if retry_fan else None
         out["uce_retry_s"] = (max(r["last_retry"] for r in reps if r["last_retry"]) - t_uce) if retried == n else None
@@ -699,7 +746,7 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
             out["uce_outcome"] = ctl.events[-1].reason[:160] if ctl.events else ""
             out["uce_recovered"] = bool(ctl.state.recoveries and ctl.state.recoveries[-1].get("done_at"))
         log(f"N={n}: UCE -> RETRY at {retried}/{n} ranks in {out['uce_retry_s']} s (controller: STOP sent at "
-            f"{out['uce_stop_sent_s']}, RETRY fan-out {out['uce_retry_decided_s']} -> {out['uce_retry_sent_s']} s; CPU {out['uce_round_cpu_s']:.2f} s, loop "
+            f"{out['uce_stop_sent_s']}, abort sent at {out['uce_abort_sent_s']}, RETRY fan-out {out['uce_retry_decided_s']} -> {out['uce_retry_sent_s']} s; CPU {out['uce_round_cpu_s']:.2f} s, loop "
             f"{out['uce_round_loop_cpu_s']:.2f} s, simulators {out['uce_round_sims_cpu_s']:.2f} s); recovered "
             f"{out['uce_recovered']}: {out['uce_outcome']}")
         time.sleep(3.0)
@@ -786,6 +833,9 @@ def main() -> None:
     ap.add_argument("--no-merge", action="store_true",
                     help="relayed: forward every rank's HEARTBEAT frame instead of one NODE_BEAT per node and second "
                          "(the relay's default since wire schema 13)")
+    ap.add_argument("--merge-answers", nargs="*", default=None, metavar="TYPE",
+                    help="relayed and merged: the answers the simulated relays merge into NODE_ANSWERS (wire schema "
+                         "14; default: all the relay merges, wire.MERGEABLE; none given: none)")
     ap.add_argument("--json", default=None, help="append the figures to this file (one JSON line per N)")
     ns = ap.parse_args()
     if not ns.connect_rate >= 0:
@@ -802,10 +852,15 @@ def main() -> None:
     say = lambda s: print(time.strftime("%H:%M:%S"), s, flush=True)  # noqa: E731
     if any(k < 0 for k in ns.per_node):
         ap.error(f"--per-node={ns.per_node}: each must be >= 0 (0: no relay)")
+    from mindspeed_ha.control import wire
+    mergeable = sorted(getattr(wire, "MERGEABLE", {}))
+    merge_answers = mergeable if ns.merge_answers is None else ns.merge_answers
+    if not set(merge_answers) <= set(mergeable):
+        ap.error(f"--merge-answers={ns.merge_answers}: each must be one of {mergeable}")
     for n in ns.ranks:
         for k in ns.per_node:
             res = one_run(n, ns.sims, ns.slow, ns.slow_s, ns.steady_s, say, ns.profile, ns.register_wait,
-                          ns.connect_rate, k, not ns.no_merge)
+                          ns.connect_rate, k, not ns.no_merge, merge_answers)
             say(json.dumps(res))
             if ns.json:
                 with open(ns.json, "a") as f:

@@ -150,8 +150,9 @@ class Controller:
         #: REGISTERs of a rank already registered by the same process, answered again (counter)
         self.duplicate_registers = 0
         #: NODE_BEATs of node relays handled, and the local connections they named that were no
-        #: rank's connection through that relay (counters, ``handlers.node_beat``)
-        self.node_beats = self.beat_unknown = 0
+        #: rank's connection through that relay (counters, ``handlers.node_beat``); NODE_ANSWERS
+        #: frames handled (``handlers.node_answers``)
+        self.node_beats = self.beat_unknown = self.node_answers = 0
         #: the heap was frozen when every rank registered (``handlers.FREEZE_HEAP_FROM``)
         self.heap_frozen = False
         #: seconds the I/O thread spent busy outside reading its socket beyond ``tick_s`` in a

@@ -361,9 +361,12 @@ class ControlServer:
                 self.codec.rejected["bad_framing"] += 1
                 self.codec.reject_log.note(repr(parts[0].bytes), "bad_framing", self.clock())
         ranks = self.rank_of_ident
-        for ident, frame in admission.ranks_first(batch, lambda item: item[0] in ranks):
+
+        def in_order(ident: Ident) -> bool:  # a registered rank's, or a relay's own among its ranks' (NODE_ANSWERS)
+            return ident in ranks or (type(ident) is tuple and ident[1] == b"")
+        for ident, frame in admission.ranks_first(batch, lambda item: in_order(item[0])):
             now = self.clock()
-            if not self.limiter.allow(ident, ident in ranks, now):
+            if not self.limiter.allow(ident, in_order(ident), now):
                 self.codec.rejected["rate_limited"] += 1
                 self.codec.reject_log.note(repr(ident), "rate_limited", now)
                 continue
@@ -382,7 +385,9 @@ class ControlServer:
         """A node relay's message ``[relay, sub, frame, sub, frame, ...]`` (see :mod:`relay`):
         each frame is queued as from the connection ``(relay, sub)``; an empty frame says that
         the local connection ``sub`` closed (the rank's process is gone), held like a closed
-        TCP connection until the ROUTER has been read empty."""
+        TCP connection until the ROUTER has been read empty. An empty ``sub`` carries the
+        relay's own frame (NODE_ANSWERS, schema 14) in order among its ranks' frames, from
+        ``(relay, b"")``: no rank's connection (a ROUTER's identities are never empty)."""
         relay = parts[0].bytes
         self.relayed_messages += 1
         for i in range(1, len(parts), 2):
