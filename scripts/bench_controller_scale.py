@@ -252,6 +252,8 @@ class Sim:
                 return
             if not self.per_node:
                 pairs = [(self.rank_of[s], parts[0])]
+            elif len(parts) == 3 and not parts[0]:  # a fan-out through the relay: [b"", frame, packed subs]
+                pairs = [(self.rank_of_sub.get(sub), parts[1]) for sub in unpack_subs(parts[2])]
             else:
                 pairs = [(self.rank_of_sub.get(parts[i]), parts[i + 1]) for i in range(0, len(parts) - 1, 2)]
             for r, frame in pairs:
@@ -439,6 +441,15 @@ class Sim:
         self.ctx.term()
 
 
+def unpack_subs(packed: bytes) -> List[bytes]:
+    """``server.unpack_subs`` (each sub's length byte, then it)."""
+    subs, i = [], 0
+    while i < len(packed):
+        subs.append(packed[i + 1:i + 1 + packed[i]])
+        i += 1 + packed[i]
+    return subs
+
+
 def sim_main(conn, sim_id, ranks, world, port, key, slow_s, save_dir, pythonpath, connect_rate=0.0, per_node=0,
              merge=True, merge_answers=()):
     sys.path.insert(0, pythonpath)
@@ -486,9 +497,17 @@ class Probe:
             if self.on:
                 self.frames.append(time.perf_counter() - start[0])
 
+        #: a cProfile.Profile to run the controller's turns under while set (``--profile-uce``)
+        self.round_profile: Any = None
+
         def timed_turn():
             t = time.perf_counter()
+            prof = self.round_profile
+            if prof is not None:
+                prof.enable()  # on the controller's thread: its turns only
             turn()
+            if prof is not None:
+                prof.disable()
             if self.on:
                 self.turns.append(time.perf_counter() - t)
 
@@ -591,7 +610,7 @@ def cpu_split() -> Dict[str, float]:
 def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
             profile: Optional[str] = None, register_wait: float = 60.0,
             connect_rate: float = 0.0, per_node: int = 0, merge: bool = True,
-            merge_answers: Any = ()) -> Dict[str, Any]:
+            merge_answers: Any = (), profile_uce: Optional[str] = None) -> Dict[str, Any]:
     from mindspeed_ha.config import HAConfig
     from mindspeed_ha.control.controller import Controller
     from mindspeed_ha.control.policy import ActionKind
@@ -714,6 +733,9 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
         ask(pipes, "hold", k)
         time.sleep(1.5)  # the held status reaches the controller with the next heartbeats
         uce_rank = n // 2 + 3
+        if profile_uce:
+            import cProfile
+            probe.round_profile = cProfile.Profile()
         c_uce, s_uce = cpu_split(), sum(r["cpu_s"] for r in ask(pipes, "report"))
         t_uce = min(ask(pipes, "uce", uce_rank))
         deadline = time.monotonic() + 60.0
@@ -724,6 +746,10 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
             time.sleep(0.2)
         retried = sum(r["retries"] for r in reps)
         c_ret = cpu_split()
+        if probe.round_profile is not None:
+            prof, probe.round_profile = probe.round_profile, None
+            time.sleep(0.2)  # (the turn under way ends)
+            prof.dump_stats(f"{profile_uce}.{n}")
         # CPU-seconds of the round (until every rank had its RETRY, plus at most one poll)
         out["uce_round_cpu_s"] = c_ret["process"] - c_uce["process"]
         out["uce_round_loop_cpu_s"] = c_ret["thread"] - c_uce["thread"]
@@ -825,6 +851,8 @@ def main() -> None:
                     help="seconds the bench waits for every rank to register before it gives up (>= 60; the "
                          "processors' own timeout is 60 s: later ones are counted as unregistered_60s)")
     ap.add_argument("--profile", default=None, help="write the controller thread's cProfile stats to PROFILE.<N>")
+    ap.add_argument("--profile-uce", default=None,
+                    help="write the cProfile stats of the controller's turns during the UCE round to PROFILE_UCE.<N>")
     ap.add_argument("--connect-rate", type=float, default=0.0,
                     help="connections opened per second by all simulators together (default 0: every rank at once)")
     ap.add_argument("--per-node", type=int, nargs="+", default=[0],
@@ -860,7 +888,7 @@ def main() -> None:
     for n in ns.ranks:
         for k in ns.per_node:
             res = one_run(n, ns.sims, ns.slow, ns.slow_s, ns.steady_s, say, ns.profile, ns.register_wait,
-                          ns.connect_rate, k, not ns.no_merge, merge_answers)
+                          ns.connect_rate, k, not ns.no_merge, merge_answers, ns.profile_uce)
             say(json.dumps(res))
             if ns.json:
                 with open(ns.json, "a") as f:

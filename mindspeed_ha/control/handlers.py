@@ -334,8 +334,18 @@ def node_answers(ctl: "Controller", now: float, ident: Any, msg: wire.Message) -
     relay, body = ident[0], msg.body
     ctl.node_answers += 1
     mtype = wire.MsgType(body.answer)
+    handler = RANK_HANDLERS[mtype]
+    server, ranks, switches = ctl.server, ctl.state.ranks, ctl.operators.switches
     for sub, one in zip(body.subs, body.bodies()):
-        dispatch(ctl, now, (relay, sub), None, wire.Message(mtype, msg.seq, msg.sender, one))
+        ident = (relay, sub)
+        rank = server.rank_of_ident.get(ident)
+        if rank is None or rank != one.rank or switches.owns(ident) is not None:
+            # not plainly that rank's connection: the general path decides (and rejects or answers)
+            dispatch(ctl, now, ident, None, wire.Message(mtype, msg.seq, msg.sender, one))
+            continue
+        info = ranks[rank]  # what dispatch does for a registered rank's frame (no descriptor: relayed)
+        info.last_heartbeat = now
+        handler(ctl, now, rank, info, one)
 
 
 # ---------------------------------------------------------------------- other evidence

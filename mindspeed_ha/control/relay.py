@@ -18,10 +18,12 @@ what the local socket holds is sent as one multipart message ``[sub, frame, sub,
 pairs), so the heartbeats and statuses of a node's ranks travel together; the controller
 (``server.ControlServer.frames``) sees ``[relay, sub, frame, ...]`` and takes
 ``(relay, sub)`` as the rank's connection. Downstream the controller sends ``[relay, sub,
-frame, ...]`` (a fan-out: one message per relay) and the relay hands each frame to its
-``sub``. A closed local connection (the rank's process is gone) is reported upstream as
-``[sub, b""]``, after that connection's last frames: the controller takes it as it takes
-a closed TCP connection of a rank.
+frame, ...]``, a fan-out of one frame to several of them (STOP, the same ACTION to all) as
+``[relay, b"", frame, packed subs]`` (one message per relay and ``RELAY_BATCH`` ranks; the
+frame once, ``server.pack_subs``), and the relay hands each frame to its ``sub``. A
+closed local connection (the rank's process is gone) is reported upstream as ``[sub,
+b""]``, after that connection's last frames: the controller takes it as it takes a
+closed TCP connection of a rank.
 
 Heartbeats are merged per node (``merge_heartbeats``, the default; wire schema 13): the
 relay verifies each rank's frame with the job's key (:class:`wire.Codec`: HMAC, version,
@@ -71,7 +73,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from mindspeed_ha.control import auth, wire
-from mindspeed_ha.control.server import RELAY_BATCH
+from mindspeed_ha.control.server import RELAY_BATCH, unpack_subs
 
 log = logging.getLogger(__name__)
 
@@ -497,6 +499,18 @@ class NodeRelay:
                 parts = self._up.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            if len(parts) == 3 and len(parts[0]) == 0:  # a fan-out: [b"", frame, packed subs]
+                try:
+                    subs = unpack_subs(parts[2].bytes)
+                except ValueError:
+                    continue
+                for sub in subs:
+                    try:
+                        self._local.send_multipart([sub, parts[1]], zmq.NOBLOCK, copy=False)
+                        self.down_frames += 1
+                    except zmq.ZMQError:
+                        pass  # that rank's connection is gone (ROUTER drops unroutable frames)
+                continue
             if len(parts) % 2:
                 continue  # not [sub, frame, ...]: the controller sends pairs only
             for i in range(0, len(parts), 2):

@@ -65,6 +65,23 @@ MONITOR_HWM = 100_000
 HANDSHAKE_DEADLINE_S = 5.0
 #: ranks' frames per message sent to one node relay (a fan-out to the ranks behind it)
 RELAY_BATCH = 256
+
+
+def pack_subs(subs: List[bytes]) -> bytes:
+    """Local connections of a relay (each 1-255 bytes) as one part: each one's length byte, then it."""
+    return b"".join(bytes((len(s),)) + s for s in subs)
+
+
+def unpack_subs(packed: bytes) -> List[bytes]:
+    """The inverse of :func:`pack_subs`. Raises ValueError on a part it did not make."""
+    subs, i = [], 0
+    while i < len(packed):
+        n = packed[i]
+        if n == 0 or i + 1 + n > len(packed):
+            raise ValueError(f"packed subs: bad length {n} at byte {i} of {len(packed)}")
+        subs.append(packed[i + 1:i + 1 + n])
+        i += 1 + n
+    return subs
 #: a connection: a ROUTER identity (a rank's own connection), or (relay, sub) for a rank
 #: whose frames its node's relay carries (:mod:`mindspeed_ha.control.relay`)
 Ident = Union[bytes, Tuple[bytes, bytes]]
@@ -447,9 +464,10 @@ class ControlServer:
         for relay, subs in relayed.items():  # one message per relay and RELAY_BATCH ranks
             for i in range(0, len(subs), RELAY_BATCH):
                 chunk = subs[i:i + RELAY_BATCH]
-                parts: List[bytes] = [relay]
-                for _, sub in chunk:
-                    parts += (sub, frame)
+                if len(chunk) == 1:
+                    parts: List[bytes] = [relay, chunk[0][1], frame]
+                else:  # the frame once, and the local connections the relay hands it to
+                    parts = [relay, b"", frame, pack_subs([sub for _, sub in chunk])]
                 try:
                     self.router.send_multipart(parts, zmq.NOBLOCK)
                     sent += len(chunk)

@@ -460,16 +460,18 @@ class NodeAnswers:
         if len(self.subs) != len(self.ranks) or len(self.subs) > MAX_BEAT_SUBS or any(len(s) > 255 for s in self.subs):
             raise WireError("bad_body", f"node_answers.subs / ranks: not of the same length, more than {MAX_BEAT_SUBS} "
                             "entries or a sub over 255 bytes")
-        self.bodies(check_only=True)
-
-    def bodies(self, check_only: bool = False) -> List[Any]:
-        """Each named rank's body (``ranks[i]``'s at ``i``), the common part checked once
-        against the type's fields. Raises WireError("bad_body")."""
-        cls = BODY_TYPES[MsgType(self.answer)]
+        cls = BODY_TYPES[MsgType(self.answer)]  # the common part checked once against the type's fields
         first = _from_plain(cls, {**self.body, "rank": self.ranks[0] if self.ranks else 0}, f"node_answers.{self.answer}")
-        if check_only:
+        object.__setattr__(self, "_first", first)  # (not a field: not sent, not compared)
+
+    def bodies(self) -> List[Any]:
+        """Each named rank's body (``ranks[i]``'s at ``i``), as checked at construction."""
+        first = self._first  # type: ignore[attr-defined]
+        if not self.ranks:
             return []
-        return [first] + [dataclasses.replace(first, rank=r) for r in self.ranks[1:]] if self.ranks else []
+        cls = type(first)
+        kwargs = {name: getattr(first, name) for name in _fields(cls)[0] if name != "rank"}  # checked: built as is
+        return [first] + [cls(rank=r, **kwargs) for r in self.ranks[1:]]
 
 
 # ------------------------------------------------ the operator (mindspeed-ha status | pause | resume | stop)
