@@ -253,7 +253,19 @@ class Sim:
             if not self.per_node:
                 pairs = [(self.rank_of[s], parts[0])]
             elif len(parts) == 3 and not parts[0]:  # a fan-out through the relay: [b"", frame, packed subs]
-                pairs = [(self.rank_of_sub.get(sub), parts[1]) for sub in unpack_subs(parts[2])]
+                # one frame for the node's ranks: verified once here (each rank's own check of it
+                # runs on its own CPU on a real node, not on the controller's machine), its seq per rank
+                m = self.dec(None, parts[1])
+                for sub in unpack_subs(parts[2]):
+                    r = self.rank_of_sub.get(sub)
+                    if r is None or r in self.dead:
+                        continue
+                    if m is None or m["seq"] <= self.last_in[r]:
+                        self.rejected += 1
+                        continue
+                    self.last_in[r] = m["seq"]
+                    self.handle(r, m, now)
+                continue
             else:
                 pairs = [(self.rank_of_sub.get(parts[i]), parts[i + 1]) for i in range(0, len(parts) - 1, 2)]
             for r, frame in pairs:
@@ -269,10 +281,11 @@ class Sim:
             self.rejected += 1
             return None
         m = msgpack.unpackb(env, raw=False, strict_map_key=False)
-        if m.get("v") != self.v or m["seq"] <= self.last_in[r]:
+        if m.get("v") != self.v or (r is not None and m["seq"] <= self.last_in[r]):
             self.rejected += 1
             return None
-        self.last_in[r] = m["seq"]
+        if r is not None:  # (None: a fan-out's frame, its seq checked per rank by the caller)
+            self.last_in[r] = m["seq"]
         return m
 
     # ---- protocol
@@ -465,7 +478,7 @@ class Probe:
     """Frame handling times and turn lengths of the controller (wrapping its calls)."""
 
     def __init__(self, ctl):
-        from mindspeed_ha.control import handlers
+        from mindspeed_ha.control import handlers, wire
 
         self.frames: List[float] = []
         self.turns: List[float] = []
@@ -540,6 +553,15 @@ class Probe:
             self.closes.append((rank, now, time.monotonic()))
             closed(c, rank, now)
         handlers.connection_closed = timed_closed
+        #: FAULTs other than ``aborted`` handled: (when, rank, kind), on the controller's clock
+        self.faults: List[Any] = []
+        fault_handler = handlers.RANK_HANDLERS[wire.MsgType.FAULT]
+
+        def watched_fault(c, now, rank, info, body):
+            if body.kind != "aborted":
+                self.faults.append((now, rank, body.kind))
+            fault_handler(c, now, rank, info, body)
+        handlers.RANK_HANDLERS[wire.MsgType.FAULT] = watched_fault
         ctl.codec.try_decode = try_decode
         handlers.dispatch = timed_dispatch
         handlers.register = timed_register
@@ -547,7 +569,8 @@ class Probe:
         ctl._turn = timed_turn
         self._undo = lambda: (setattr(handlers, "dispatch", dispatch), setattr(table, "gone_ranks", gone_ranks),
                               setattr(handlers, "register", register),
-                              setattr(handlers, "connection_closed", closed))
+                              setattr(handlers, "connection_closed", closed),
+                              handlers.RANK_HANDLERS.__setitem__(wire.MsgType.FAULT, fault_handler))
 
     def close(self):
         self._undo()
@@ -762,6 +785,11 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
         abort = [f for f in fans if f[0] == "Stop"][1:2]  # the second round's STOP(recover), sent once all observed
         out["uce_abort_sent_s"] = (abort[0][2] - t_uce) if abort else None
         out["node_answers"] = getattr(ctl, "node_answers", None)
+        with ctl._lock:  # the round on the controller's clock: its decisions and fan-outs (ended), s
+            steps = [(round(e.t - t_uce, 3), e.action.value) for e in ctl.events if e.t >= t_uce]
+        out["uce_timeline"] = sorted(steps + [(round(f[2] - t_uce, 3), f"sent {f[0]}") for f in fans]
+                                     + [(round(f[0] - t_uce, 3), f"read FAULT {f[2]}") for f in probe.faults
+                                        if f[0] >= t_uce])[:12]
         out["uce_retry_decided_s"] = (retry_fan[1] - t_uce) if retry_fan else None
         out["uce_retry_sent_s"] = (retry_fan[2] - t_uce) if retry_fan else None
         out["uce_retry_s"] = (max(r["last_retry"] for r in reps if r["last_retry"]) - t_uce) if retried == n else None
