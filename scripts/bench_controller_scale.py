@@ -562,6 +562,17 @@ class Probe:
                 self.faults.append((now, rank, body.kind))
             fault_handler(c, now, rank, info, body)
         handlers.RANK_HANDLERS[wire.MsgType.FAULT] = watched_fault
+        from mindspeed_ha.control import controller as controller_mod
+        decide = controller_mod.decide
+        #: decision steps that ran ``decide``: (when, seconds it took), on the controller's clock
+        self.decides: List[Any] = []
+
+        def timed_decide(now, *a, **k):
+            t = time.monotonic()
+            d = decide(now, *a, **k)
+            self.decides.append((now, time.monotonic() - t))
+            return d
+        controller_mod.decide = timed_decide
         ctl.codec.try_decode = try_decode
         handlers.dispatch = timed_dispatch
         handlers.register = timed_register
@@ -570,7 +581,8 @@ class Probe:
         self._undo = lambda: (setattr(handlers, "dispatch", dispatch), setattr(table, "gone_ranks", gone_ranks),
                               setattr(handlers, "register", register),
                               setattr(handlers, "connection_closed", closed),
-                              handlers.RANK_HANDLERS.__setitem__(wire.MsgType.FAULT, fault_handler))
+                              handlers.RANK_HANDLERS.__setitem__(wire.MsgType.FAULT, fault_handler),
+                              setattr(controller_mod, "decide", decide))
 
     def close(self):
         self._undo()
@@ -790,6 +802,11 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
         out["uce_timeline"] = sorted(steps + [(round(f[2] - t_uce, 3), f"sent {f[0]}") for f in fans]
                                      + [(round(f[0] - t_uce, 3), f"read FAULT {f[2]}") for f in probe.faults
                                         if f[0] >= t_uce])[:12]
+        round_decides = [(round(t - t_uce, 3), round(c, 3)) for t, c in probe.decides
+                         if t_uce <= t <= (retry_fan[1] if retry_fan else t)]
+        out["uce_decide_steps"] = len(round_decides)  # decision steps in the round and their cost, s
+        out["uce_decide_s"] = round(sum(c for _, c in round_decides), 3)
+        out["uce_decides"] = round_decides[:40]
         out["uce_retry_decided_s"] = (retry_fan[1] - t_uce) if retry_fan else None
         out["uce_retry_sent_s"] = (retry_fan[2] - t_uce) if retry_fan else None
         out["uce_retry_s"] = (max(r["last_retry"] for r in reps if r["last_retry"]) - t_uce) if retried == n else None
