@@ -431,12 +431,10 @@ class NodeRelay:
         for anything else (forwarded unchanged)."""
         if not self.merge_answers:
             return False
-        need = wire.MERGEABLE.get(msg.type.value)
-        body = msg.body
-        if need is None or any(getattr(body, k) != v for k, v in need.items()):
+        plain = wire.merged_part(msg.type, msg.body)
+        if plain is None:
             return False
-        plain = wire._to_plain(body)
-        rank = plain.pop("rank")
+        rank = msg.body.rank
         try:
             key = (msg.type.value, tuple(plain.items()))
             group = self._answers.get(key)

@@ -474,6 +474,17 @@ class NodeAnswers:
         return [first] + [cls(rank=r, **kwargs) for r in self.ranks[1:]]
 
 
+def merged_part(msg_type: "MsgType", body: Any) -> Optional[Dict[str, Any]]:
+    """The fields but ``rank`` of ``body`` (a message of ``msg_type``) if NODE_ANSWERS may carry
+    it (:data:`MERGEABLE`), else None."""
+    need = MERGEABLE.get(msg_type.value)
+    if need is None or any(getattr(body, k) != v for k, v in need.items()):
+        return None
+    plain = _to_plain(body)
+    plain.pop("rank")
+    return plain
+
+
 # ------------------------------------------------ the operator (mindspeed-ha status | pause | resume | stop)
 #: the verbs an operator may send
 OPERATOR_VERBS = ("status", "pause", "resume", "stop", "check", "relink", "switch")
@@ -858,6 +869,6 @@ __all__ = [
     "Register", "Registered", "Heartbeat", "Status", "Fault", "Stop", "Stopped", "Action", "ActionResult",
     "Integrity", "Goodbye", "GoodbyeAck", "StopRequest", "Drain", "Draining", "BODY_TYPES", "Layout",
     "Release", "OperatorRequest", "OperatorReply", "OPERATOR_VERBS", "Health", "PauseTask", "PauseTaskResult",
-    "SwitchView", "NodeBeat", "MAX_BEAT_SUBS", "NodeAnswers", "MERGEABLE",
+    "SwitchView", "NodeBeat", "MAX_BEAT_SUBS", "NodeAnswers", "MERGEABLE", "merged_part",
 ]
 
