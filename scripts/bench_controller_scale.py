@@ -86,7 +86,8 @@ class Sim:
     """The ranks of one simulator process."""
 
     def __init__(self, conn, sim_id: int, ranks: List[int], world: int, port: int, key: bytes, slow_s: float,
-                 save_dir: str, connect_rate: float = 0.0, per_node: int = 0, merge: bool = True):
+                 save_dir: str, connect_rate: float = 0.0, per_node: int = 0, merge: bool = True,
+                 merge_answers: Any = ()):
         from mindspeed_ha.control import auth, wire
         from mindspeed_ha.control import link as link_mod
 
@@ -111,6 +112,13 @@ class Sim:
         self.beat_due: List[Any] = []  # (when, node index) of the next NODE_BEAT
         self.beat_sender: Dict[Any, str] = {}
         self.beat_seq: Dict[Any, int] = {}
+        #: relayed and merged: a rank's routine answer of these types (wire.MERGEABLE, schema 14) is
+        #: not a frame but an entry of its node's next NODE_ANSWERS, sent in the node's message of
+        #: the turn before any later frame of that rank (as control/relay.py does)
+        self.merge_answers = frozenset(merge_answers) if self.merge else frozenset()
+        self.answers: Dict[Any, Dict[Any, Any]] = {}  # node socket -> (type, body) -> (body, subs, ranks)
+        self.answer_sender: Dict[Any, str] = {}
+        self.answer_seq: Dict[Any, int] = {}
         self.socks: Dict[int, Any] = {}  # rank -> its socket (its node's, when relayed)
         self.rank_of: Dict[Any, int] = {}  # socket -> rank (direct only)
         self.sub: Dict[int, bytes] = {r: f"r{r}-{secrets.token_hex(4)}".encode() for r in ranks}
@@ -131,6 +139,8 @@ class Sim:
             if per_node and merge:
                 self.beat_sender[s], self.beat_seq[s] = wire.new_sender("relay", g[0]), 0
                 self.heard[s] = []
+                self.answer_sender[s], self.answer_seq[s] = wire.new_sender("relay", g[0]), 0
+                self.answers[s] = {}
             for r in g:
                 self.socks[r] = s
                 self.rank_of[s] = r
@@ -179,11 +189,40 @@ class Sim:
         except zmq.Again:
             self.dropped += 1
 
+    def merged_answer(self, s, r: int, mtype: str, body: Dict[str, Any]) -> bool:
+        """Relayed and merged: note rank ``r``'s routine answer for its node's next NODE_ANSWERS."""
+        need = self.wire.MERGEABLE.get(mtype)
+        if mtype not in self.merge_answers or need is None or any(body.get(k) != v for k, v in need.items()):
+            return False
+        common = {k: v for k, v in body.items() if k != "rank"}
+        group = self.answers[s].setdefault((mtype, tuple(common.items())), (common, [], []))
+        group[1].append(self.sub[r])
+        group[2].append(r)
+        return True
+
+    def flush_answers(self, s) -> None:
+        """Node ``s``'s noted answers, as NODE_ANSWERS frames of its relay into its message of this turn."""
+        answers, self.answers[s] = self.answers[s], {}
+        for (mtype, _), (common, subs, ranks) in answers.items():
+            self.answer_seq[s] += 1
+            env = msgpack.packb({"v": self.v, "type": "node_answers", "seq": self.answer_seq[s],
+                                 "sender": self.answer_sender[s],
+                                 "body": {"node_rank": self.node_ranks[s][0], "answer": mtype, "body": common,
+                                          "subs": subs, "ranks": ranks}}, use_bin_type=True)
+            self.out.setdefault(s, []).extend((b"", hmac.new(self.key, env, hashlib.sha256).digest() + env))
+            self.sent += 1
+
     def send(self, r: int, mtype: str, body: Dict[str, Any]) -> None:
         if r in self.dead:
             return
         if self.per_node:
-            self.out.setdefault(self.socks[r], []).extend((self.sub[r], self.enc(r, mtype, body)))
+            s = self.socks[r]
+            if self.merge_answers:
+                if self.merged_answer(s, r, mtype, body):
+                    return
+                if any(self.sub[r] in g[1] for g in self.answers[s].values()):
+                    self.flush_answers(s)  # its merged answer goes before this frame
+            self.out.setdefault(s, []).extend((self.sub[r], self.enc(r, mtype, body)))
             self.sent += 1
             return
         try:
@@ -194,6 +233,9 @@ class Sim:
 
     def flush(self) -> None:
         """Relayed: what each node's ranks sent this turn, one message per node (and 256 frames)."""
+        for s, answers in self.answers.items():
+            if answers:
+                self.flush_answers(s)
         out, self.out = self.out, {}
         for s, parts in out.items():
             for i in range(0, len(parts), 512):
@@ -210,6 +252,20 @@ class Sim:
                 return
             if not self.per_node:
                 pairs = [(self.rank_of[s], parts[0])]
+            elif len(parts) == 3 and not parts[0]:  # a fan-out through the relay: [b"", frame, packed subs]
+                # one frame for the node's ranks: verified once here (each rank's own check of it
+                # runs on its own CPU on a real node, not on the controller's machine), its seq per rank
+                m = self.dec(None, parts[1])
+                for sub in unpack_subs(parts[2]):
+                    r = self.rank_of_sub.get(sub)
+                    if r is None or r in self.dead:
+                        continue
+                    if m is None or m["seq"] <= self.last_in[r]:
+                        self.rejected += 1
+                        continue
+                    self.last_in[r] = m["seq"]
+                    self.handle(r, m, now)
+                continue
             else:
                 pairs = [(self.rank_of_sub.get(parts[i]), parts[i + 1]) for i in range(0, len(parts) - 1, 2)]
             for r, frame in pairs:
@@ -225,10 +281,11 @@ class Sim:
             self.rejected += 1
             return None
         m = msgpack.unpackb(env, raw=False, strict_map_key=False)
-        if m.get("v") != self.v or m["seq"] <= self.last_in[r]:
+        if m.get("v") != self.v or (r is not None and m["seq"] <= self.last_in[r]):
             self.rejected += 1
             return None
-        self.last_in[r] = m["seq"]
+        if r is not None:  # (None: a fan-out's frame, its seq checked per rank by the caller)
+            self.last_in[r] = m["seq"]
         return m
 
     # ---- protocol
@@ -397,12 +454,21 @@ class Sim:
         self.ctx.term()
 
 
+def unpack_subs(packed: bytes) -> List[bytes]:
+    """``server.unpack_subs`` (each sub's length byte, then it)."""
+    subs, i = [], 0
+    while i < len(packed):
+        subs.append(packed[i + 1:i + 1 + packed[i]])
+        i += 1 + packed[i]
+    return subs
+
+
 def sim_main(conn, sim_id, ranks, world, port, key, slow_s, save_dir, pythonpath, connect_rate=0.0, per_node=0,
-             merge=True):
+             merge=True, merge_answers=()):
     sys.path.insert(0, pythonpath)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    sim = Sim(conn, sim_id, ranks, world, port, key, slow_s, save_dir, connect_rate, per_node, merge)
+    sim = Sim(conn, sim_id, ranks, world, port, key, slow_s, save_dir, connect_rate, per_node, merge, merge_answers)
     sim.port = port
     sim.run()
 
@@ -412,7 +478,7 @@ class Probe:
     """Frame handling times and turn lengths of the controller (wrapping its calls)."""
 
     def __init__(self, ctl):
-        from mindspeed_ha.control import handlers
+        from mindspeed_ha.control import handlers, wire
 
         self.frames: List[float] = []
         self.turns: List[float] = []
@@ -444,9 +510,17 @@ class Probe:
             if self.on:
                 self.frames.append(time.perf_counter() - start[0])
 
+        #: a cProfile.Profile to run the controller's turns under while set (``--profile-uce``)
+        self.round_profile: Any = None
+
         def timed_turn():
             t = time.perf_counter()
+            prof = self.round_profile
+            if prof is not None:
+                prof.enable()  # on the controller's thread: its turns only
             turn()
+            if prof is not None:
+                prof.disable()
             if self.on:
                 self.turns.append(time.perf_counter() - t)
 
@@ -479,6 +553,26 @@ class Probe:
             self.closes.append((rank, now, time.monotonic()))
             closed(c, rank, now)
         handlers.connection_closed = timed_closed
+        #: FAULTs other than ``aborted`` handled: (when, rank, kind), on the controller's clock
+        self.faults: List[Any] = []
+        fault_handler = handlers.RANK_HANDLERS[wire.MsgType.FAULT]
+
+        def watched_fault(c, now, rank, info, body):
+            if body.kind != "aborted":
+                self.faults.append((now, rank, body.kind))
+            fault_handler(c, now, rank, info, body)
+        handlers.RANK_HANDLERS[wire.MsgType.FAULT] = watched_fault
+        from mindspeed_ha.control import controller as controller_mod
+        decide = controller_mod.decide
+        #: decision steps that ran ``decide``: (when, seconds it took), on the controller's clock
+        self.decides: List[Any] = []
+
+        def timed_decide(now, *a, **k):
+            t = time.monotonic()
+            d = decide(now, *a, **k)
+            self.decides.append((now, time.monotonic() - t))
+            return d
+        controller_mod.decide = timed_decide
         ctl.codec.try_decode = try_decode
         handlers.dispatch = timed_dispatch
         handlers.register = timed_register
@@ -486,7 +580,9 @@ class Probe:
         ctl._turn = timed_turn
         self._undo = lambda: (setattr(handlers, "dispatch", dispatch), setattr(table, "gone_ranks", gone_ranks),
                               setattr(handlers, "register", register),
-                              setattr(handlers, "connection_closed", closed))
+                              setattr(handlers, "connection_closed", closed),
+                              handlers.RANK_HANDLERS.__setitem__(wire.MsgType.FAULT, fault_handler),
+                              setattr(controller_mod, "decide", decide))
 
     def close(self):
         self._undo()
@@ -548,7 +644,8 @@ def cpu_split() -> Dict[str, float]:
 
 def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
             profile: Optional[str] = None, register_wait: float = 60.0,
-            connect_rate: float = 0.0, per_node: int = 0, merge: bool = True) -> Dict[str, Any]:
+            connect_rate: float = 0.0, per_node: int = 0, merge: bool = True,
+            merge_answers: Any = (), profile_uce: Optional[str] = None) -> Dict[str, Any]:
     from mindspeed_ha.config import HAConfig
     from mindspeed_ha.control.controller import Controller
     from mindspeed_ha.control.policy import ActionKind
@@ -576,6 +673,7 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
     ctl.start()
     out: Dict[str, Any] = {"ranks": n, "sims": sims, "slowed": slow, "per_node": per_node,
                            "merged": bool(per_node) and merge,
+                           "merged_answers": sorted(merge_answers) if per_node and merge else [],
                            "load_before": os.getloadavg()[0]}
     import mindspeed_ha
     tree = os.path.dirname(os.path.dirname(os.path.abspath(mindspeed_ha.__file__)))  # the simulators use it too
@@ -587,7 +685,7 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
             a, b = spawn.Pipe()
             p = spawn.Process(target=sim_main, args=(b, i, per[i], n, ctl.port, key,
                                                      slow_s if i < slow else 0.0, save_dir, tree,
-                                                     connect_rate / sims, per_node, merge),
+                                                     connect_rate / sims, per_node, merge, tuple(merge_answers)),
                               daemon=True)
             p.start()
             pipes.append(a)
@@ -670,6 +768,9 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
         ask(pipes, "hold", k)
         time.sleep(1.5)  # the held status reaches the controller with the next heartbeats
         uce_rank = n // 2 + 3
+        if profile_uce:
+            import cProfile
+            probe.round_profile = cProfile.Profile()
         c_uce, s_uce = cpu_split(), sum(r["cpu_s"] for r in ask(pipes, "report"))
         t_uce = min(ask(pipes, "uce", uce_rank))
         deadline = time.monotonic() + 60.0
@@ -680,6 +781,10 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
             time.sleep(0.2)
         retried = sum(r["retries"] for r in reps)
         c_ret = cpu_split()
+        if probe.round_profile is not None:
+            prof, probe.round_profile = probe.round_profile, None
+            time.sleep(0.2)  # (the turn under way ends)
+            prof.dump_stats(f"{profile_uce}.{n}")
         # CPU-seconds of the round (until every rank had its RETRY, plus at most one poll)
         out["uce_round_cpu_s"] = c_ret["process"] - c_uce["process"]
         out["uce_round_loop_cpu_s"] = c_ret["thread"] - c_uce["thread"]
@@ -689,6 +794,19 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
         first_stop = next((f for f in fans if f[0] == "Stop"), None)
         # the round's steps on the controller: STOP(recover) sent, the RETRY fan-out started / ended
         out["uce_stop_sent_s"] = (first_stop[2] - t_uce) if first_stop else None
+        abort = [f for f in fans if f[0] == "Stop"][1:2]  # the second round's STOP(recover), sent once all observed
+        out["uce_abort_sent_s"] = (abort[0][2] - t_uce) if abort else None
+        out["node_answers"] = getattr(ctl, "node_answers", None)
+        with ctl._lock:  # the round on the controller's clock: its decisions and fan-outs (ended), s
+            steps = [(round(e.t - t_uce, 3), e.action.value) for e in ctl.events if e.t >= t_uce]
+        out["uce_timeline"] = sorted(steps + [(round(f[2] - t_uce, 3), f"sent {f[0]}") for f in fans]
+                                     + [(round(f[0] - t_uce, 3), f"read FAULT {f[2]}") for f in probe.faults
+                                        if f[0] >= t_uce])[:12]
+        round_decides = [(round(t - t_uce, 3), round(c, 3)) for t, c in probe.decides
+                         if t_uce <= t <= (retry_fan[1] if retry_fan else t)]
+        out["uce_decide_steps"] = len(round_decides)  # decision steps in the round and their cost, s
+        out["uce_decide_s"] = round(sum(c for _, c in round_decides), 3)
+        out["uce_decides"] = round_decides[:40]
         out["uce_retry_decided_s"] = (retry_fan[1] - t_uce) if retry_fan else None
         out["uce_retry_sent_s"] = (retry_fan[2] - t_uce) if retry_fan else None
         out["uce_retry_s"] = (max(r["last_retry"] for r in reps if r["last_retry"]) - t_uce) if retried == n else None
@@ -699,7 +817,7 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
             out["uce_outcome"] = ctl.events[-1].reason[:160] if ctl.events else ""
             out["uce_recovered"] = bool(ctl.state.recoveries and ctl.state.recoveries[-1].get("done_at"))
         log(f"N={n}: UCE -> RETRY at {retried}/{n} ranks in {out['uce_retry_s']} s (controller: STOP sent at "
-            f"{out['uce_stop_sent_s']}, RETRY fan-out {out['uce_retry_decided_s']} -> {out['uce_retry_sent_s']} s; CPU {out['uce_round_cpu_s']:.2f} s, loop "
+            f"{out['uce_stop_sent_s']}, abort sent at {out['uce_abort_sent_s']}, RETRY fan-out {out['uce_retry_decided_s']} -> {out['uce_retry_sent_s']} s; CPU {out['uce_round_cpu_s']:.2f} s, loop "
             f"{out['uce_round_loop_cpu_s']:.2f} s, simulators {out['uce_round_sims_cpu_s']:.2f} s); recovered "
             f"{out['uce_recovered']}: {out['uce_outcome']}")
         time.sleep(3.0)
@@ -778,6 +896,8 @@ def main() -> None:
                     help="seconds the bench waits for every rank to register before it gives up (>= 60; the "
                          "processors' own timeout is 60 s: later ones are counted as unregistered_60s)")
     ap.add_argument("--profile", default=None, help="write the controller thread's cProfile stats to PROFILE.<N>")
+    ap.add_argument("--profile-uce", default=None,
+                    help="write the cProfile stats of the controller's turns during the UCE round to PROFILE_UCE.<N>")
     ap.add_argument("--connect-rate", type=float, default=0.0,
                     help="connections opened per second by all simulators together (default 0: every rank at once)")
     ap.add_argument("--per-node", type=int, nargs="+", default=[0],
@@ -786,6 +906,9 @@ def main() -> None:
     ap.add_argument("--no-merge", action="store_true",
                     help="relayed: forward every rank's HEARTBEAT frame instead of one NODE_BEAT per node and second "
                          "(the relay's default since wire schema 13)")
+    ap.add_argument("--merge-answers", nargs="*", default=None, metavar="TYPE",
+                    help="relayed and merged: the answers the simulated relays merge into NODE_ANSWERS (wire schema "
+                         "14; default: all the relay merges, wire.MERGEABLE; none given: none)")
     ap.add_argument("--json", default=None, help="append the figures to this file (one JSON line per N)")
     ns = ap.parse_args()
     if not ns.connect_rate >= 0:
@@ -802,10 +925,15 @@ def main() -> None:
     say = lambda s: print(time.strftime("%H:%M:%S"), s, flush=True)  # noqa: E731
     if any(k < 0 for k in ns.per_node):
         ap.error(f"--per-node={ns.per_node}: each must be >= 0 (0: no relay)")
+    from mindspeed_ha.control import wire
+    mergeable = sorted(getattr(wire, "MERGEABLE", {}))
+    merge_answers = mergeable if ns.merge_answers is None else ns.merge_answers
+    if not set(merge_answers) <= set(mergeable):
+        ap.error(f"--merge-answers={ns.merge_answers}: each must be one of {mergeable}")
     for n in ns.ranks:
         for k in ns.per_node:
             res = one_run(n, ns.sims, ns.slow, ns.slow_s, ns.steady_s, say, ns.profile, ns.register_wait,
-                          ns.connect_rate, k, not ns.no_merge)
+                          ns.connect_rate, k, not ns.no_merge, merge_answers, ns.profile_uce)
             say(json.dumps(res))
             if ns.json:
                 with open(ns.json, "a") as f:

@@ -23,6 +23,7 @@ from mindspeed_ha.config import HAConfig
 from mindspeed_ha.control import wire
 from mindspeed_ha.control.controller import Controller
 from mindspeed_ha.control.policy import ActionKind
+from mindspeed_ha.control.server import unpack_subs
 from mindspeed_ha.control.state import Layout, Phase
 from mindspeed_ha.faults import EXIT_DYING_CHECKPOINT_SAVED
 
@@ -80,12 +81,16 @@ class SlowRouter:
         raise zmq.Again()
 
     def send_multipart(self, parts, flags=0):
-        """One frame to a rank, or [relay, sub, frame, sub, frame, ...] to the ranks behind a relay."""
+        """One frame to a rank, or [relay, sub, frame, sub, frame, ...] to the ranks behind a relay,
+        or [relay, b"", frame, packed subs]: the same frame to several of them."""
         self.clock.t += self.send_s
         if len(parts) == 2:
             self.sent.append((bytes(parts[0]), bytes(parts[1])))
             return
         self.messages_to_relays += 1
+        if len(parts) == 4 and not parts[1]:
+            self.sent += [((bytes(parts[0]), sub), bytes(parts[2])) for sub in unpack_subs(bytes(parts[3]))]
+            return
         for i in range(1, len(parts), 2):
             self.sent.append(((bytes(parts[0]), bytes(parts[i])), bytes(parts[i + 1])))
 

@@ -411,3 +411,137 @@ def test_a_relayed_close_is_a_death_once_its_batch_is_handled():
     assert any(router.queues.values()), "the flood was read in one turn: the test proves nothing"
     assert not ctl.state.ranks[2].alive and ctl.state.ranks[2].dead_reason == "control connection closed"
     assert "goodbye" in ctl.state.ranks[1].dead_reason, ctl.state.ranks[1].dead_reason
+
+
+class _LocalFrame:
+    """A frame read from the relay's local socket (zmq.Frame's ``bytes``, ``get(SRCFD)``, ``len``)."""
+
+    def __init__(self, data, fd):
+        self.bytes, self.fd = data, fd
+
+    def get(self, option):
+        return self.fd
+
+    def __len__(self):
+        return len(self.bytes)
+
+
+class _Local:
+    """The relay's local ROUTER: scripted [sub, frame] reads, the sends recorded."""
+
+    def __init__(self, reads=()):
+        self.reads, self.sent = list(reads), []
+
+    def recv_multipart(self, flags=0, copy=True):
+        if not self.reads:
+            raise zmq.Again()
+        return self.reads.pop(0)
+
+    def send_multipart(self, parts, flags=0, copy=True):
+        self.sent.append([getattr(p, "bytes", p) for p in parts])
+
+
+def _bare_relay(reads):
+    """A NodeRelay never opened: its forwarding path over stand-ins of its sockets."""
+    relay = NodeRelay(CFG.max_message_bytes, KEY, "127.0.0.1", 1, 0)
+    relay._local, relay._up = _Local(reads), _Local()
+    relay._sub_of_fd = {10 + i: b"s%d" % i for i in range(4)}  # each rank's connection, bound already
+    return relay
+
+
+def test_a_rounds_answers_go_up_merged_and_each_rank_in_its_order():
+    """Answer merging (wire schema 14): verified STOPPED / ACTION_RESULT ok / FAULT aborted of a
+    turn go up as NODE_ANSWERS (one per common body), each placed before the next frame of a
+    rank it names; a FAULT of another kind, a failed ACTION_RESULT, a frame that does not verify
+    and a STATUS go up unchanged (fails when the relay forwards every frame: nothing merged)."""
+    rank = [wire.Codec(KEY, wire.new_sender("processor", r)) for r in range(4)]
+    forged = wire.Codec(b"x" * 32, wire.new_sender("processor", 3))
+    script = [  # (rank, codec, body) in the order the relay reads them
+        (0, rank[0], wire.Status(0, "updating", 5)),
+        (0, rank[0], wire.Stopped(0, "updated", 5)),
+        (1, rank[1], wire.Stopped(1, "updated", 5)),
+        (2, rank[2], wire.Stopped(2, "updating", 6)),  # another body: a group of its own
+        (1, rank[1], wire.Fault(1, 6, "uce", "UCE", "updated")),  # not merged; rank 1's STOPPED goes up first
+        (0, rank[0], wire.Fault(0, 6, "aborted", "aborted", "updated")),
+        (1, rank[1], wire.Fault(1, 6, "aborted", "aborted", "updated")),
+        (2, rank[2], wire.ActionResult(7, 2, False, "disk full")),  # a failure: not merged
+        (3, forged, wire.Stopped(3, "updated", 5)),  # does not verify: forwarded, the controller rejects it
+        (3, rank[3], wire.ActionResult(7, 3, True, "")),
+    ]
+    relay = _bare_relay([[_LocalFrame(b"s%d" % r, 10 + r), _LocalFrame(c.encode(b), 10 + r)] for r, c, b in script])
+    relay._forward_up()
+    (parts,) = relay._up.sent  # one message this turn
+    controller = wire.Codec(KEY, "controller")
+    seen = []  # (rank, message type, body) in the order the controller gets them
+    for sub, frame in zip(parts[::2], parts[1::2]):
+        if sub == b"":
+            msg = controller.decode(frame)
+            assert msg.type is wire.MsgType.NODE_ANSWERS and msg.sender.startswith("relay-0-")
+            assert [b"s%d" % r for r in msg.body.ranks] == msg.body.subs
+            seen += [(b.rank, msg.body.answer, b) for b in msg.body.bodies()]
+        else:
+            try:
+                msg = controller.decode(frame)
+            except wire.WireError:
+                seen.append((int(sub[1:]), "rejected", None))
+                continue
+            seen.append((msg.body.rank, msg.type.value, msg.body))
+    expected = [(r, "rejected" if c is forged else wire._TYPE_OF[type(b)].value, None if c is forged else b)
+                for r, c, b in script]
+    for r in range(4):  # every rank's messages, each once, in the order it sent them
+        assert [s for s in seen if s[0] == r] == [e for e in expected if e[0] == r], r
+    merged = sum(1 for sub in parts[::2] if sub == b"")
+    assert relay.answers_merged == 6 and merged == 4, (relay.answers_merged, merged)
+    assert len(parts) // 2 == 10 - 6 + merged
+
+
+def test_a_fan_out_through_the_relay_is_one_frame_for_its_ranks():
+    """Down: [b"", frame, packed subs] hands the one frame to each sub named; pairs as before;
+    a packing the relay did not get from the controller is dropped whole."""
+    from mindspeed_ha.control.server import pack_subs, unpack_subs
+
+    subs = [b"s0", b"\x00k\x8b\x45\x67", b"x" * 255]
+    assert unpack_subs(pack_subs(subs)) == subs
+    for bad in (b"\x05ab", b"\x00"):
+        with pytest.raises(ValueError):
+            unpack_subs(bad)
+    relay = _bare_relay([])
+    relay._up = _Local([[_LocalFrame(p, None) for p in m]
+                        for m in ([b"", b"F", pack_subs(subs)], [b"", b"G", b"\x05ab"], [b"s1", b"H"])])
+    relay._forward_down()
+    assert relay._local.sent == [[s, b"F"] for s in subs] + [[b"s1", b"H"]]
+
+
+def test_node_answers_count_only_for_the_relays_own_ranks_in_order():
+    """The controller's side: NODE_ANSWERS from a relay's message (sub b"") is handled in order
+    among the ranks' frames of the same turn, each named rank's answer as its own frame; a sub
+    that is not the named rank's connection through that relay, and the frame carried as a
+    relayed rank's own, change nothing (fails when the relay's frame is handled after the
+    ranks' frames of its turn: rank 1's later STATUS would be overwritten by its STOPPED)."""
+    from test_controller_scale import Clock, SlowRouter
+
+    clock = Clock()
+    ctl = Controller(CFG, 4, "127.0.0.1", 0, tick_s=0.05, clock=clock)  # never started: no socket
+    router = SlowRouter(clock)
+    ctl._router = router
+    out = {r: wire.Codec(KEY, wire.new_sender("processor", r)) for r in range(4)}
+    ident = {r: (b"n0", b"r%d" % r) for r in range(3)}
+    ident[3] = (b"n1", b"r3")
+    for r in range(4):
+        router.push(ident[r], out[r].encode(wire.Register(r, 4, 100 + r, "h", Layout(), None, "run")))
+    ctl._turn()
+    assert len(ctl.state.ranks) == 4
+    relay = wire.Codec(KEY, wire.new_sender("relay", 0))
+    body = {"status": "updated", "iteration": 5, "pause_at": -1, "step": 6}
+    # one message of relay n0: rank 1's merged STOPPED, then rank 1's STATUS; rank 3 is n1's, and
+    # b"r2" is rank 2's sub, not rank 0's
+    router.push((b"n0", b""), relay.encode(wire.NodeAnswers(0, "stopped", body, [b"r1", b"r3", b"r2"], [1, 3, 0])))
+    router.push(ident[1], out[1].encode(wire.Status(1, "updating", 6, 7)))
+    router.push(ident[2], relay.encode(wire.NodeAnswers(0, "stopped", body, [b"r2"], [2])))  # as a rank's frame
+    clock.t += 0.1
+    ctl._turn()
+    info = ctl.state.ranks
+    assert info[1].stopped and (info[1].status.value, info[1].iteration) == ("updating", 6), "out of order"
+    assert not any(info[r].stopped for r in (0, 2, 3))
+    assert ctl.node_answers == 1 and ctl.codec.rejected["unregistered"] == 2
+    assert ctl.codec.rejected["unexpected_type"] == 1

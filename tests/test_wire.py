@@ -28,6 +28,8 @@ BODIES = [
     wire.Goodbye(3, 75),
     wire.SwitchView("sw-1", [2, 3], ["start", "commit"]),
     wire.NodeBeat(2, [b"\x00k\x8b\x45\x67", b"\x00k\x8b\x45\x68"]),
+    wire.NodeAnswers(2, "stopped", {"status": "updated", "iteration": 10, "pause_at": -1, "step": 11},
+                     [b"\x00k\x8b\x45\x67", b"\x00k\x8b\x45\x68"], [16, 17]),
 ]
 
 
@@ -179,3 +181,31 @@ def test_node_beat_subs_must_be_bytes_and_bounded():
         with pytest.raises(wire.WireError) as ei:
             rx.decode(_forge(env))
         assert ei.value.reason == "bad_body"
+
+
+def test_node_answers_merge_only_routine_answers_and_expand_per_rank():
+    """NODE_ANSWERS (schema 14): only a STOPPED, an ACTION_RESULT ok or a FAULT aborted may be
+    merged; the common body is checked against the type (no ``rank`` in it), subs and ranks
+    pair up; each named rank gets its own body."""
+    tx, rx = codecs()
+    ok = wire.NodeAnswers(0, "action_result", {"action_id": 7, "ok": True, "detail": ""}, [b"a", b"b"], [4, 5])
+    got = rx.decode(tx.encode(ok)).body.bodies()
+    assert got == [wire.ActionResult(7, 4, True, ""), wire.ActionResult(7, 5, True, "")]
+    fault = {"iteration": 3, "message": "m", "status": "updated", "where": "train_step"}
+    bad = [("heartbeat", {"iteration": 1, "status": "updated"}, [b"a"], [0]),
+           ("action_result", {"action_id": 7, "ok": False, "detail": "disk full"}, [b"a"], [0]),
+           ("action_result", {"action_id": 7, "ok": 1, "detail": ""}, [b"a"], [0]),
+           ("fault", {**fault, "kind": "uce"}, [b"a"], [0]),
+           ("stopped", {"rank": 1, "status": "updated", "iteration": 1}, [b"a"], [0]),
+           ("stopped", {"status": "updated", "iteration": "1"}, [b"a"], [0]),
+           ("stopped", {"status": "updated", "iteration": 1}, [b"a", b"b"], [0]),
+           ("stopped", {"status": "updated", "iteration": 1}, [b"x" * 256], [0]),
+           ("stopped", {"status": "updated", "iteration": 1}, [b"a"] * (wire.MAX_BEAT_SUBS + 1),
+            [0] * (wire.MAX_BEAT_SUBS + 1))]
+    for seq, (answer, body, subs, ranks) in enumerate(bad, start=1):
+        env = {"v": wire.SCHEMA_VERSION, "type": "node_answers", "seq": seq, "sender": "relay-0-aaaa",
+               "body": {"node_rank": 0, "answer": answer, "body": body, "subs": subs, "ranks": ranks}}
+        with pytest.raises(wire.WireError) as ei:
+            rx.decode(_forge(env))
+        assert ei.value.reason == "bad_body", answer
+    assert wire.NodeAnswers(0, "fault", {**fault, "kind": "aborted"}, [b"a"], [3]).bodies()[0].rank == 3

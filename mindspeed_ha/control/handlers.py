@@ -56,6 +56,9 @@ def dispatch(ctl: "Controller", now: float, ident: bytes, fd: Optional[int], msg
     if msg.type is wire.MsgType.NODE_BEAT:  # a node relay's merged heartbeats
         node_beat(ctl, now, ident, body)
         return
+    if msg.type is wire.MsgType.NODE_ANSWERS:  # a node relay's merged answers of its ranks
+        node_answers(ctl, now, ident, msg)
+        return
     incoming = ctl.operators.switches.owns(ident)
     if incoming is not None:  # a hot switch's new process, not the rank yet (control/switch_desk.py)
         ctl.operators.switches.incoming_message(ctl, now, incoming, msg)
@@ -315,6 +318,34 @@ def node_beat(ctl: "Controller", now: float, relay: Any, body: wire.NodeBeat) ->
             switches.incoming[incoming].info.last_heartbeat = now
         else:
             ctl.beat_unknown += 1
+
+
+def node_answers(ctl: "Controller", now: float, ident: Any, msg: wire.Message) -> None:
+    """NODE_ANSWERS (schema 14): the node relay verified each named rank's answer (STOPPED,
+    ACTION_RESULT ok, FAULT aborted) and carried this frame among its ranks' frames, in each
+    one's order (``control/relay.py``). Each ``(sub, rank)`` is handled by :func:`dispatch`
+    as that rank's own frame from connection ``(relay, sub)``: a sub that is not the named
+    rank's connection through this relay now is rejected as an unregistered peer's frame.
+    Only a relay's own frame, carried in its message with an empty sub, may be one (else
+    counted and ignored). O(ranks named); no rank's frame decoded."""
+    if type(ident) is not tuple or ident[1] != b"":
+        ctl.codec.rejected["unexpected_type"] += 1
+        return
+    relay, body = ident[0], msg.body
+    ctl.node_answers += 1
+    mtype = wire.MsgType(body.answer)
+    handler = RANK_HANDLERS[mtype]
+    server, ranks, switches = ctl.server, ctl.state.ranks, ctl.operators.switches
+    for sub, one in zip(body.subs, body.bodies()):
+        ident = (relay, sub)
+        rank = server.rank_of_ident.get(ident)
+        if rank is None or rank != one.rank or switches.owns(ident) is not None:
+            # not plainly that rank's connection: the general path decides (and rejects or answers)
+            dispatch(ctl, now, ident, None, wire.Message(mtype, msg.seq, msg.sender, one))
+            continue
+        info = ranks[rank]  # what dispatch does for a registered rank's frame (no descriptor: relayed)
+        info.last_heartbeat = now
+        handler(ctl, now, rank, info, one)
 
 
 # ---------------------------------------------------------------------- other evidence

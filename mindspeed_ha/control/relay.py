@@ -18,10 +18,12 @@ what the local socket holds is sent as one multipart message ``[sub, frame, sub,
 pairs), so the heartbeats and statuses of a node's ranks travel together; the controller
 (``server.ControlServer.frames``) sees ``[relay, sub, frame, ...]`` and takes
 ``(relay, sub)`` as the rank's connection. Downstream the controller sends ``[relay, sub,
-frame, ...]`` (a fan-out: one message per relay) and the relay hands each frame to its
-``sub``. A closed local connection (the rank's process is gone) is reported upstream as
-``[sub, b""]``, after that connection's last frames: the controller takes it as it takes
-a closed TCP connection of a rank.
+frame, ...]``, a fan-out of one frame to several of them (STOP, the same ACTION to all) as
+``[relay, b"", frame, packed subs]`` (one message per relay and ``RELAY_BATCH`` ranks; the
+frame once, ``server.pack_subs``), and the relay hands each frame to its ``sub``. A
+closed local connection (the rank's process is gone) is reported upstream as ``[sub,
+b""]``, after that connection's last frames: the controller takes it as it takes a
+closed TCP connection of a rank.
 
 Heartbeats are merged per node (``merge_heartbeats``, the default; wire schema 13): the
 relay verifies each rank's frame with the job's key (:class:`wire.Codec`: HMAC, version,
@@ -34,6 +36,19 @@ Every other frame (STATUS, FAULT, STOPPED, ...) is forwarded unchanged, in order
 checked by the controller as before. The controller trusts the relay (it holds the job's
 key, like any rank) for one thing more: that the ranks a NODE_BEAT names sent it a valid
 HEARTBEAT within the last interval.
+
+A round's routine answers are merged too (``merge_answers``, the default; wire schema 14):
+a verified STOPPED, ACTION_RESULT with ``ok`` or FAULT of kind ``aborted`` (the answer to an
+in-place recovery's abort; :data:`wire.MERGEABLE`) is not forwarded but noted; the answers
+read in one turn go up as NODE_ANSWERS frames of the relay's own (one per common body,
+naming each rank's ``sub`` and rank; another sender than its NODE_BEATs, HMAC'd with the
+job's key), inside the turn's message as the pair ``[b"", frame]``, placed before the first
+later frame of any rank they name (a rank's frames reach the controller in the order the
+rank sent them: its STATUS / FAULT before its merged STOPPED, its merged answer before its
+next frame or its close). Anything else (an error, any other FAULT, a failed ACTION_RESULT,
+a frame that does not verify) is forwarded unchanged. The controller handles each named
+rank's answer as that rank's own frame from ``(relay, sub)``: the relay vouches that the
+rank sent it that body, verified with the job's key and ``seq``, in that order.
 
 When the controller connection closes after it was made, with a lease directory
 (controller failover) and ranks connected, the relay follows the leader: it sends every rank behind it
@@ -67,7 +82,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from mindspeed_ha.control import auth, wire
-from mindspeed_ha.control.server import RELAY_BATCH
+from mindspeed_ha.control.server import RELAY_BATCH, unpack_subs
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +192,8 @@ class NodeRelay:
             also the interval of the merged NODE_BEAT.
         merge_heartbeats: send the ranks' heartbeats as one NODE_BEAT per interval (see the
             module doc) instead of forwarding each HEARTBEAT frame.
+        merge_answers: (with ``merge_heartbeats``) send the ranks' routine answers read in
+            one turn as NODE_ANSWERS frames (see the module doc) instead of each one's frame.
         follow_s: with ``lease``, seconds after the controller connection closed within
             which a leader of a higher term must be reached, else the relay ends (default:
             ``timeout_ms`` plus two leases, ``lease.lease_seconds()``: a rank's own loss budget).
@@ -187,7 +204,7 @@ class NodeRelay:
 
     def __init__(self, max_message_bytes: int, auth_key: bytes, addr: str, port: int, node_rank: int,
                  directory: Optional[str] = None, heartbeat_ms: int = 1000, timeout_ms: int = 5000,
-                 lease=None, term: int = -1, merge_heartbeats: bool = True,
+                 lease=None, term: int = -1, merge_heartbeats: bool = True, merge_answers: bool = True,
                  follow_s: Optional[float] = None):
         self.max_message_bytes = max_message_bytes
         self.keys = auth.derive_keys(auth_key)
@@ -218,6 +235,16 @@ class NodeRelay:
         self._heard: Dict[bytes, None] = {}
         #: counters: HEARTBEAT frames merged (not forwarded), NODE_BEAT frames sent
         self.merged = self.beats = 0
+        #: answer merging (schema 14): NODE_ANSWERS are sent with a codec (sender) of their own,
+        #: since they travel among the ranks' frames and NODE_BEATs apart (each sender's ``seq``
+        #: must arrive in order); the answers noted this turn, (type, common body) ->
+        #: (body, subs, ranks, frames), the subs among them, and a counter of answers merged
+        self.merge_answers = merge_answers and merge_heartbeats
+        self.answer_codec = wire.Codec(auth_key, wire.new_sender("relay", self.node_rank), max_message_bytes) \
+            if self.merge_answers else None
+        self._answers: Dict[Any, Any] = {}
+        self._answered: set = set()
+        self.answers_merged = 0
         #: why the relay ended by itself (None while it runs or after :meth:`close`)
         self.ended: Optional[str] = None
 
@@ -430,16 +457,28 @@ class NodeRelay:
             except zmq.ZMQError:
                 fd = None
             if fd is not None and self._sub_of_fd.get(fd) != sub.bytes:
-                # a reused descriptor: an earlier connection's close is reported before it is rebound
+                # a reused descriptor: an earlier connection's close is reported before it is rebound,
+                # after what was read before it
+                self._flush_answers(parts)
+                if parts:
+                    self._send_up(parts)
+                    parts = []
                 self._report_closed(self._events(self._local_mon, values=True))
                 self._sub_of_fd[fd] = sub.bytes
-            if self.codec is not None and fd is not None and self._is_heartbeat(frame):
+            msg = self._verified(frame) if self.codec is not None and fd is not None else None
+            if msg is not None and msg.type is wire.MsgType.HEARTBEAT:
+                self.merged += 1
                 self._heard[sub.bytes] = None  # named in the next NODE_BEAT, not forwarded
+                continue
+            if sub.bytes in self._answered:  # that rank's merged answer goes up before this frame
+                self._flush_answers(parts)
+            if msg is not None and self._merge_answer(sub.bytes, msg, frame):
                 continue
             parts += (sub, frame)
             if len(parts) >= 2 * RELAY_BATCH:
                 self._send_up(parts)
                 parts = []
+        self._flush_answers(parts)
         if parts:
             self._send_up(parts)
 
@@ -452,20 +491,57 @@ class NodeRelay:
             log.warning("node %d: relay: the controller's queue is full; %d frames dropped", self.node_rank,
                         len(parts) // 2)
 
-    def _is_heartbeat(self, frame: Any) -> bool:
-        """Whether ``frame`` is a valid HEARTBEAT of a rank (the job's HMAC, this schema, a
-        ``seq`` above its sender's last); anything else is forwarded as it is (the
-        controller checks and counts it)."""
-        if len(frame) > 1024:  # a HEARTBEAT is about 120 bytes: do not verify what cannot be one
-            return False
+    def _verified(self, frame: Any) -> Optional[wire.Message]:
+        """``frame`` decoded if it is a valid frame of a rank (the job's HMAC, this schema, a
+        ``seq`` above its sender's last) small enough to be a HEARTBEAT or a routine answer,
+        else None (forwarded as it is: the controller checks and counts it)."""
+        if len(frame) > 1024:  # a HEARTBEAT is about 120 bytes, an answer about 200: do not verify the rest
+            return None
         try:
-            msg = self.codec.decode(frame.bytes)
+            return self.codec.decode(frame.bytes)
         except wire.WireError:
+            return None
+
+    def _merge_answer(self, sub: bytes, msg: wire.Message, frame: Any) -> bool:
+        """Note a verified routine answer (:data:`wire.MERGEABLE`: STOPPED, ACTION_RESULT ok,
+        FAULT aborted) of the rank on ``sub`` for the next NODE_ANSWERS (schema 14); False
+        for anything else (forwarded unchanged)."""
+        if not self.merge_answers:
             return False
-        if msg.type is not wire.MsgType.HEARTBEAT:
+        plain = wire.merged_part(msg.type, msg.body)
+        if plain is None:
             return False
-        self.merged += 1
+        rank = msg.body.rank
+        try:
+            key = (msg.type.value, tuple(plain.items()))
+            group = self._answers.get(key)
+        except TypeError:  # a field that is no plain value: not merged
+            return False
+        if group is None:
+            group = self._answers[key] = (plain, [], [], [])
+        group[1].append(sub)
+        group[2].append(rank)
+        group[3].append(frame)
+        self._answered.add(sub)
         return True
+
+    def _flush_answers(self, parts: List[Any]) -> None:
+        """The answers noted since the last flush, as NODE_ANSWERS frames of the relay's own
+        appended to ``parts`` with an empty sub (in order: no frame of a rank named was read
+        after its answer); a group that does not encode goes as the ranks' own frames."""
+        answers, self._answers = self._answers, {}
+        self._answered = set()
+        for (answer, _), (plain, subs, ranks, frames) in answers.items():
+            for i in range(0, len(subs), wire.MAX_BEAT_SUBS):
+                try:
+                    frame = self.answer_codec.encode(wire.NodeAnswers(self.node_rank, answer, plain,
+                                                                      subs[i:i + wire.MAX_BEAT_SUBS],
+                                                                      ranks[i:i + wire.MAX_BEAT_SUBS]))
+                    parts += (b"", frame)
+                    self.answers_merged += len(subs[i:i + wire.MAX_BEAT_SUBS])
+                except wire.WireError:
+                    for sub, raw in zip(subs[i:i + wire.MAX_BEAT_SUBS], frames[i:i + wire.MAX_BEAT_SUBS]):
+                        parts += (sub, raw)
 
     def _send_beat(self) -> None:
         """One NODE_BEAT naming the local connections heard since the previous one (none
@@ -498,6 +574,18 @@ class NodeRelay:
                 parts = self._up.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            if len(parts) == 3 and len(parts[0]) == 0:  # a fan-out: [b"", frame, packed subs]
+                try:
+                    subs = unpack_subs(parts[2].bytes)
+                except ValueError:
+                    continue
+                for sub in subs:
+                    try:
+                        self._local.send_multipart([sub, parts[1]], zmq.NOBLOCK, copy=False)
+                        self.down_frames += 1
+                    except zmq.ZMQError:
+                        pass  # that rank's connection is gone (ROUTER drops unroutable frames)
+                continue
             if len(parts) % 2:
                 continue  # not [sub, frame, ...]: the controller sends pairs only
             for i in range(0, len(parts), 2):

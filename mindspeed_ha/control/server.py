@@ -65,6 +65,23 @@ MONITOR_HWM = 100_000
 HANDSHAKE_DEADLINE_S = 5.0
 #: ranks' frames per message sent to one node relay (a fan-out to the ranks behind it)
 RELAY_BATCH = 256
+
+
+def pack_subs(subs: List[bytes]) -> bytes:
+    """Local connections of a relay (each 1-255 bytes) as one part: each one's length byte, then it."""
+    return b"".join(bytes((len(s),)) + s for s in subs)
+
+
+def unpack_subs(packed: bytes) -> List[bytes]:
+    """The inverse of :func:`pack_subs`. Raises ValueError on a part it did not make."""
+    subs, i = [], 0
+    while i < len(packed):
+        n = packed[i]
+        if n == 0 or i + 1 + n > len(packed):
+            raise ValueError(f"packed subs: bad length {n} at byte {i} of {len(packed)}")
+        subs.append(packed[i + 1:i + 1 + n])
+        i += 1 + n
+    return subs
 #: a connection: a ROUTER identity (a rank's own connection), or (relay, sub) for a rank
 #: whose frames its node's relay carries (:mod:`mindspeed_ha.control.relay`)
 Ident = Union[bytes, Tuple[bytes, bytes]]
@@ -363,9 +380,12 @@ class ControlServer:
                 self.codec.rejected["bad_framing"] += 1
                 self.codec.reject_log.note(repr(parts[0].bytes), "bad_framing", self.clock())
         ranks = self.rank_of_ident
-        for ident, frame in admission.ranks_first(batch, lambda item: item[0] in ranks):
+
+        def in_order(ident: Ident) -> bool:  # a registered rank's, or a relay's own among its ranks' (NODE_ANSWERS)
+            return ident in ranks or (type(ident) is tuple and ident[1] == b"")
+        for ident, frame in admission.ranks_first(batch, lambda item: in_order(item[0])):
             now = self.clock()
-            if not self.limiter.allow(ident, ident in ranks, now):
+            if not self.limiter.allow(ident, in_order(ident), now):
                 self.codec.rejected["rate_limited"] += 1
                 self.codec.reject_log.note(repr(ident), "rate_limited", now)
                 continue
@@ -384,7 +404,9 @@ class ControlServer:
         """A node relay's message ``[relay, sub, frame, sub, frame, ...]`` (see :mod:`relay`):
         each frame is queued as from the connection ``(relay, sub)``; an empty frame says that
         the local connection ``sub`` closed (the rank's process is gone), held like a closed
-        TCP connection until the ROUTER has been read empty."""
+        TCP connection until the ROUTER has been read empty. An empty ``sub`` carries the
+        relay's own frame (NODE_ANSWERS, schema 14) in order among its ranks' frames, from
+        ``(relay, b"")``: no rank's connection (a ROUTER's identities are never empty)."""
         relay = parts[0].bytes
         self.relayed_messages += 1
         for i in range(1, len(parts), 2):
@@ -444,9 +466,10 @@ class ControlServer:
         for relay, subs in relayed.items():  # one message per relay and RELAY_BATCH ranks
             for i in range(0, len(subs), RELAY_BATCH):
                 chunk = subs[i:i + RELAY_BATCH]
-                parts: List[bytes] = [relay]
-                for _, sub in chunk:
-                    parts += (sub, frame)
+                if len(chunk) == 1:
+                    parts: List[bytes] = [relay, chunk[0][1], frame]
+                else:  # the frame once, and the local connections the relay hands it to
+                    parts = [relay, b"", frame, pack_subs([sub for _, sub in chunk])]
                 try:
                     self.router.send_multipart(parts, zmq.NOBLOCK)
                     sent += len(chunk)

@@ -62,7 +62,8 @@ log = logging.getLogger(__name__)
 #: 11: pause tasks (``mindspeed-ha check | relink``): PAUSE_TASK / PAUSE_TASK_RESULT, OPERATOR_REQUEST.params
 #: 12: the hot switch (``mindspeed-ha switch --ranks``): OPERATOR_REQUEST.params ranks, REGISTER.switching
 #: 13: NODE_BEAT: a node relay's merged heartbeats of its ranks (``control/relay.py``); ``bytes`` fields
-SCHEMA_VERSION = 13
+#: 14: NODE_ANSWERS: a node relay's merged routine answers of its ranks (STOPPED, ACTION_RESULT ok, FAULT aborted)
+SCHEMA_VERSION = 14
 TAG_BYTES = 32
 DEFAULT_MAX_BYTES = 1 << 20
 #: what CURVE adds to a frame on the wire (MESSAGE command, nonce, MAC: 33 bytes), rounded up
@@ -101,6 +102,7 @@ class MsgType(str, enum.Enum):
     PAUSE_TASK_RESULT = "pause_task_result"
     SWITCH_VIEW = "switch_view"
     NODE_BEAT = "node_beat"
+    NODE_ANSWERS = "node_answers"
 
 
 # --------------------------------------------------------------------------- bodies
@@ -421,6 +423,68 @@ class NodeBeat:
             raise WireError("bad_body", f"node_beat.subs: more than {MAX_BEAT_SUBS} entries or one over 255 bytes")
 
 
+#: what a relay may merge into NODE_ANSWERS (schema 14): message type -> the body fields that
+#: must have these values (a round's routine answers; an error, a FAULT of any other kind, a
+#: failed ACTION_RESULT is never merged)
+MERGEABLE: Dict[str, Dict[str, Any]] = {"stopped": {}, "action_result": {"ok": True}, "fault": {"kind": "aborted"}}
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeAnswers:
+    """node relay -> controller (schema 14, ``control/relay.py``): the same answer of several
+    of the relay's ranks, each verified by the relay with the job's key (HMAC, schema, body,
+    the rank's ``seq``), in place of their frames. ``answer``: the message type (a key of
+    :data:`MERGEABLE`, its required values in ``body``); ``body``: that type's fields but
+    ``rank``, the same for every rank named; ``subs[i]`` is the local connection of
+    ``ranks[i]`` (the controller handles each as that rank's own frame from ``(relay, sub)``).
+    Carried in the relay's message among its ranks' frames, after every earlier frame of
+    each rank it names and before any later one. At most :data:`MAX_BEAT_SUBS` entries, subs
+    of at most 255 bytes.
+
+    Raises:
+        WireError("bad_body"): any of that not so.
+    """
+
+    node_rank: int
+    answer: str
+    body: Dict[str, Any]
+    subs: List[bytes]
+    ranks: List[int]
+
+    def __post_init__(self) -> None:
+        need = MERGEABLE.get(self.answer)
+        if need is None or "rank" in self.body or any(self.body.get(k) != v or type(self.body.get(k)) is not type(v)
+                                                       for k, v in need.items()):
+            raise WireError("bad_body", f"node_answers: {self.answer!r} with {sorted(map(str, self.body))} is not "
+                            "a mergeable answer")
+        if len(self.subs) != len(self.ranks) or len(self.subs) > MAX_BEAT_SUBS or any(len(s) > 255 for s in self.subs):
+            raise WireError("bad_body", f"node_answers.subs / ranks: not of the same length, more than {MAX_BEAT_SUBS} "
+                            "entries or a sub over 255 bytes")
+        cls = BODY_TYPES[MsgType(self.answer)]  # the common part checked once against the type's fields
+        first = _from_plain(cls, {**self.body, "rank": self.ranks[0] if self.ranks else 0}, f"node_answers.{self.answer}")
+        object.__setattr__(self, "_first", first)  # (not a field: not sent, not compared)
+
+    def bodies(self) -> List[Any]:
+        """Each named rank's body (``ranks[i]``'s at ``i``), as checked at construction."""
+        first = self._first  # type: ignore[attr-defined]
+        if not self.ranks:
+            return []
+        cls = type(first)
+        kwargs = {name: getattr(first, name) for name in _fields(cls)[0] if name != "rank"}  # checked: built as is
+        return [first] + [cls(rank=r, **kwargs) for r in self.ranks[1:]]
+
+
+def merged_part(msg_type: "MsgType", body: Any) -> Optional[Dict[str, Any]]:
+    """The fields but ``rank`` of ``body`` (a message of ``msg_type``) if NODE_ANSWERS may carry
+    it (:data:`MERGEABLE`), else None."""
+    need = MERGEABLE.get(msg_type.value)
+    if need is None or any(getattr(body, k) != v for k, v in need.items()):
+        return None
+    plain = _to_plain(body)
+    plain.pop("rank")
+    return plain
+
+
 # ------------------------------------------------ the operator (mindspeed-ha status | pause | resume | stop)
 #: the verbs an operator may send
 OPERATOR_VERBS = ("status", "pause", "resume", "stop", "check", "relink", "switch")
@@ -515,6 +579,7 @@ BODY_TYPES: Dict[MsgType, Type[Any]] = {
     MsgType.PAUSE_TASK_RESULT: PauseTaskResult,
     MsgType.SWITCH_VIEW: SwitchView,
     MsgType.NODE_BEAT: NodeBeat,
+    MsgType.NODE_ANSWERS: NodeAnswers,
 }
 _TYPE_OF = {cls: t for t, cls in BODY_TYPES.items()}
 
@@ -804,6 +869,6 @@ __all__ = [
     "Register", "Registered", "Heartbeat", "Status", "Fault", "Stop", "Stopped", "Action", "ActionResult",
     "Integrity", "Goodbye", "GoodbyeAck", "StopRequest", "Drain", "Draining", "BODY_TYPES", "Layout",
     "Release", "OperatorRequest", "OperatorReply", "OPERATOR_VERBS", "Health", "PauseTask", "PauseTaskResult",
-    "SwitchView", "NodeBeat", "MAX_BEAT_SUBS",
+    "SwitchView", "NodeBeat", "MAX_BEAT_SUBS", "NodeAnswers", "MERGEABLE", "merged_part",
 ]
 
