@@ -166,3 +166,30 @@ def _no_torch_compile_start_up():
     yield
     if old is None:
         os.environ.pop("TORCHDYNAMO_DISABLE", None)
+
+
+#: ``MINDSPEED_HA_TEST_COST=FILE``: one JSON line per test appended to FILE: its wall seconds
+#: and the CPU seconds of the processes it started and waited for (``RUSAGE_CHILDREN``, user
+#: + system; a launcher waits for its workers, so a job's ranks are included). CPU seconds do
+#: not depend on the machine's load, unlike ``--durations``: they say where CI's time goes.
+_COST_FILE = os.environ.get("MINDSPEED_HA_TEST_COST")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not _COST_FILE:
+        yield
+        return
+    import json
+    import resource
+    import time
+
+    def cpu():
+        r = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return r.ru_utime + r.ru_stime
+
+    cpu0, wall0 = cpu(), time.monotonic()
+    yield
+    row = {"test": item.nodeid, "wall_s": round(time.monotonic() - wall0, 2), "child_cpu_s": round(cpu() - cpu0, 2)}
+    with open(_COST_FILE, "a") as f:
+        f.write(json.dumps(row) + "\n")
