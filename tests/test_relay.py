@@ -244,6 +244,18 @@ def test_frames_sent_while_the_relay_follows_wait_and_reach_the_new_leader(closi
     assert relay.followed == 1
 
 
+def _unstarted_controller():
+    """A 4-rank controller never started (no socket), reading a stand-in ROUTER on a fake
+    clock, and a codec per rank: (controller, router, rank -> codec, the clock)."""
+    from test_controller_scale import Clock, SlowRouter
+
+    clock = Clock()
+    ctl = Controller(CFG, 4, "127.0.0.1", 0, tick_s=0.05, clock=clock)
+    router = SlowRouter(clock)
+    ctl._router = router
+    return ctl, router, {r: wire.Codec(KEY, wire.new_sender("processor", r)) for r in range(4)}, clock
+
+
 def test_register_resend_waits_longer_in_a_larger_job():
     """The first REGISTER re-send's mean delay: 1 s up to 4,096 ranks, then 1 s per 4,096
     (at 16,384 ranks a 1 s delay had most ranks re-send before the controller answered)."""
@@ -387,15 +399,9 @@ def test_a_relayed_close_is_a_death_once_its_batch_is_handled():
     the controller takes it as the rank's death at the end of the turn that read it, its
     GOODBYE (read before) handled first, without waiting for the ROUTER to be read empty
     (another rank's flood keeps it busy here; at 16,384 ranks that wait was 2 s)."""
-    from test_controller_scale import Clock, SlowRouter
-
     from mindspeed_ha.control.server import MAX_FRAMES_PER_TURN
 
-    clock = Clock()
-    ctl = Controller(CFG, 4, "127.0.0.1", 0, tick_s=0.05, clock=clock)  # never started: no socket
-    router = SlowRouter(clock)
-    ctl._router = router
-    out = {r: wire.Codec(KEY, wire.new_sender("processor", r)) for r in range(4)}
+    ctl, router, out, clock = _unstarted_controller()
     ident = {r: (b"n0", b"r%d" % r) for r in range(4)}
     for r in range(4):
         router.push(ident[r], out[r].encode(wire.Register(r, 4, 100 + r, "h", Layout(), None, "run")))
@@ -518,13 +524,7 @@ def test_node_answers_count_only_for_the_relays_own_ranks_in_order():
     that is not the named rank's connection through that relay, and the frame carried as a
     relayed rank's own, change nothing (fails when the relay's frame is handled after the
     ranks' frames of its turn: rank 1's later STATUS would be overwritten by its STOPPED)."""
-    from test_controller_scale import Clock, SlowRouter
-
-    clock = Clock()
-    ctl = Controller(CFG, 4, "127.0.0.1", 0, tick_s=0.05, clock=clock)  # never started: no socket
-    router = SlowRouter(clock)
-    ctl._router = router
-    out = {r: wire.Codec(KEY, wire.new_sender("processor", r)) for r in range(4)}
+    ctl, router, out, clock = _unstarted_controller()
     ident = {r: (b"n0", b"r%d" % r) for r in range(3)}
     ident[3] = (b"n1", b"r3")
     for r in range(4):

@@ -246,23 +246,7 @@ def select_by_scan(
     """:func:`select_dying_checkpoint` as it was before the holder table: the ranks grouped
     by part again at each call, every candidate iteration tried. Kept as the reference the
     tests compare the table's selection with (tests/test_holders.py); same arguments, same
-    result.
-
-    The rule, as :func:`select_dying_checkpoint` states it:
-
-    A shard (tp_rank, pp_rank, shard_id) is held by ``replica_count`` ranks (one per
-    optimizer instance). Picks the highest k such that every shard of every (tp, pp)
-    has a usable holder (alive, answered STOP, no UCE, not in ``unavailable``) whose
-    authoritative status is UPDATED at exactly k. UPDATING holders are dirty. With
-    ``verified``, a holder that can verify must also be clean at k (see
-    :mod:`mindspeed_ha.control.integrity`: finite, and its shard and model digests are
-    the trusted ones); the plan then carries the trusted digests.
-
-    Savers: the instance covering the most shards at k is preferred (ties: lowest
-    instance id), so each rank saves at most one shard when possible; otherwise the
-    holder of the lowest instance id, then lowest rank. The model file of (tp, pp) is
-    written by the saver of shard 0, the assembly by the saver of shard 1 (spreading
-    load; shard 0 again if there is one shard), the commit by the model saver of (0, 0).
+    result, same rule (stated by :func:`select_dying_checkpoint`).
 
     Args:
         ranks: rank -> RankInfo of every registered rank.
