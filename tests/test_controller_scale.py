@@ -242,3 +242,49 @@ def test_1024_ranks_one_death_no_false_death_and_the_dying_checkpoint_committed(
         assert router.messages_to_relays >= WORLD // per_node
     # reasons stay short whatever the size of the job
     assert max(len(e.reason) for e in ctl.events) < 1000
+
+
+def test_a_step_that_sent_a_round_ends_without_deciding_again(monkeypatch):
+    """A decision that sent a round (here the STOP after a death) ends the decision step:
+    nothing was read since, so a second ``decide`` (O(N): 10-40 ms at 16,384 ranks) could
+    only wait for the answers. A graceful stop's preemption deadline can end a round at once:
+    then the step decides again, as before."""
+    from mindspeed_ha.control import controller as controller_mod
+    from mindspeed_ha.control.policy import Decision, decide
+
+    calls = []
+
+    def counted(now, state, config):
+        d = decide(now, state, config)
+        calls.append(d.action)
+        return d
+
+    monkeypatch.setattr(controller_mod, "decide", counted)
+    clock = Clock()
+    ctl = Controller(CFG, 4, "127.0.0.1", 0, tick_s=TICK_S, clock=clock)  # never started: no socket
+    router = SlowRouter(clock)
+    ctl._router = router
+    out = {r: wire.Codec(KEY, wire.new_sender("processor", r)) for r in range(4)}
+    for r in range(4):
+        router.push(b"r%d" % r, out[r].encode(wire.Register(r, 4, 100 + r, "h", Layout(), None, "run")))
+    ctl._turn()
+    assert len(ctl.state.ranks) == 4 and ctl.state.phase is Phase.RUNNING
+    calls.clear()
+    clock.t += 1.0
+    ctl.report_rank_exit(2, -9)
+    ctl._turn()
+    assert calls == [ActionKind.STOP_ALL], calls  # STOP sent to ranks 0, 1, 3: no second decide
+    assert ctl.state.phase is Phase.STOPPING and ctl.state.ranks[0].stopped is False
+    clock.t += 1.0
+    for r in (0, 1, 3):  # the answers: the next step goes on from them
+        router.push(b"r%d" % r, out[r].encode(wire.Stopped(r, "updated", 0, -1, 1)))
+    calls.clear()
+    ctl._turn()
+    assert calls and calls[0] is not ActionKind.NOOP, calls
+
+    stop = Decision(ActionKind.STOP_ALL, "x", None, (0,))
+    assert controller_mod.awaits_answers(ctl.state, stop)
+    assert not controller_mod.awaits_answers(ctl.state, Decision(ActionKind.STOP_ALL, "x", None, ()))  # none sent
+    assert not controller_mod.awaits_answers(ctl.state, Decision(ActionKind.RESUME, "x", None, ()))
+    ctl.state.stop_request = object()  # a graceful stop: its deadline may end the round at once
+    assert not controller_mod.awaits_answers(ctl.state, stop)

@@ -436,4 +436,4 @@ class ClusterState:
         return None
 
     def alive_ranks(self) -> List[int]:
-        return sorted(r for r, i in self.ranks.items() if i.alive)
+        return sorted([r for r, i in self.ranks.items() if i.alive])  # a list: faster than a generator at 16k

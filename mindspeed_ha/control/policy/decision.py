@@ -145,7 +145,8 @@ def noop(reason: str, next_phase: Optional[Phase] = None) -> Decision:
 
 def live_targets(state: ClusterState, gone: Mapping[int, str]) -> Tuple[int, ...]:
     """Every live rank that has not gone (dead, goodbye, silent)."""
-    return tuple(r for r in state.alive_ranks() if r not in gone)
+    alive = state.alive_ranks()
+    return tuple(r for r in alive if r not in gone) if gone else tuple(alive)  # none gone: no second pass
 
 
 def exit_all(state: ClusterState, code: int, reason: str) -> Decision:

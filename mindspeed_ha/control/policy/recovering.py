@@ -43,7 +43,8 @@ def recovering(now: float, state: ClusterState, config: HAConfig, gone: Mapping[
     pending = state.pending
     if pending is not None and pending.kind == ActionKind.RETRY.value:
         return _retry_results(now, state, config, gone, pending)
-    survivors = [r for r in live_targets(state, gone) if r not in rejoin]
+    live = live_targets(state, gone)
+    survivors = [r for r in live if r not in rejoin] if rejoin else list(live)
     if state.abort_sent_at is None:
         return _observe_round(now, state, config, survivors)
     return _abort_round(now, state, config, gone, survivors)
@@ -107,7 +108,7 @@ def _abort_round(now: float, state: ClusterState, config: HAConfig, gone: Mappin
     plan = plan_recovery(state.ranks, state.world_size, fault_rank, config, state.recoveries)
     if isinstance(plan, NoRecovery):
         return fall_back(state, gone, now, plan.reason)
-    return Decision(ActionKind.RETRY, plan.reason, plan, tuple(sorted(live + list(rejoin))))
+    return Decision(ActionKind.RETRY, plan.reason, plan, tuple(sorted(live + list(rejoin)) if rejoin else live))
 
 
 def _retry_results(now: float, state: ClusterState, config: HAConfig, gone: Mapping[int, str],

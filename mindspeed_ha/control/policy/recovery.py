@@ -207,10 +207,10 @@ def retry_limit(history: Sequence[Mapping[str, Any]], mode: RecoveryMode, k: int
 
 def absent(ranks: Mapping[int, RankInfo], parked: Mapping[int, RankInfo], why_gone: str = "") -> Optional[NoRecovery]:
     """NoRecovery if a rank of ``ranks`` is gone or one of ``parked`` did not leave its step."""
-    gone = [r for r, i in sorted(ranks.items()) if not i.alive or i.exit_code is not None]
+    gone = sorted(r for r, i in ranks.items() if not i.alive or i.exit_code is not None)  # O(N): few are
     if gone:
         return NoRecovery(f"ranks {summarise_ranks(gone)} are gone{why_gone}")
-    not_parked = [r for r, i in sorted(parked.items()) if i.fault is None or not i.stopped]
+    not_parked = sorted(r for r, i in parked.items() if i.fault is None or not i.stopped)
     if not_parked:
         return NoRecovery(f"ranks {summarise_ranks(not_parked)} did not leave their step")
     return None
@@ -218,8 +218,7 @@ def absent(ranks: Mapping[int, RankInfo], parked: Mapping[int, RankInfo], why_go
 
 def outside_step(ranks: Mapping[int, RankInfo]) -> Optional[Tuple[int, str]]:
     """(rank, where) of the first rank stopped outside ``train_step`` (rule 2), or None."""
-    outside = [(r, i.fault_where) for r, i in sorted(ranks.items()) if i.fault_where not in IN_STEP]
-    return outside[0] if outside else None
+    return min(((r, i.fault_where) for r, i in ranks.items() if i.fault_where not in IN_STEP), default=None)
 
 
 def situation(ranks: Mapping[int, RankInfo]) -> Union[Situation, NoRecovery]:
@@ -279,10 +278,10 @@ def sources(ranks: Mapping[int, RankInfo], needs: Set[int], donors: Mapping[int,
     orphans: List[int] = []
     for d in sorted(needs):
         key = ranks[d].layout.shard_key
-        found = [r for r, i in sorted(donors.items()) if r not in needs and i.layout.shard_key == key
-                 and i.fault is not FaultKind.UCE]
-        if found:
-            repairs[d] = found[0]
+        found = min((r for r, i in donors.items() if r not in needs and i.layout.shard_key == key
+                     and i.fault is not FaultKind.UCE), default=None)  # no sort of all N per rank
+        if found is not None:
+            repairs[d] = found
         else:
             orphans.append(d)
     return repairs, orphans
