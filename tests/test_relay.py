@@ -545,3 +545,60 @@ def test_node_answers_count_only_for_the_relays_own_ranks_in_order():
     assert not any(info[r].stopped for r in (0, 2, 3))
     assert ctl.node_answers == 1 and ctl.codec.rejected["unregistered"] == 2
     assert ctl.codec.rejected["unexpected_type"] == 1
+
+
+def test_a_rank_stays_on_a_relay_that_reached_the_leader_while_its_register_is_unanswered(monkeypatch, short_tmp):
+    """After the relay's NOTICE_OPEN the rank awaits the leader's REGISTERED through the
+    relay under its loss clock, however long the leader takes: it never leaves the relay
+    then (leaving closes its relayed connection, which the leader, once it registered the
+    rank through the relay, takes for the rank's death). Before NOTICE_OPEN, RELAY_FOLLOW_GRACE still applies. Fails without the
+    fix: the rank leaves the relay RELAY_FOLLOW_GRACE x lost_after_s after NOTICE_OPEN."""
+    import threading
+
+    from mindspeed_ha.control import link as link_mod
+    from mindspeed_ha.control.lease import LeaseDir, Term
+    from mindspeed_ha.control.relay import NOTICE_CLOSED, NOTICE_OPEN
+
+    lease = LeaseDir(str(short_tmp / "lease"), KEY)
+    assert lease.take(Term(0, "127.0.0.1", 1001, 0, 0, os.getpid()))
+    monkeypatch.setenv(ha_env.LEASE_DIR, lease.path)
+
+    class Proto:
+        def resend_fault_locked(self):
+            pass
+
+    class Outbox:
+        cond = threading.Lock()
+
+    link = link_mod.ControlLink(CFG, 0, None, None, Proto(), Outbox(), addr=None, port=None, handle=print,
+                                register_body=dict, on_lost=print, end=print)
+    link.relay, left = "relay.sock", []
+    monkeypatch.setattr(link, "_leave_relay", lambda now: left.append(now))
+    link.registered.set()
+    grace = link_mod.RELAY_FOLLOW_GRACE * link.lost_after_s
+    link._relay_notice(NOTICE_CLOSED, 0.0)
+    assert lease.take(Term(1, "127.0.0.1", 1002, 0, 1, os.getpid()))  # the successor leads
+    assert link._follow_leader(1.0) is False  # the relay has RELAY_FOLLOW_GRACE from here
+    link._relay_notice(NOTICE_OPEN, 2.0)  # it reached the leader; the rank's REGISTER goes through it
+    assert (link._term, link.port) == (1, 1002)  # the rank follows term 1 too
+    for now in (3.0, 3.0 + grace, 4.0 + grace, 2.0 + link._lost_after() - 0.5):
+        assert link._follow_leader(now) is False and left == [], now
+    # registered with term 1 through the relay; the relay's connection closes again, no new
+    # leader: no grace (the relay reconnects to term 1, where the rank's relayed connection is
+    # bound); then term 2 leads: the relay has RELAY_FOLLOW_GRACE to reach it, then is left
+    link.disconnected_at = None  # the leader's REGISTERED
+    link.registered.set()
+    link._relay_notice(NOTICE_CLOSED, 100.0)
+    assert link._follow_leader(101.0) is False and link._follow_leader(110.0 + grace) is False and left == []
+    assert lease.take(Term(2, "127.0.0.1", 1003, 0, 2, os.getpid()))
+    assert link._follow_leader(120.0) is False and left == []
+    assert link._follow_leader(121.0 + grace) is True and left == [121.0 + grace]
+    # a relay that reached a leader is not left for a newer term seen before REGISTERED came
+    # (its connection to the deposed leader closes: then NOTICE_CLOSED, and the grace)
+    link.relay, link._term = "relay.sock", 2
+    link._relay_notice(NOTICE_CLOSED, 200.0)
+    assert lease.take(Term(3, "127.0.0.1", 1004, 0, 3, os.getpid()))
+    link._relay_notice(NOTICE_OPEN, 201.0)
+    assert lease.take(Term(4, "127.0.0.1", 1005, 0, 4, os.getpid()))
+    assert link._follow_leader(202.0) is False and link._follow_leader(203.0 + grace) is False
+    assert left == [121.0 + grace]

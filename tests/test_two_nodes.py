@@ -117,10 +117,13 @@ def _status_until(job, procs, cond, what):
     exe = os.path.join(os.path.dirname(sys.executable), "mindspeed-ha")
     while True:
         for p in procs:
-            assert p.poll() is None, f"a launcher ended ({p.returncode}) while waiting for {what}"
+            assert p.poll() is None, (f"a launcher ended ({p.returncode}) while waiting for {what}\n"
+                                      f"----- node 0 -----\n{job.output(0)[-6000:]}\n"
+                                      f"----- node 1 -----\n{job.output(1)[-8000:]}")
         p = subprocess.run([exe, "status", "--json", "--timeout", "120"], env=job.env, capture_output=True,
                            text=True, timeout=180)
-        assert p.returncode in (0, operator.EXIT_UNREACHABLE), p.stdout + p.stderr
+        assert p.returncode in (0, operator.EXIT_UNREACHABLE), (p.stdout + p.stderr + "\n----- node 1 -----\n"
+                                                                + job.output(1)[-8000:])
         if p.returncode == 0 and cond(json.loads(p.stdout)["result"]):
             return json.loads(p.stdout)["result"]
 

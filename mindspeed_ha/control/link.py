@@ -20,8 +20,10 @@ Through a node relay (:mod:`relay`) the same clock runs on the relay's notices: 
 controller connection closed (:data:`relay.NOTICE_CLOSED`: the clock starts, nothing but
 the notices is expected until) it reached a leader (:data:`relay.NOTICE_OPEN`: register
 again through it, the fault this rank waits on first). A relay that has not reached the
-leader this rank sees in the lease directory within ``RELAY_FOLLOW_GRACE * lost_after_s``,
-or whose own socket closes, is left: the rank connects directly.
+leader this rank sees in the lease directory within ``RELAY_FOLLOW_GRACE * lost_after_s``
+of the rank seeing it, or whose own socket closes, is left: the rank connects directly. The
+grace runs only between the two notices: after NOTICE_OPEN the rank follows the lease's
+leader (its term) and awaits REGISTERED through the relay under the loss clock.
 """
 
 from __future__ import annotations
@@ -391,6 +393,9 @@ class ControlLink:
         if self.relay_closed_at is None:
             return
         self.relay_closed_at = self._leader_seen_at = None
+        cur = self._leader()  # the leader the relay reached (the lease's highest term, or a newer one)
+        if cur is not None and cur.term > self._term:  # this rank follows it too: a later close of the
+            self.addr, self.port, self._term = cur.host, cur.port, cur.term  # relay's is no news of a leader
         if self.disconnected_at is not None:
             self.disconnected_at = now  # until the leader answers REGISTER (or the loss deadline)
         self.registered.clear()
@@ -458,20 +463,33 @@ class ControlLink:
         takes the next term and starts)."""
         return self.lost_after_s + 2 * self._lease_s
 
+    def _leader(self):
+        """The lease directory's leader of the highest term (a ``Term``), or None (no lease
+        directory, none there, or reading it failed: logged)."""
+        if self._lease is None:
+            return None
+        try:
+            return self._lease.current()  # never raises by contract; this thread must outlive any surprise
+        except Exception:  # noqa: BLE001
+            log.exception("rank %d: reading the lease directory %s failed", self.rank, self._lease.path)
+            return None
+
     def _follow_leader(self, now: float) -> bool:
         """The connection is closed: if a higher term than ours has a leader, connect to
         it and register again (the fault this rank waits on is reported again). True if so."""
         if self._lease is None or now < self._next_lease_check:
             return False
         self._next_lease_check = now + LEASE_POLL_S
-        try:
-            cur = self._lease.current()  # never raises by contract; this thread must outlive any surprise
-        except Exception:  # noqa: BLE001
-            log.exception("rank %d: reading the lease directory %s failed", self.rank, self._lease.path)
-            return False
+        cur = self._leader()
         if cur is None or cur.term <= self._term:
             return False
         if self.relay is not None:  # the relay follows it too: give it RELAY_FOLLOW_GRACE, then go direct
+            if self.relay_closed_at is None:
+                # the relay reached a leader (NOTICE_OPEN): its REGISTERED is awaited through the
+                # relay under the loss clock. Leaving now would close this rank's relayed
+                # connection, which the leader takes for its death once it registered it
+                # (before: with REGISTERED later than the grace, test_relay)
+                return False
             if self._leader_seen_at is None:
                 self._leader_seen_at = now
             if now - self._leader_seen_at <= RELAY_FOLLOW_GRACE * self.lost_after_s:
