@@ -69,6 +69,10 @@ class HolderTable:
             del self._by_key[key]
         self._grouped = None
 
+    def holders_of(self, key: ShardKey) -> List[Tuple[int, Any]]:
+        """``(rank, RankInfo)`` of every holder of part ``key``, by rank (empty: none). Not a copy."""
+        return self._by_key.get(key, [])
+
     def grouped(self) -> Optional[Tuple[Dict[ShardKey, List[Any]], int]]:
         """Every part of the layout (tp, then pp, then shard order) -> its holders, and the
         shards per (tp, pp); None when no rank is in the table, the ranks registered more

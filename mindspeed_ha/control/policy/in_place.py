@@ -4,18 +4,28 @@ Live ranks (a UCE with ``--enable-hbmfault-repair``, a network error with
 ``--ha-network-retries`` > 0): :func:`plan_in_place`. Restarted workers waiting at
 their rejoin point (ARF, ``--enable-worker-reboot``): :func:`~.arf.plan_rejoin`. The
 rules are in :mod:`mindspeed_ha.control.policy.recovery`.
+
+:func:`plan_in_place` reads every rank once (issue 19): the ranks are grouped by the
+fields the rules read (:func:`parked_states`; at a parked job's RETRY nearly all ranks
+share one group, the faulty ones another), and each rule is checked once per group, not
+once per rank; the sources of the repairs are read from the parts' holder table
+(:func:`~.recovery.sources`). :func:`plan_in_place_by_rules` is the rules applied rank by
+rank, as they are written: kept as the reference the tests compare it with, on random
+layouts and faults (tests/test_recovery_one_pass.py). At 16,384 ranks the plan takes
+about a tenth of the rules' time (docs/RESULTS.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence, Union
+import operator
+from typing import Any, Dict, List, Mapping, Sequence, Tuple, Union
 
 from mindspeed_ha.config import HAConfig
 from mindspeed_ha.control.policy.arf import plan_rejoin
 from mindspeed_ha.control.policy.recovery import (REJOIN, NoRecovery, RecoveryMode, RecoveryPlan, absent,
                                                   in_place_possible, outside_step, retry_limit, situation, sources)
-from mindspeed_ha.control.state import RankInfo, summarise_ranks
+from mindspeed_ha.control.state import IN_STEP, IN_UPDATE, OptimizerStatus, RankInfo, StepPosition, summarise_ranks
 from mindspeed_ha.faults import FaultKind
 
 
@@ -36,18 +46,150 @@ def plan_recovery(ranks: Mapping[int, RankInfo], world_size: int, fault_rank: in
     Returns:
         RecoveryPlan, or NoRecovery naming the first rule that failed.
     """
-    missing = sorted(set(range(world_size)) - set(ranks))
-    if missing:
-        return NoRecovery(f"ranks {summarise_ranks(missing)} never registered")
-    rejoining = {r: i for r, i in ranks.items() if i.fault_where == REJOIN}
-    if rejoining:
+    if len(ranks) != world_size or (ranks and (min(ranks) != 0 or max(ranks) != world_size - 1)):
+        missing = sorted(set(range(world_size)) - set(ranks))  # (distinct ints 0..N-1, N of them: none missing)
+        if missing:
+            return NoRecovery(f"ranks {summarise_ranks(missing)} never registered")
+    groups = parked_states(ranks)
+    if any(state[_WHERE] == REJOIN for state in groups):
+        rejoining = {r: i for r, i in ranks.items() if i.fault_where == REJOIN}
         return plan_rejoin(ranks, rejoining, fault_rank, config, history)
-    return plan_in_place(ranks, fault_rank, config, history)
+    return plan_in_place(ranks, fault_rank, config, history, groups)
+
+
+#: what the in-place rules read of a rank (:func:`parked_states`), and the index of each field
+_STATE = operator.attrgetter("alive", "exit_code", "stopped", "fault", "fault_where", "status", "iteration",
+                             "fault_iteration")
+_ALIVE, _EXIT, _STOPPED, _FAULT, _WHERE, _STATUS, _ITERATION, _FAULT_IT = range(8)
+#: a rank's fields as :data:`_STATE` reads them -> the ranks with exactly those (registration order)
+ParkedStates = Dict[Tuple[Any, ...], List[int]]
+
+
+def parked_states(ranks: Mapping[int, RankInfo]) -> ParkedStates:
+    """The ranks grouped by what the in-place rules read of them (alive, exit code, stopped,
+    fault, where, optimizer status and iteration, fault iteration). One pass; a rank whose
+    fields equal the previous rank's joins its group without a hash (at a parked job's RETRY
+    nearly every rank has the same fields)."""
+    groups: ParkedStates = {}
+    last: Any = None
+    members: List[int] = []
+    for r, state in zip(ranks, map(_STATE, ranks.values())):
+        if state == last:
+            members.append(r)
+            continue
+        members = groups.get(state)  # type: ignore[assignment]
+        if members is None:
+            members = groups[state] = []
+        members.append(r)
+        last = state
+    return groups
+
+
+def _ranks_of(groups: ParkedStates, pred: Any) -> List[int]:
+    """The ranks of every group whose fields satisfy ``pred``, sorted."""
+    out: List[int] = []
+    for state, members in groups.items():
+        if pred(state):
+            out += members
+    out.sort()
+    return out
 
 
 def plan_in_place(ranks: Mapping[int, RankInfo], fault_rank: int, config: HAConfig,
-                  history: Sequence[Mapping[str, Any]] = ()) -> Union[RecoveryPlan, NoRecovery]:
-    """Every rank is alive and parked: roll back, roll forward, or reload (rules 1-5)."""
+                  history: Sequence[Mapping[str, Any]] = (),
+                  groups: Union[ParkedStates, None] = None) -> Union[RecoveryPlan, NoRecovery]:
+    """Every rank is alive and parked: roll back, roll forward, or reload (rules 1-5).
+
+    The same result as :func:`plan_in_place_by_rules` (the same plan, or NoRecovery with the
+    same reason), each rule checked once per group of :func:`parked_states` (``groups``: its
+    result for ``ranks``, if the caller has it)."""
+    if groups is None:
+        groups = parked_states(ranks)
+    own = lambda s: s[_FAULT] is not None and s[_FAULT] is not FaultKind.ABORTED  # noqa: E731
+    fault_ranks = _ranks_of(groups, own)
+    if not fault_ranks:
+        return NoRecovery("no rank reported a fault of its own")
+    fault_of = {r: state[_FAULT] for state, members in groups.items() if own(state) for r in members}
+    for r in fault_ranks:
+        why = in_place_possible(fault_of[r], config)
+        if why is not None:
+            return NoRecovery(f"rank {r}: {why}")
+    gone = _ranks_of(groups, lambda s: not s[_ALIVE] or s[_EXIT] is not None)
+    if gone:
+        return NoRecovery(f"ranks {summarise_ranks(gone)} are gone (restarting a worker is "
+                          "--enable-worker-reboot's job)")
+    not_parked = _ranks_of(groups, lambda s: s[_FAULT] is None or not s[_STOPPED])
+    if not_parked:
+        return NoRecovery(f"ranks {summarise_ranks(not_parked)} did not leave their step")
+    outside = [(min(members), state[_WHERE]) for state, members in groups.items() if state[_WHERE] not in IN_STEP]
+    if outside:
+        r, where = min(outside)
+        return NoRecovery(f"rank {r} was stopped outside train_step ({where}): the step cannot be re-run there")
+    found = _situation(ranks, groups)
+    if isinstance(found, NoRecovery):
+        return found
+    mode, k, needs = found
+    done, limit, over = retry_limit(history, mode, k, config, ", --ha-network-retries")
+    if over is not None:
+        return over
+    damaged = [r for r in fault_ranks if fault_of[r] is FaultKind.UCE]
+    repairs, orphans = sources(ranks, needs, ranks)
+    kind = FaultKind.UCE if damaged else FaultKind.NETWORK
+    named = [r for r in fault_ranks if fault_of[r] is kind]  # the rank the reason names has that kind
+    first = fault_rank if fault_rank in named else min(named)
+    return _finish(RecoveryPlan(iteration=k, generation=len(history) + 1, kind=kind, fault_rank=first,
+                                repairs=repairs, mode=mode), ranks, orphans, bool(config.hbm_repair and damaged),
+                   done, limit)
+
+
+def _situation(ranks: Mapping[int, RankInfo], groups: ParkedStates):
+    """Rule 3 (:func:`~.recovery.situation`) on the groups: the same situation or the same NoRecovery."""
+    in_update = _ranks_of(groups, lambda s: s[_WHERE] in IN_UPDATE)
+    if in_update:
+        outside = _ranks_of(groups, lambda s: s[_WHERE] not in IN_UPDATE)
+        if outside:
+            r = outside[0]
+            return NoRecovery(f"ranks {summarise_ranks(in_update)} were stopped inside the optimizer update "
+                              f"but rank {r} was not ({ranks[r].fault_where or 'train_step'} of iteration "
+                              f"{ranks[r].fault_iteration})")
+        its = {state[_FAULT_IT] for state in groups}
+        if len(its) != 1:
+            return NoRecovery(f"the ranks were stopped inside the optimizer updates of different iterations "
+                              f"{sorted(its)}")
+        j = next(iter(its))
+
+        def off(s: Tuple[Any, ...]) -> bool:
+            want = OptimizerStatus.UPDATED if s[_WHERE] == StepPosition.UPDATE_DONE else OptimizerStatus.UPDATING
+            return (s[_STATUS], s[_ITERATION]) != (want, j)
+        wrong = [(min(members), state) for state, members in groups.items() if off(state)]
+        if wrong:
+            r, state = min(wrong, key=lambda w: w[0])
+            return NoRecovery(f"rank {r} reports {state[_STATUS].value}@{state[_ITERATION]} while stopped at "
+                              f"{state[_WHERE]} of iteration {j}")
+        needs = set(_ranks_of(groups, lambda s: s[_WHERE] == StepPosition.UPDATE or s[_FAULT] is FaultKind.UCE))
+        return RecoveryMode.FORWARD, j, needs
+    states = {(state[_STATUS], state[_ITERATION]) for state in groups}
+    if len(states) != 1 or next(iter(states))[0] is not OptimizerStatus.UPDATED:
+        hi = max(state[_ITERATION] for state in groups)
+        return NoRecovery(
+            f"the fault hit the optimizer update of iteration {hi} (optimizer states "
+            f"{sorted({f'{s.value}@{k}' for s, k in states})}) while some ranks were outside it: in-place "
+            "recovery needs every rank at the end of the same iteration, or every rank inside the same update")
+    k = next(iter(states))[1]
+    if k < 0:
+        return NoRecovery("no rank has reached its first optimizer update")
+    behind = _ranks_of(groups, lambda s: s[_FAULT_IT] not in (-1, k + 1))
+    if behind:
+        r = behind[0]
+        return NoRecovery(f"rank {r} was stopped in train_step of iteration {ranks[r].fault_iteration}, not "
+                          f"{k + 1}: after its update of {k} (a step cannot be re-run after its update)")
+    return RecoveryMode.ROLLBACK, k, set(_ranks_of(groups, lambda s: s[_FAULT] is FaultKind.UCE))
+
+
+def plan_in_place_by_rules(ranks: Mapping[int, RankInfo], fault_rank: int, config: HAConfig,
+                           history: Sequence[Mapping[str, Any]] = ()) -> Union[RecoveryPlan, NoRecovery]:
+    """:func:`plan_in_place` as the rules of :mod:`.recovery` are written, rank by rank (about a
+    dozen passes over every rank): the reference the tests compare :func:`plan_in_place` with."""
     faults = {r: i.fault for r, i in ranks.items() if i.fault not in (None, FaultKind.ABORTED)}
     if not faults:
         return NoRecovery("no rank reported a fault of its own")
@@ -74,11 +216,18 @@ def plan_in_place(ranks: Mapping[int, RankInfo], fault_rank: int, config: HAConf
     kind = FaultKind.UCE if damaged else FaultKind.NETWORK
     named = [r for r, f in faults.items() if f is kind]  # the rank the reason names has that kind
     first = fault_rank if fault_rank in named else min(named)
-    plan = RecoveryPlan(iteration=k, generation=len(history) + 1, kind=kind, fault_rank=first, repairs=repairs,
-                        mode=mode)
+    return _finish(RecoveryPlan(iteration=k, generation=len(history) + 1, kind=kind, fault_rank=first,
+                                repairs=repairs, mode=mode), ranks, orphans, bool(config.hbm_repair and damaged),
+                   done, limit)
+
+
+def _finish(plan: RecoveryPlan, ranks: Mapping[int, RankInfo], orphans: List[int], reload_allowed: bool,
+            done: int, limit: int) -> Union[RecoveryPlan, NoRecovery]:
+    """The plan with its reason (rule 4 without a source: :func:`_reload`)."""
     if orphans:
-        return _reload(plan, ranks, orphans[0], bool(config.hbm_repair and damaged))
-    if mode is RecoveryMode.FORWARD:
+        return _reload(plan, ranks, orphans[0], reload_allowed)
+    k, kind, first, repairs = plan.iteration, plan.kind, plan.fault_rank, plan.repairs
+    if plan.mode is RecoveryMode.FORWARD:
         what = (f"ranks {sorted(repairs)} receive the finished update from {[repairs[d] for d in sorted(repairs)]}"
                 if repairs else "rebuild communication")
         reason = (f"{kind.value} fault on rank {first} inside the optimizer update of iteration {k}: {what}, "
@@ -110,4 +259,4 @@ def _reload(plan: RecoveryPlan, ranks: Mapping[int, RankInfo], orphan: int,
                                f"{last + 1}")
 
 
-__all__ = ["plan_in_place", "plan_recovery"]
+__all__ = ["parked_states", "plan_in_place", "plan_in_place_by_rules", "plan_recovery"]

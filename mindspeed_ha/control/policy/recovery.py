@@ -273,9 +273,21 @@ def _forward_situation(ranks: Mapping[int, RankInfo], in_update: Set[int]) -> Un
 def sources(ranks: Mapping[int, RankInfo], needs: Set[int], donors: Mapping[int, RankInfo]
             ) -> Tuple[Dict[int, int], List[int]]:
     """Rule 4: (rank -> its source, ranks without one). A source is the lowest rank of
-    ``donors`` that needs nothing itself, has no UCE and holds the same (tp, pp, shard)."""
+    ``donors`` that needs nothing itself, has no UCE and holds the same (tp, pp, shard).
+    O(needs x holders of a part) when ``donors`` is ``ranks`` and a
+    :class:`~mindspeed_ha.control.holders.RankTable` (the controller's), else O(needs x donors)."""
     repairs: Dict[int, int] = {}
     orphans: List[int] = []
+    table = getattr(ranks, "holders", None)  # a RankTable keeps each part's holders by rank (control/holders.py)
+    if donors is ranks and table is not None and len(table) == len(ranks):
+        for d in sorted(needs):  # the part's holders in rank order: the first that qualifies is the lowest
+            found = next((r for r, i in table.holders_of(ranks[d].layout.shard_key)
+                          if r not in needs and i.fault is not FaultKind.UCE), None)
+            if found is not None:
+                repairs[d] = found
+            else:
+                orphans.append(d)
+        return repairs, orphans
     for d in sorted(needs):
         key = ranks[d].layout.shard_key
         found = min((r for r, i in donors.items() if r not in needs and i.layout.shard_key == key
