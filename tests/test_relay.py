@@ -8,7 +8,9 @@ to the user, and ranks whose relay is gone go on connected directly. Teardown an
 checks are test_control's fixtures.
 """
 
+import contextlib
 import dataclasses
+import logging
 import os
 import pathlib
 import shutil
@@ -545,6 +547,61 @@ def test_node_answers_count_only_for_the_relays_own_ranks_in_order():
     assert not any(info[r].stopped for r in (0, 2, 3))
     assert ctl.node_answers == 1 and ctl.codec.rejected["unregistered"] == 2
     assert ctl.codec.rejected["unexpected_type"] == 1
+
+
+@pytest.mark.parametrize("answer,common", [
+    ("stopped", {"status": "updated", "iteration": 5, "pause_at": -1, "step": 6}),
+    ("stopped", {"status": "updating", "iteration": 6, "pause_at": 4, "step": 7}),  # a first-round pause
+    ("fault", {"iteration": 6, "kind": "aborted", "message": "aborted", "status": "updated", "where": "train_step"}),
+    ("action_result", {"action_id": 1, "ok": True, "detail": "done"}),
+])
+def test_node_answers_do_what_each_ranks_own_frame_does(answer, common):
+    """The controller hands the merged answer's common body to each named rank's handler (no
+    body per rank): every rank's state, the action's results and the log lines are those of
+    the ranks' own frames (fails if a handler reads the body's ``rank``: the results go to the
+    first rank)."""
+    from mindspeed_ha.control.state import PendingAction
+
+    states = []
+    for merged in (False, True):
+        ctl, router, out, clock = _unstarted_controller()
+        ident = {r: (b"n0", b"r%d" % r) for r in range(4)}
+        for r in range(4):
+            router.push(ident[r], out[r].encode(wire.Register(r, 4, 100 + r, "h", Layout(), None, "run")))
+        ctl._turn()
+        ctl.state.pending = PendingAction(1, "retry", (0, 1, 2, 3), clock.t)
+        clock.t += 0.1
+        if merged:
+            relay = wire.Codec(KEY, wire.new_sender("relay", 0))
+            router.push((b"n0", b""), relay.encode(wire.NodeAnswers(0, answer, common, [b"r3", b"r1", b"r2"],
+                                                                    [3, 1, 2])))
+        else:
+            cls = wire.BODY_TYPES[wire.MsgType(answer)]
+            for r in (3, 1, 2):
+                router.push(ident[r], out[r].encode(cls(rank=r, **common)))
+        with _caught_log() as lines:
+            ctl._turn()
+        st = ctl.state
+        ranks = [{k: v for k, v in dataclasses.asdict(st.ranks[r]).items() if k != "sender"} for r in range(4)]
+        states.append((ranks, dict(st.pending.results), lines))
+    assert states[0] == states[1]
+    assert answer != "action_result" or sorted(states[1][1]) == [1, 2, 3]
+
+
+@contextlib.contextmanager
+def _caught_log():
+    lines = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: lines.append((record.levelno, record.getMessage()))
+    logger = logging.getLogger("mindspeed_ha.control.controller")
+    old = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old)
 
 
 def test_a_rank_stays_on_a_relay_that_reached_the_leader_while_its_register_is_unanswered(monkeypatch, short_tmp):

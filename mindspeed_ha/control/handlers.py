@@ -189,9 +189,21 @@ def _heartbeat(ctl: "Controller", now: float, rank: int, info: RankInfo, body: w
     pass  # dispatch stamped last_heartbeat already
 
 
+#: wire string -> its member, read per frame (``OptimizerStatus(s)`` / ``FaultKind(s)`` is a Python-level
+#: enum call, about a microsecond, for each of a round's 16,384 answers)
+_STATUSES: Dict[str, OptimizerStatus] = {s.value: s for s in OptimizerStatus}
+_KINDS: Dict[str, FaultKind] = {k.value: k for k in FaultKind}
+
+
+def _optimizer_status(value: Any) -> OptimizerStatus:
+    """``OptimizerStatus(value)`` (ValueError for an unknown one), a dict lookup for a known one."""
+    found = _STATUSES.get(value) if type(value) is str else None
+    return found if found is not None else OptimizerStatus(value)
+
+
 def _status(ctl: "Controller", now: float, rank: int, info: RankInfo, body: Any) -> None:
     was = info.iteration if info.status is OptimizerStatus.UPDATED or info.status is OptimizerStatus.UPDATING else None
-    info.status, info.iteration = OptimizerStatus(body.status), body.iteration
+    info.status, info.iteration = _optimizer_status(body.status), body.iteration
     info.step = body.step
     if info.status is OptimizerStatus.UPDATED:  # the step time as the controller sees it (metrics, status)
         if was is not None and body.iteration == was and info.updated_at is not None:
@@ -207,7 +219,8 @@ def _health(ctl: "Controller", now: float, rank: int, info: RankInfo, body: wire
 
 
 def _fault(ctl: "Controller", now: float, rank: int, info: RankInfo, body: Any) -> None:
-    info.fault = FaultKind(body.kind) if body.kind in _FAULT_KINDS else FaultKind.UNKNOWN
+    info.fault = _KINDS.get(body.kind, FaultKind.UNKNOWN) if type(body.kind) is str else (
+        FaultKind(body.kind) if body.kind in _FAULT_KINDS else FaultKind.UNKNOWN)
     info.fault_message = body.message
     info.fault_where = body.where
     info.fault_iteration = body.iteration
@@ -217,7 +230,8 @@ def _fault(ctl: "Controller", now: float, rank: int, info: RankInfo, body: Any) 
     if info.failed_at is None:
         info.failed_at = now
     level = logging.WARNING if info.fault is not FaultKind.ABORTED else _per_rank_level(ctl)
-    log.log(level, "rank %d: %s fault at iteration %d: %s", rank, info.fault.value, body.iteration, body.message)
+    if log.isEnabledFor(level):  # (its arguments cost even when the line is not written)
+        log.log(level, "rank %d: %s fault at iteration %d: %s", rank, info.fault.value, body.iteration, body.message)
 
 
 def _stopped(ctl: "Controller", now: float, rank: int, info: RankInfo, body: Any) -> None:
@@ -229,10 +243,12 @@ def _stopped(ctl: "Controller", now: float, rank: int, info: RankInfo, body: Any
         info.paused_after = body.pause_at  # a graceful pause of ranks not started yet agrees on it
         return
     info.stopped = True
-    info.status, info.iteration = OptimizerStatus(body.status), body.iteration
+    info.status, info.iteration = _optimizer_status(body.status), body.iteration
     info.step = body.step
-    log.log(_per_rank_level(ctl), "rank %d: stopped, optimizer %s@%d%s", rank, info.status.value, info.iteration,
-             f" (paused after iteration {body.pause_at})" if body.pause_at >= 0 else "")
+    level = _per_rank_level(ctl)
+    if log.isEnabledFor(level):
+        log.log(level, "rank %d: stopped, optimizer %s@%d%s", rank, info.status.value, info.iteration,
+                f" (paused after iteration {body.pause_at})" if body.pause_at >= 0 else "")
 
 
 def _draining(ctl: "Controller", now: float, rank: int, info: RankInfo, body: Any) -> None:
@@ -251,8 +267,9 @@ def _action_result(ctl: "Controller", now: float, rank: int, info: RankInfo, bod
     p = ctl.state.pending
     if p is not None and p.action_id == body.action_id and p.is_target(rank):
         p.results[rank] = (body.ok, body.detail)
-        log.log(_per_rank_level(ctl, body.ok), "rank %d: %s %s %s", rank, p.kind, "ok" if body.ok else "FAILED",
-                body.detail)
+        level = _per_rank_level(ctl, body.ok)
+        if log.isEnabledFor(level):
+            log.log(level, "rank %d: %s %s %s", rank, p.kind, "ok" if body.ok else "FAILED", body.detail)
 
 
 def _integrity(ctl: "Controller", now: float, rank: int, info: RankInfo, body: Any) -> None:
@@ -323,11 +340,14 @@ def node_beat(ctl: "Controller", now: float, relay: Any, body: wire.NodeBeat) ->
 def node_answers(ctl: "Controller", now: float, ident: Any, msg: wire.Message) -> None:
     """NODE_ANSWERS (schema 14): the node relay verified each named rank's answer (STOPPED,
     ACTION_RESULT ok, FAULT aborted) and carried this frame among its ranks' frames, in each
-    one's order (``control/relay.py``). Each ``(sub, rank)`` is handled by :func:`dispatch`
-    as that rank's own frame from connection ``(relay, sub)``: a sub that is not the named
-    rank's connection through this relay now is rejected as an unregistered peer's frame.
-    Only a relay's own frame, carried in its message with an empty sub, may be one (else
-    counted and ignored). O(ranks named); no rank's frame decoded."""
+    one's order (``control/relay.py``). Each ``(sub, rank)`` is handled as that rank's own
+    frame from connection ``(relay, sub)`` (what :func:`dispatch` does for it): a sub that is
+    not the named rank's connection through this relay now is rejected as an unregistered
+    peer's frame. Only a relay's own frame, carried in its message with an empty sub, may be
+    one (else counted and ignored). O(ranks named); no rank's frame decoded, and no body
+    made per rank: the handler of each rank plainly on its connection is given the common
+    body (``wire.NodeAnswers.common``, whose ``rank`` is the first one's; the rank is the
+    handler's own argument, which is all a handler of a mergeable answer reads of it)."""
     if type(ident) is not tuple or ident[1] != b"":
         ctl.codec.rejected["unexpected_type"] += 1
         return
@@ -336,16 +356,19 @@ def node_answers(ctl: "Controller", now: float, ident: Any, msg: wire.Message) -
     mtype = wire.MsgType(body.answer)
     handler = RANK_HANDLERS[mtype]
     server, ranks, switches = ctl.server, ctl.state.ranks, ctl.operators.switches
-    for sub, one in zip(body.subs, body.bodies()):
+    common, rank_of, bodies = body.common, server.rank_of_ident, None
+    for i, (sub, named) in enumerate(zip(body.subs, body.ranks)):
         ident = (relay, sub)
-        rank = server.rank_of_ident.get(ident)
-        if rank is None or rank != one.rank or switches.owns(ident) is not None:
+        rank = rank_of.get(ident)
+        if rank is None or rank != named or (switches.incoming and switches.owns(ident) is not None):
             # not plainly that rank's connection: the general path decides (and rejects or answers)
-            dispatch(ctl, now, ident, None, wire.Message(mtype, msg.seq, msg.sender, one))
+            if bodies is None:
+                bodies = body.bodies()
+            dispatch(ctl, now, ident, None, wire.Message(mtype, msg.seq, msg.sender, bodies[i]))
             continue
         info = ranks[rank]  # what dispatch does for a registered rank's frame (no descriptor: relayed)
         info.last_heartbeat = now
-        handler(ctl, now, rank, info, one)
+        handler(ctl, now, rank, info, common)
 
 
 # ---------------------------------------------------------------------- other evidence

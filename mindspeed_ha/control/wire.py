@@ -464,6 +464,12 @@ class NodeAnswers:
         first = _from_plain(cls, {**self.body, "rank": self.ranks[0] if self.ranks else 0}, f"node_answers.{self.answer}")
         object.__setattr__(self, "_first", first)  # (not a field: not sent, not compared)
 
+    @property
+    def common(self) -> Any:
+        """The common body as checked at construction (that type's dataclass, ``rank`` the
+        first one's): what every named rank answered but its rank."""
+        return self._first  # type: ignore[attr-defined]
+
     def bodies(self) -> List[Any]:
         """Each named rank's body (``ranks[i]``'s at ``i``), as checked at construction."""
         first = self._first  # type: ignore[attr-defined]
