@@ -53,6 +53,7 @@ import os
 import random
 import resource
 import secrets
+import select
 import sys
 import tempfile
 import time
@@ -167,6 +168,10 @@ class Sim:
         self.sent = 0
         self.dropped = 0  # frames not sent: the socket's queue was full (zmq.Again)
         self.hb_late = 0.0  # the most a heartbeat left after its time (this simulator's own lag), s
+        #: a node's alike routine answers noted in one step (see :meth:`fanout`; False: rank by rank)
+        self.fast = True
+        #: sockets to read at the next turn whatever their ZMQ_FD says (see run)
+        self.check: set = set()
 
     # ---- frames
     def enc(self, r: int, mtype: str, body: Dict[str, Any]) -> bytes:
@@ -183,6 +188,7 @@ class Sim:
         self.beat_seq[s] += 1
         env = msgpack.packb({"v": self.v, "type": "node_beat", "seq": self.beat_seq[s], "sender": self.beat_sender[s],
                              "body": {"node_rank": self.node_ranks[s][0], "subs": subs}}, use_bin_type=True)
+        self.check.add(s)
         try:
             s.send(hmac.new(self.key, env, hashlib.sha256).digest() + env, zmq.NOBLOCK)
             self.sent += 1
@@ -225,6 +231,7 @@ class Sim:
             self.out.setdefault(s, []).extend((self.sub[r], self.enc(r, mtype, body)))
             self.sent += 1
             return
+        self.check.add(self.socks[r])
         try:
             self.socks[r].send(self.enc(r, mtype, body), zmq.NOBLOCK)
             self.sent += 1
@@ -237,6 +244,7 @@ class Sim:
             if answers:
                 self.flush_answers(s)
         out, self.out = self.out, {}
+        self.check.update(out)
         for s, parts in out.items():
             for i in range(0, len(parts), 512):
                 try:
@@ -245,7 +253,10 @@ class Sim:
                     self.dropped += len(parts[i:i + 512]) // 2
 
     def received(self, s, now: float) -> None:
-        for _ in range(64):
+        for i in range(65):
+            if i == 64:  # not read empty: read again next turn (its ZMQ_FD will not signal again)
+                self.check.add(s)
+                return
             try:
                 parts = s.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -255,16 +266,7 @@ class Sim:
             elif len(parts) == 3 and not parts[0]:  # a fan-out through the relay: [b"", frame, packed subs]
                 # one frame for the node's ranks: verified once here (each rank's own check of it
                 # runs on its own CPU on a real node, not on the controller's machine), its seq per rank
-                m = self.dec(None, parts[1])
-                for sub in unpack_subs(parts[2]):
-                    r = self.rank_of_sub.get(sub)
-                    if r is None or r in self.dead:
-                        continue
-                    if m is None or m["seq"] <= self.last_in[r]:
-                        self.rejected += 1
-                        continue
-                    self.last_in[r] = m["seq"]
-                    self.handle(r, m, now)
+                self.fanout(s, self.dec(None, parts[1]), unpack_subs(parts[2]), now)
                 continue
             else:
                 pairs = [(self.rank_of_sub.get(parts[i]), parts[i + 1]) for i in range(0, len(parts) - 1, 2)]
@@ -274,6 +276,69 @@ class Sim:
                 m = self.dec(r, frame)
                 if m is not None:
                     self.handle(r, m, now)
+
+    def fanout(self, s, m: Optional[Dict[str, Any]], subs: List[bytes], now: float) -> None:
+        """A fan-out's one frame ``m`` (None: it did not verify) for the node ranks ``subs``.
+
+        Each rank checks its ``seq`` and handles it (:meth:`handle`), unless the node's answers
+        are all routine and alike (``fast``, the default): a STOP or RETRY to ranks of one
+        iteration, none of them the UCE rank, answers merged. Then the node's answers are noted
+        for its NODE_ANSWERS in one step per answer type instead of rank by rank: the frames the
+        controller gets are the same bytes (``tests/test_controller_scale.py`` compares them),
+        made without the per-rank Python a real job runs on each rank's own node."""
+        ranks = []
+        for sub in subs:
+            r = self.rank_of_sub.get(sub)
+            if r is None or r in self.dead:
+                continue
+            if m is None or m["seq"] <= self.last_in[r]:
+                self.rejected += 1
+                continue
+            self.last_in[r] = m["seq"]
+            ranks.append(r)
+        if not ranks:
+            return
+        answers = self.fast and self.node_answers_of(ranks, m)
+        if not answers:
+            for r in ranks:
+                self.handle(r, m, now)
+            return
+        t, body = m["type"], m["body"]
+        if t == "stop":
+            for r in ranks:
+                self.stop_at.setdefault(r, now)
+                self.frozen[r] = True
+        else:  # retry
+            for r in ranks:
+                self.retry_at.setdefault(r, now)
+                self.frozen[r] = False
+            self.hold = None
+        node = self.answers[self.socks[ranks[0]]]
+        subs = [self.sub[r] for r in ranks]
+        for mtype, common in answers:  # in the order each rank sends them
+            group = node.setdefault((mtype, tuple(common.items())), (common, [], []))
+            group[1].extend(subs)
+            group[2].extend(ranks)
+
+    def node_answers_of(self, ranks: List[int], m: Optional[Dict[str, Any]]) -> Any:
+        """The answers (type, body but ``rank``) every rank of ``ranks`` sends to ``m``, in
+        order, when they are all merged and alike (see :meth:`fanout`); else None."""
+        if m is None or not self.merge_answers or self.uce_rank in ranks:
+            return None
+        it = self.it[ranks[0]]
+        if any(self.it[r] != it for r in ranks):
+            return None
+        t, body = m["type"], m["body"]
+        if t == "stop":
+            out = [("stopped", {"status": "updated", "iteration": it, "pause_at": -1, "step": it + 1})]
+            if body.get("recover"):
+                out.append(("fault", {"iteration": it + 1, "kind": "aborted", "message": "aborted",
+                                      "status": "updated", "where": "train_step"}))
+        elif t == "action" and body["kind"] == "retry":
+            out = [("action_result", {"action_id": body["action_id"], "ok": True, "detail": "simulated retry"})]
+        else:
+            return None
+        return out if all(mtype in self.merge_answers for mtype, _ in out) else None
 
     def dec(self, r: int, frame: bytes) -> Optional[Dict[str, Any]]:
         tag, env = frame[:32], frame[32:]
@@ -361,6 +426,7 @@ class Sim:
             if arg in self.socks and self.per_node:  # the relay reports the rank's closed local connection
                 self.dead.add(arg)
                 self.socks[arg].send_multipart([self.sub[arg], b""], zmq.NOBLOCK)
+                self.check.add(self.socks[arg])
                 heard = self.heard.get(self.socks[arg])
                 if heard is not None and self.sub[arg] in heard:  # the relay never names a closed connection
                     heard.remove(self.sub[arg])
@@ -368,16 +434,28 @@ class Sim:
                 self.socks[arg].close(linger=0)
                 self.dead.add(arg)
             return time.monotonic()
+        if cmd == "profile":  # --profile-uce: this process's own turns under cProfile (arg: where to write; None: start)
+            import cProfile
+            if arg is None:
+                self.profile = cProfile.Profile(time.thread_time)  # CPU, not wall: the machine is shared
+                self.profile.enable()
+            elif getattr(self, "profile", None) is not None:
+                self.profile.disable()
+                self.profile.dump_stats(f"{arg}.sim{self.sim_id}")
+                self.profile = None
+            return now
         if cmd == "report":
-            live = [r for r in self.ranks if r not in self.dead]
-            regs = list(self.registered.values())
-            return {"registered": len(self.registered), "last_registered": max(regs) if regs else None,
+            # (no pass over the ranks in Python: the bench asks every 0.2 s during a round)
+            stopped_dead = [r for r in self.dead if r in self.stop_at]  # (a rank killed after its STOP)
+            stop_times = self.stop_at if not stopped_dead else {
+                r: t for r, t in self.stop_at.items() if r not in self.dead}
+            return {"registered": len(self.registered), "last_registered": max(self.registered.values(), default=None),
                     "register_sent": sum(self.reg_sent.values()), "register_max": max(self.reg_sent.values()),
-                    "stops": sum(1 for r in live if r in self.stop_at),
-                    "last_stop": max((self.stop_at[r] for r in live if r in self.stop_at), default=None),
+                    "stops": len(stop_times), "last_stop": max(stop_times.values(), default=None),
                     "retries": len(self.retry_at), "last_retry": max(self.retry_at.values(), default=None),
-                    "exits": len(self.exit_at), "rejected": self.rejected, "live": len(live), "sent": self.sent,
-                    "hb_late": self.hb_late, "cpu_s": cpu_s(), "dropped": self.dropped}
+                    "exits": len(self.exit_at), "rejected": self.rejected, "live": len(self.ranks) - len(self.dead),
+                    "sent": self.sent,
+                    "hb_late": self.hb_late, "cpu_s": cpu_s(), "main_cpu_s": time.thread_time(), "dropped": self.dropped}
         return None
 
     # ---- the loop
@@ -391,15 +469,23 @@ class Sim:
         nodes = list(self.heard)
         for i, s in enumerate(nodes):
             heapq.heappush(self.beat_due, (now + STEP_S * (1 + random.random()), i))
-        poller = zmq.Poller()
-        poller.register(self.conn.fileno(), zmq.POLLIN)
+        # the sockets' ZMQ_FD in one epoll: a turn reads only the sockets that signalled, were
+        # sent on (a send may take a socket's signal) or were not read empty (self.check); a
+        # zmq.Poller over the process's 512-4,096 sockets cost 0.5-4 ms of CPU per turn
+        ep = select.epoll()
+        ep.register(self.conn.fileno(), select.EPOLLIN)
+        conn_fd = self.conn.fileno()
+        by_fd: Dict[int, Any] = {}
         self.conn.send(("started", now))
         while True:
             due = len(pending) if not self.connect_rate else \
                 min(len(pending), int((now - t_start) * self.connect_rate) + 1 - (total - len(pending)))
             for s in pending[:max(0, due)]:
                 s.connect(self.wire.endpoint("127.0.0.1", self.port))
-                poller.register(s, zmq.POLLIN)
+                fd = s.getsockopt(zmq.FD)
+                by_fd[fd] = s
+                ep.register(fd, select.EPOLLIN)
+                self.check.add(s)
                 for r in self.node_ranks[s]:
                     self.register(r, now)
             del pending[:max(0, due)]
@@ -410,17 +496,23 @@ class Sim:
             if spare > 0:
                 time.sleep(spare)
             turn_start = time.monotonic()
-            events = poller.poll(20)
+            ready = ep.poll(0.02 if not self.check else 0)
             now = time.monotonic()
-            for s, _ in events:
-                if isinstance(s, zmq.Socket):
+            todo, self.check = self.check, set()
+            for fd, _ in ready:
+                if fd != conn_fd:
+                    todo.add(by_fd[fd])
+            for s in todo:
+                if not s.closed and s.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                     self.received(s, now)
             if self.conn.poll():
                 cmd, arg = self.conn.recv()
                 if cmd == "quit":
                     break
                 if cmd == "kill" and arg in self.socks and not self.per_node:
-                    poller.unregister(self.socks[arg])
+                    fd = self.socks[arg].getsockopt(zmq.FD)
+                    ep.unregister(fd)
+                    del by_fd[fd]
                 self.conn.send(self.command(cmd, arg))
             now = time.monotonic()
             while self.reg_due and self.reg_due[0][0] <= now:
@@ -448,6 +540,7 @@ class Sim:
                 self.beat(nodes[i])
             if self.slow_s:
                 time.sleep(self.slow_s)
+        ep.close()
         for s in self.node_ranks:
             if not s.closed:
                 s.close(linger=0)
@@ -513,14 +606,23 @@ class Probe:
         #: a cProfile.Profile to run the controller's turns under while set (``--profile-uce``)
         self.round_profile: Any = None
 
+        #: while a list: each turn of the controller as (start, end on the controller's clock, its
+        #: thread's CPU-seconds): where a round's wall time went (busy, not scheduled, waiting)
+        self.round_turns: Optional[List[Any]] = None
+
         def timed_turn():
             t = time.perf_counter()
+            record = self.round_turns
+            if record is not None:
+                w0, c0 = time.monotonic(), time.thread_time()
             prof = self.round_profile
             if prof is not None:
                 prof.enable()  # on the controller's thread: its turns only
             turn()
             if prof is not None:
                 prof.disable()
+            if record is not None:
+                record.append((w0, time.monotonic(), time.thread_time() - c0))
             if self.on:
                 self.turns.append(time.perf_counter() - t)
 
@@ -740,12 +842,15 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
         # 2. steady state
         time.sleep(2.0)
         probe.on = True
-        s0 = sum(r["cpu_s"] for r in ask(pipes, "report"))
+        reps = ask(pipes, "report")
+        s0, m0 = sum(r["cpu_s"] for r in reps), sum(r["main_cpu_s"] for r in reps)
         c0, w0 = cpu_split(), time.monotonic()
         time.sleep(steady_s)
         c1, w1 = cpu_split(), time.monotonic()
-        s1 = sum(r["cpu_s"] for r in ask(pipes, "report"))
+        reps = ask(pipes, "report")
+        s1, m1 = sum(r["cpu_s"] for r in reps), sum(r["main_cpu_s"] for r in reps)
         out["simulators_cores"] = (s1 - s0) / (w1 - w0)  # what sending the ranks' frames costs here
+        out["simulators_main_cores"] = (m1 - m0) / (w1 - w0)  # their Python threads (the rest: libzmq's)
         probe.on = False
         out["controller_cores"] = (c1["process"] - c0["process"]) / (w1 - w0)
         out["loop_cores"] = (c1["thread"] - c0["thread"]) / (w1 - w0)
@@ -771,7 +876,10 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
         if profile_uce:
             import cProfile
             probe.round_profile = cProfile.Profile()
-        c_uce, s_uce = cpu_split(), sum(r["cpu_s"] for r in ask(pipes, "report"))
+            ask(pipes, "profile", None)
+        reps = ask(pipes, "report")
+        c_uce, s_uce, s_uce_main = cpu_split(), sum(r["cpu_s"] for r in reps), sum(r["main_cpu_s"] for r in reps)
+        probe.round_turns = []
         t_uce = min(ask(pipes, "uce", uce_rank))
         deadline = time.monotonic() + 60.0
         while time.monotonic() < deadline:
@@ -781,14 +889,17 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
             time.sleep(0.2)
         retried = sum(r["retries"] for r in reps)
         c_ret = cpu_split()
+        turns, probe.round_turns = probe.round_turns, None
         if probe.round_profile is not None:
             prof, probe.round_profile = probe.round_profile, None
             time.sleep(0.2)  # (the turn under way ends)
             prof.dump_stats(f"{profile_uce}.{n}")
+            ask(pipes, "profile", f"{profile_uce}.{n}")
         # CPU-seconds of the round (until every rank had its RETRY, plus at most one poll)
         out["uce_round_cpu_s"] = c_ret["process"] - c_uce["process"]
         out["uce_round_loop_cpu_s"] = c_ret["thread"] - c_uce["thread"]
         out["uce_round_sims_cpu_s"] = sum(r["cpu_s"] for r in reps) - s_uce
+        out["uce_round_sims_main_cpu_s"] = sum(r["main_cpu_s"] for r in reps) - s_uce_main  # their Python threads
         fans = [f for f in probe.fanouts if f[1] >= t_uce]
         retry_fan = next((f for f in fans if f[0] == "Action:retry"), None)
         first_stop = next((f for f in fans if f[0] == "Stop"), None)
@@ -810,6 +921,14 @@ def one_run(n: int, sims: int, slow: int, slow_s: float, steady_s: float, log,
         out["uce_retry_decided_s"] = (retry_fan[1] - t_uce) if retry_fan else None
         out["uce_retry_sent_s"] = (retry_fan[2] - t_uce) if retry_fan else None
         out["uce_retry_s"] = (max(r["last_retry"] for r in reps if r["last_retry"]) - t_uce) if retried == n else None
+        if out["uce_retry_s"] is not None:  # the controller thread from the UCE to the last rank's RETRY
+            end = t_uce + out["uce_retry_s"]
+            inside = [(max(a, t_uce), min(b, end), c * (min(b, end) - max(a, t_uce)) / max(b - a, 1e-9))
+                      for a, b, c in turns if b > t_uce and a < end]
+            out["uce_turns"] = len(inside)
+            out["uce_turns_wall_s"] = round(sum(b - a for a, b, _ in inside), 3)  # in a turn (running or not)
+            out["uce_turns_cpu_s"] = round(sum(c for _, _, c in inside), 3)  # of which on a CPU
+            out["uce_waiting_s"] = round(out["uce_retry_s"] - out["uce_turns_wall_s"], 3)  # between turns: polling
         deadline = time.monotonic() + 30.0
         while time.monotonic() < deadline and ctl.phase is not Phase.RUNNING:
             time.sleep(0.1)

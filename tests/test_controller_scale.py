@@ -288,3 +288,63 @@ def test_a_step_that_sent_a_round_ends_without_deciding_again(monkeypatch):
     assert not controller_mod.awaits_answers(ctl.state, Decision(ActionKind.RESUME, "x", None, ()))
     ctl.state.stop_request = object()  # a graceful stop: its deadline may end the round at once
     assert not controller_mod.awaits_answers(ctl.state, stop)
+
+
+def _bench():
+    """``scripts/bench_controller_scale.py`` as a module (its simulated ranks)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "bench_controller_scale.py"
+    spec = importlib.util.spec_from_file_location("bench_controller_scale", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_benchmark_notes_a_nodes_alike_answers_as_its_ranks_would():
+    """The benchmark's simulated relay notes a node's alike routine answers (STOP, the abort
+    STOP, RETRY) in one step per answer type: the NODE_ANSWERS frames it then sends are the
+    same bytes as when each rank answers on its own (the controller gets what it got), also
+    for a node with the UCE rank, a dead rank, or a replayed frame (those ranks handled one by
+    one)."""
+    import copy
+
+    bench = _bench()
+    world, ranks = 64, list(range(0, 64, 2))  # 32 ranks of one simulator process: 4 nodes of 8
+    sim = bench.Sim(None, 0, ranks, world, 0, KEY, 0.0, "/save", per_node=8, merge=True,
+                    merge_answers=tuple(wire.MERGEABLE))
+    try:
+        ctl = wire.Codec(KEY, wire.new_sender("controller"))
+        for r in ranks:
+            sim.it[r] = 7
+        sim.uce_rank, sim.dead = 36, {50}  # in the third node; the fourth has a dead rank
+        rounds = [wire.Stop("observe", False, False), wire.Stop("abort", True, True),
+                  wire.Action(3, "retry", {"iteration": 7})]
+        nodes = list(sim.node_ranks.items())
+        state = ("answers", "answer_seq", "out", "seq", "last_in", "stop_at", "retry_at", "frozen", "hold", "sent")
+        for body in rounds:
+            m = sim.dec(None, ctl.encode(body))
+            before = {k: copy.copy(getattr(sim, k)) for k in state}
+            frames = {}
+            for fast in (False, True):
+                for k, v in before.items():
+                    setattr(sim, k, copy.copy(v) if not isinstance(v, dict) else
+                            {kk: copy.copy(vv) for kk, vv in v.items()})
+                sim.fast = fast
+                for i, (s, node) in enumerate(nodes):
+                    subs = [sim.sub[r] for r in node]
+                    sim.fanout(s, m, subs if i != 1 else subs + subs[:1], 1.0)  # node 1: a sub named twice
+                for s in sim.answers:
+                    sim.flush_answers(s)
+                frames[fast] = ([(node, sim.out.get(s)) for s, node in nodes],
+                                {k: getattr(sim, k) for k in state if k not in ("answers", "out")})
+            for a, b in zip(frames[True][0], frames[False][0]):
+                assert a == b, (body, a[0], [p[:200] for p in a[1]], [p[:200] for p in b[1]])
+            assert frames[True] == frames[False]
+            assert all(parts for _, parts in frames[True][0]), frames[True][0]
+        assert sim.rejected == 2 * 3  # the sub named twice: its frame's seq seen (both passes, 3 rounds)
+    finally:
+        for s in sim.node_ranks:
+            s.close(linger=0)
+        sim.ctx.term()
