@@ -143,3 +143,43 @@ def test_every_dict_change_reaches_the_table(op):
 
 def test_the_controller_state_keeps_a_table():
     assert isinstance(ClusterState(world_size=4).ranks, RankTable)
+
+
+def test_each_parts_usable_holders_are_kept_and_read_again_only_where_a_field_changed():
+    """The table keeps each part's usable holders (alive, stopped, UPDATED, no UCE) and reads a
+    part again only when one of its holders' fields that decide it is set (RankInfo.__setattr__):
+    selections after random changes of those fields, between them, equal the scan's; with no
+    change, nothing is read again."""
+    rng = random.Random(11)
+    for _ in range(150):
+        infos = random_job(rng)
+        table = table_of(rng, infos)
+        for _ in range(4):
+            unavailable = {r: "silent" for r in infos if rng.random() < 0.03}
+            assert select_dying_checkpoint(table, unavailable) == select_by_scan(dict(infos), unavailable)
+            assert not table.holders._dirty  # read: nothing left to read again
+            for r in rng.sample(sorted(infos), k=max(1, len(infos) // 6)):
+                info, what = table[r], rng.randrange(6)
+                if what == 0:
+                    info.status = rng.choice(STATUSES)
+                elif what == 1:
+                    info.iteration += rng.choice((-1, 1))
+                elif what == 2:
+                    info.stopped = not info.stopped
+                elif what == 3:
+                    info.fault = rng.choice((None, FaultKind.UCE, FaultKind.ABORTED))
+                elif what == 4:
+                    info.alive = not info.alive
+                else:
+                    dirty = set(table.holders._dirty)
+                    info.last_heartbeat += 1.0  # not a field the usability reads: the part is not read again
+                    assert table.holders._dirty == dirty
+        assert select_dying_checkpoint(table, {}) == select_by_scan(dict(infos), {})
+    # a rank held by two tables (a copy of the controller's): a change reaches both
+    infos = random_job(random.Random(5))
+    first, second = table_of(random.Random(1), infos), table_of(random.Random(2), infos)
+    for t in (first, second):
+        select_dying_checkpoint(t, {})
+    r = sorted(infos)[0]
+    infos[r].status = OptimizerStatus.UNKNOWN
+    assert first.holders._dirty == second.holders._dirty == {infos[r].layout.shard_key}
