@@ -10,21 +10,14 @@ death: at 16,384 ranks the grouping and layout check were a third of its cost.
 (``ClusterState.ranks``) that keeps its table up to date on every assignment: a rank's
 registration, a new process of it (worker restart, rejoin), a hot switch's new process
 taking its place, a successor's roster. A death changes no holder: the table holds the
-``RankInfo`` objects themselves. It also keeps each part's usable holders (alive, stopped,
-UPDATED, no UCE; their iterations, each optimizer instance's lowest rank):
-``RankInfo.__setattr__`` tells the tables holding it when one of ``state.HOLDER_FIELDS`` is
-set, and :meth:`HolderTable.usable` reads only those parts again, so a selection after
-nothing changed reads no holder (16,384 ranks: 44 -> 23 ms; after a STOP round, which sets
-every rank's ``stopped``, about as before: docs/RESULTS.md). Imports nothing of the project
-but ``faults`` (duck-typed ``RankInfo``).
+``RankInfo`` objects themselves, and their ``alive`` / ``status`` / ``iteration`` are read
+when the selection runs. Imports nothing of the project (duck-typed ``RankInfo``).
 """
 
 from __future__ import annotations
 
 import bisect
 from typing import Any, Dict, List, Optional, Tuple
-
-from mindspeed_ha.faults import FaultKind
 
 ShardKey = Tuple[int, int, int]  # (tp_rank, pp_rank, shard_id)
 LayoutKey = Tuple[int, int, int]  # (tp_size, pp_size, shards_per_instance)
@@ -37,7 +30,7 @@ class HolderTable:
     O(1) while no rank joined or left a part since the last call, else O(parts).
     """
 
-    __slots__ = ("_key_of", "_by_key", "_layouts", "_outside", "_grouped", "_usable", "_dirty")
+    __slots__ = ("_key_of", "_by_key", "_layouts", "_outside", "_grouped")
 
     def __init__(self) -> None:
         self._key_of: Dict[int, Tuple[ShardKey, LayoutKey]] = {}
@@ -45,9 +38,6 @@ class HolderTable:
         self._layouts: Dict[LayoutKey, int] = {}  # layout -> how many ranks registered it
         self._outside: set = set()  # ranks whose part is outside their own layout
         self._grouped: Optional[Tuple[Dict[ShardKey, List[Any]], int]] = None
-        #: part -> (its usable holders by rank, their lowest and highest iteration) as last read
-        self._usable: Dict[ShardKey, Tuple[List[Any], int, int, Dict[int, int]]] = {}
-        self._dirty: set = set()  # parts to read again: a holder joined, left or changed a field
 
     def put(self, info: Any) -> None:
         """``info`` is its rank's ``RankInfo`` now (a first registration or a new process)."""
@@ -62,10 +52,6 @@ class HolderTable:
         entries = self._by_key.setdefault(key, [])
         bisect.insort(entries, (info.rank, info), key=lambda e: e[0])
         self._grouped = None
-        self._dirty.add(key)
-        tables = info.__dict__.setdefault("_holders", [])  # (not a field) its HOLDER_FIELDS' changes reach
-        if self not in tables:  # changed() of every table holding it
-            tables.append(self)
 
     def discard(self, rank: int) -> None:
         """``rank`` holds nothing any more (no-op if it was not in the table)."""
@@ -78,55 +64,10 @@ class HolderTable:
             del self._layouts[shape]
         self._outside.discard(rank)
         entries = self._by_key[key]
-        at = bisect.bisect_left(entries, rank, key=lambda e: e[0])
-        tables = entries[at][1].__dict__.get("_holders")
-        if tables is not None and self in tables:
-            tables.remove(self)
-        del entries[at]
+        del entries[bisect.bisect_left(entries, rank, key=lambda e: e[0])]
         if not entries:
             del self._by_key[key]
-            self._usable.pop(key, None)
-            self._dirty.discard(key)
-        else:
-            self._dirty.add(key)
         self._grouped = None
-
-    def changed(self, info: Any) -> None:
-        """A field a holder's usability reads was set on ``info`` (``RankInfo.__setattr__``):
-        its part is read again at the next :meth:`usable`. O(1)."""
-        found = self._key_of.get(info.rank)
-        if found is not None:
-            self._dirty.add(found[0])
-
-    def usable(self) -> Dict[ShardKey, Tuple[List[Any], int, int, Dict[int, int]]]:
-        """Part -> (its holders that are alive, stopped, UPDATED and without a UCE, by rank;
-        the lowest and the highest iteration among them, (-1, -1) when none; optimizer
-        instance -> its lowest rank among them). Only the parts
-        whose holders joined, left or changed one of ``HOLDER_FIELDS`` since the last call are
-        read again: O(parts changed x holders of a part), nothing when nothing changed. Parts
-        with no holder are absent. The caller does not change the lists."""
-        from mindspeed_ha.control.state import OptimizerStatus  # (state imports this module)
-
-        updated, uce, usable = OptimizerStatus.UPDATED, FaultKind.UCE, self._usable
-        by_key = self._by_key
-        for key in self._dirty:
-            u = [i for _, i in by_key[key] if i.alive and i.stopped and i.status is updated and i.fault is not uce]
-            if len(u) == 1:
-                one = u[0]
-                usable[key] = (u, one.iteration, one.iteration, {one.layout.instance_id: one.rank})
-                continue
-            firsts: Dict[int, int] = {}
-            for i in reversed(u):  # by rank: the last one written for an instance is its lowest
-                firsts[i.layout.instance_id] = i.rank
-            its = [i.iteration for i in u]
-            usable[key] = (u, min(its), max(its), firsts) if its else (u, -1, -1, firsts)
-        self._dirty.clear()
-        return usable
-
-    def part_of(self, rank: int) -> Optional[ShardKey]:
-        """The part ``rank`` holds, or None."""
-        found = self._key_of.get(rank)
-        return None if found is None else found[0]
 
     def holders_of(self, key: ShardKey) -> List[Tuple[int, Any]]:
         """``(rank, RankInfo)`` of every holder of part ``key``, by rank (empty: none). Not a copy."""

@@ -277,17 +277,6 @@ class RankInfo:
     updated_at: Optional[float] = None  # when its latest STATUS UPDATED(k) arrived (controller clock)
     step_seconds: Optional[float] = None  # between its last two UPDATED(k-1), UPDATED(k): its step time, s
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        object.__setattr__(self, name, value)
-        if name in HOLDER_FIELDS:  # the holder table that holds this RankInfo re-reads its part (holders.py)
-            for table in self.__dict__.get("_holders", ()):
-                table.changed(self)
-
-
-#: what a holder's usability for the dying checkpoint reads (control/holders.py keeps each part's
-#: usable holders, and re-reads a part when one of these fields of one of its holders is set)
-HOLDER_FIELDS = frozenset({"alive", "stopped", "status", "iteration", "fault"})
-
 
 @dataclasses.dataclass(frozen=True)
 class FaultRecord:

@@ -188,46 +188,34 @@ def select_dying_checkpoint(
     unavailable = dict(unavailable or {})
     table = getattr(ranks, "holders", None)  # a RankTable keeps its parts' holders (control/holders.py)
     found = table.grouped() if table is not None and len(table) == len(ranks) else None
-    parts = table.usable() if found is not None else None  # each part's usable holders, kept (holders.py)
     if found is None:
         found = _holders(ranks)
     if isinstance(found, NoCompleteData):
         return found
     holders, n_shards = found
-    plan = _at_highest(holders, n_shards, unavailable, verified, parts, table)
+    plan = _at_highest(holders, n_shards, unavailable, verified)
     if plan is not None:
         return plan
     return _choose(holders, n_shards, unavailable, verified)
 
 
 def _at_highest(holders: Mapping[ShardKey, List[RankInfo]], n_shards: int, unavailable: Mapping[int, str],
-                verified: bool, parts: Optional[Mapping[ShardKey, Tuple[List[RankInfo], int, int, Any]]] = None,
-                table: Any = None) -> Optional[DumpPlan]:
+                verified: bool) -> Optional[DumpPlan]:
     """The plan at the only iteration that can win, when it does: k = the lowest, over the
     parts, of the highest iteration of a usable holder of that part (a higher k misses
-    that part). One pass over the parts, no sort of the ranks: each part's usable holders
-    and their lowest and highest iteration from ``parts`` (the holder table's
-    :meth:`~mindspeed_ha.control.holders.HolderTable.usable`, which re-reads only the parts
-    that changed; the parts of ``unavailable`` ranks are filtered again here), else read
-    from each part's holders. None when some part has no usable holder at k (or no
-    trustworthy one, ``verified``): :func:`_choose` then tries every candidate, as
-    :func:`select_by_scan` does."""
+    that part). One pass over the holders, no sort of the ranks. None when some part has
+    no usable holder at k (or no trustworthy one, ``verified``): :func:`_choose` then
+    tries every candidate, as :func:`select_by_scan` does."""
     updated, uce = OptimizerStatus.UPDATED, FaultKind.UCE
     use: Dict[ShardKey, List[RankInfo]] = {}
     k = lowest = highest = None
-    hit = {table.part_of(r) for r in unavailable} if parts is not None else set()
     for key, hs in holders.items():
-        if parts is not None and key not in hit:
-            u, bottom, top, _ = parts.get(key, ((), -1, -1, None))
-            if not u:
-                return None
-        else:
-            u = [h for h in hs if h.alive and h.stopped and h.status is updated and h.fault is not uce
-                 and h.rank not in unavailable]
-            if not u:
-                return None
-            its = [h.iteration for h in u]
-            top, bottom = max(its), min(its)
+        u = [h for h in hs if h.alive and h.stopped and h.status is updated and h.fault is not uce
+             and h.rank not in unavailable]
+        if not u:
+            return None
+        its = [h.iteration for h in u]
+        top, bottom = max(its), min(its)
         if k is None or top < k:
             k = top
         if lowest is None or bottom < lowest:
@@ -244,7 +232,7 @@ def _at_highest(holders: Mapping[ShardKey, List[RankInfo]], n_shards: int, unava
         if not all(at_k.values()):
             return None
     if not verified:
-        return _plan(k, at_k, n_shards, firsts=parts if parts is not None and at_k is use else None)
+        return _plan(k, at_k, n_shards)
     verdict = integrity.screen(k, at_k)
     clean = {key: [h for h in hs if verdict.eligible(h)] for key, hs in at_k.items()}
     if all(clean.values()):
@@ -350,32 +338,22 @@ def _untrustworthy(k: int, at_k: Mapping[ShardKey, List[RankInfo]], clean: Mappi
 
 
 def _plan(k: int, at_k: Dict[ShardKey, List[RankInfo]], n_shards: int,
-          verdict: Optional["integrity.Verdict"] = None, firsts: Optional[Mapping[ShardKey, Any]] = None) -> DumpPlan:
-    """The savers of iteration ``k`` (see :func:`select_dying_checkpoint`). ``firsts``: each
-    part's instance -> its lowest rank among ``at_k``'s holders of the part, as the holder
-    table keeps them (``HolderTable.usable``; then no holder is read here)."""
-    lowest: Dict[ShardKey, Dict[int, int]] = {}
-    for key, hs in at_k.items():
-        kept = firsts.get(key) if firsts is not None else None
-        if kept is not None and kept[0] is hs:  # the table's list for this part, as it keeps it
-            lowest[key] = kept[3]
-            continue
-        mine: Dict[int, int] = {}
-        for h in hs:
-            inst = h.layout.instance_id
-            if inst not in mine or h.rank < mine[inst]:
-                mine[inst] = h.rank
-        lowest[key] = mine
+          verdict: Optional["integrity.Verdict"] = None) -> DumpPlan:
+    """The savers of iteration ``k`` (see :func:`select_dying_checkpoint`)."""
     coverage: Dict[int, int] = {}
-    for mine in lowest.values():
-        for inst in mine:
+    for hs in at_k.values():
+        for inst in {h.layout.instance_id for h in hs}:
             coverage[inst] = coverage.get(inst, 0) + 1
     order = sorted(coverage, key=lambda inst: (-coverage[inst], inst))
     rank_of_inst = {inst: i for i, inst in enumerate(order)}
     shard_savers: Dict[ShardKey, int] = {}
-    for key in sorted(at_k):  # the holder of the most preferred instance, then the lowest rank
-        mine = lowest[key]
-        shard_savers[key] = mine[min(mine, key=rank_of_inst.__getitem__)]
+    for key, hs in sorted(at_k.items()):  # the holder of the most preferred instance, then the lowest rank
+        best = (len(order), 0)
+        for h in hs:
+            pref = (rank_of_inst[h.layout.instance_id], h.rank)
+            if pref < best:
+                best = pref
+        shard_savers[key] = best[1]
     model_keys = sorted({(t, p) for t, p, _ in shard_savers})
     model_savers = {mk: shard_savers[(mk[0], mk[1], 0)] for mk in model_keys}
     assemblers = {mk: shard_savers[(mk[0], mk[1], 1 % n_shards)] for mk in model_keys}
