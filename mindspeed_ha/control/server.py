@@ -31,7 +31,7 @@ import logging
 import os
 import resource
 import threading
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -67,7 +67,7 @@ HANDSHAKE_DEADLINE_S = 5.0
 RELAY_BATCH = 256
 
 
-def pack_subs(subs: List[bytes]) -> bytes:
+def pack_subs(subs: Sequence[bytes]) -> bytes:
     """Local connections of a relay (each 1-255 bytes) as one part: each one's length byte, then it."""
     return b"".join(bytes((len(s),)) + s for s in subs)
 
@@ -162,6 +162,8 @@ class ControlServer:
         self.rank_of_ident: Dict[Ident, int] = {}
         #: messages received from node relays (each carries one or more ranks' frames)
         self.relayed_messages = 0
+        #: a relay's subs of a fan-out -> their packed part (pack_subs), reused round after round
+        self._packed_subs: Dict[Tuple[bytes, ...], bytes] = {}
         self._rank_of_fd: Dict[int, int] = {}
         #: closed connections seen by the monitor, (rank, when), held until the ROUTER has
         #: been read empty: a rank's last frames (its GOODBYE) are handled before its close
@@ -451,27 +453,38 @@ class ControlServer:
             return 0
         sent, failed = 0, []
         relayed: Dict[bytes, List[Tuple[int, bytes]]] = {}  # relay -> (rank, sub) behind it
+        ident_of, send, packed = self.ident.get, self.router.send_multipart, self._packed_subs
         for rank in ranks:
-            ident = self.ident.get(rank)
+            ident = ident_of(rank)
             if ident is None:
                 continue
             if type(ident) is not bytes:
-                relayed.setdefault(ident[0], []).append((rank, ident[1]))
+                found = relayed.get(ident[0])
+                if found is None:
+                    relayed[ident[0]] = [(rank, ident[1])]
+                else:
+                    found.append((rank, ident[1]))
                 continue
             try:
-                self.router.send_multipart([ident, frame], zmq.NOBLOCK)
+                send([ident, frame], zmq.NOBLOCK)
                 sent += 1
             except zmq.ZMQError as exc:
                 failed.append((rank, exc))
+        if len(packed) > 4 * len(relayed) + 1024:
+            packed.clear()  # (the same relays' subs, round after round: a few entries per relay)
         for relay, subs in relayed.items():  # one message per relay and RELAY_BATCH ranks
             for i in range(0, len(subs), RELAY_BATCH):
                 chunk = subs[i:i + RELAY_BATCH]
                 if len(chunk) == 1:
                     parts: List[bytes] = [relay, chunk[0][1], frame]
                 else:  # the frame once, and the local connections the relay hands it to
-                    parts = [relay, b"", frame, pack_subs([sub for _, sub in chunk])]
+                    key = tuple([sub for _, sub in chunk])
+                    part = packed.get(key)
+                    if part is None:
+                        part = packed[key] = pack_subs(key)
+                    parts = [relay, b"", frame, part]
                 try:
-                    self.router.send_multipart(parts, zmq.NOBLOCK)
+                    send(parts, zmq.NOBLOCK)
                     sent += len(chunk)
                 except zmq.ZMQError as exc:
                     failed += [(rank, exc) for rank, _ in chunk]

@@ -748,6 +748,7 @@ class Codec:
         if not isinstance(key, bytes) or len(key) < 16:
             raise ValueError("auth key must be at least 16 bytes (MINDSPEED_HA_AUTH_KEY)")
         self._key = key
+        self._mac = hmac.new(key, digestmod=hashlib.sha256)  # never updated: copied per frame (_tag)
         self.sender = sender
         self.max_bytes = int(max_bytes)
         self.max_senders = int(max_senders)
@@ -759,7 +760,9 @@ class Codec:
         self.accepted = 0
 
     def _tag(self, envelope: bytes) -> bytes:
-        return hmac.new(self._key, envelope, hashlib.sha256).digest()
+        mac = self._mac.copy()  # the key's HMAC state made once (hmac.new redoes it per frame)
+        mac.update(envelope)
+        return mac.digest()
 
     def encode(self, body: Any) -> bytes:
         """Serialise ``body`` (one of the body dataclasses) into a frame.
