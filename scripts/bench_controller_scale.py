@@ -28,6 +28,15 @@ them (``--no-merge``: every rank's HEARTBEAT frame forwarded instead). Besides t
 each round is split on the controller's clock (the close read, the decision step, the
 fan-out's last send) and its CPU-seconds (controller, its loop, the simulators) are given.
 
+What the simulators spend stands for work a real job does on its 2,048 nodes, not on the
+controller's machine; where it is the same for a node's ranks it is done once per node
+(``Sim.fanout``): a fan-out's frame verified once per node, a node's alike routine
+answers noted for its NODE_ANSWERS in one step per answer type (the same bytes as rank by
+rank: ``tests/test_controller_scale.py``), the sockets watched by one epoll of their
+ZMQ_FD. What the controller receives is unchanged: CURVE, msgpack, HMAC, the relay's frames.
+``uce_turns_*`` split the UCE round's wall time on the controller: in a turn on a CPU, in
+a turn but not running (other threads on the 2 cores), and between turns (nothing to read).
+
 On a shared machine with ``kernel.sched_autogroup_enabled = 1``, ``nice`` alone does not give
 the bench the CPU (each session is one autogroup of equal weight); run it in a session of
 its own whose autogroup is raised too, e.g.
