@@ -312,8 +312,7 @@ class Sim:
             for r in ranks:
                 self.handle(r, m, now)
             return
-        t, body = m["type"], m["body"]
-        if t == "stop":
+        if m["type"] == "stop":
             for r in ranks:
                 self.stop_at.setdefault(r, now)
                 self.frozen[r] = True
@@ -443,7 +442,7 @@ class Sim:
                 self.socks[arg].close(linger=0)
                 self.dead.add(arg)
             return time.monotonic()
-        if cmd == "profile":  # --profile-uce: this process's own turns under cProfile (arg: where to write; None: start)
+        if cmd == "profile":  # --profile-uce: this process under cProfile (arg: where to write; None: start)
             import cProfile
             if arg is None:
                 self.profile = cProfile.Profile(time.thread_time)  # CPU, not wall: the machine is shared
@@ -464,7 +463,8 @@ class Sim:
                     "retries": len(self.retry_at), "last_retry": max(self.retry_at.values(), default=None),
                     "exits": len(self.exit_at), "rejected": self.rejected, "live": len(self.ranks) - len(self.dead),
                     "sent": self.sent,
-                    "hb_late": self.hb_late, "cpu_s": cpu_s(), "main_cpu_s": time.thread_time(), "dropped": self.dropped}
+                    "hb_late": self.hb_late, "cpu_s": cpu_s(), "main_cpu_s": time.thread_time(),
+                    "dropped": self.dropped}
         return None
 
     # ---- the loop
