@@ -136,6 +136,8 @@ def plan_in_place(ranks: Mapping[int, RankInfo], fault_rank: int, config: HAConf
     repairs, orphans = sources(ranks, needs, ranks)
     kind = FaultKind.UCE if damaged else FaultKind.NETWORK
     named = [r for r in fault_ranks if fault_of[r] is kind]  # the rank the reason names has that kind
+    if not named:
+        return _nothing_to_repair(sorted(fault_ranks))
     first = fault_rank if fault_rank in named else min(named)
     return _finish(RecoveryPlan(iteration=k, generation=len(history) + 1, kind=kind, fault_rank=first,
                                 repairs=repairs, mode=mode), ranks, orphans, bool(config.hbm_repair and damaged),
@@ -215,10 +217,20 @@ def plan_in_place_by_rules(ranks: Mapping[int, RankInfo], fault_rank: int, confi
     repairs, orphans = sources(ranks, needs, ranks)
     kind = FaultKind.UCE if damaged else FaultKind.NETWORK
     named = [r for r, f in faults.items() if f is kind]  # the rank the reason names has that kind
+    if not named:
+        return _nothing_to_repair(sorted(faults))
     first = fault_rank if fault_rank in named else min(named)
     return _finish(RecoveryPlan(iteration=k, generation=len(history) + 1, kind=kind, fault_rank=first,
                                 repairs=repairs, mode=mode), ranks, orphans, bool(config.hbm_repair and damaged),
                    done, limit)
+
+
+def _nothing_to_repair(fault_ranks: Sequence[int]) -> NoRecovery:
+    """Rule 1 when the only faults of their own are process faults of live ranks (a rank saw a
+    peer's process die, ``--enable-worker-reboot`` is on, yet every rank is alive and parked
+    and none is being restarted): nothing in place repairs that; the fall-back saves."""
+    return NoRecovery(f"ranks {summarise_ranks(list(fault_ranks))} reported a process fault but every rank is "
+                      "alive and none is being restarted: nothing to repair in place")
 
 
 def _finish(plan: RecoveryPlan, ranks: Mapping[int, RankInfo], orphans: List[int], reload_allowed: bool,
