@@ -272,13 +272,17 @@ def _swap_the_rest(olds: List[Tuple[Any, Any]]) -> Tuple[List[str], List[str]]:
     what is left, logged as a warning naming the holders. Returns (swapped, unswapped)."""
     if all(ref() is None for ref, _ in olds):
         return [], []
+    t0, c0 = time.perf_counter(), time.process_time()
     gc.collect()
     alive = {id(old): (old, new) for old, new in ((ref(), new) for ref, new in olds) if old is not None}
+    t1 = time.perf_counter()
+    log.warning("rebuild: gc.collect() took %.2f s (%.2f CPU-s), %d of %d old group(s) still alive", t1 - t0,
+                time.process_time() - c0, len(alive), len(olds))
     if not alive:
         return [], []
     swapped, unswapped = holders.swap(alive, _internal_ids(), holders.untracked_containers())
     log.warning("rebuild: %d replaced group(s) were held outside the known roots; swapped by the whole-heap "
-                "walk (slow): %s%s", len(alive), sorted(swapped)[:8],
+                "walk (slow, %.2f s): %s%s", len(alive), time.perf_counter() - t1, sorted(swapped)[:8],
                 f"; NOT swapped: {sorted(unswapped)[:8]}" if unswapped else "")
     alive.clear()
     return swapped, unswapped
