@@ -344,6 +344,8 @@ class ControlLink:
                 if not lost and self.registered.is_set() and now >= next_hb:
                     self._beat(now)
                     next_hb = now + hb
+                elif lost or not self.registered.is_set():
+                    self._last_beat = None  # no beat is due: a gap until the next registration is no lateness
                 self._check_controller(now)
                 wake_at = next_hb if self.registered.is_set() else next_register
                 if self.relay_closed_at is not None:  # nothing to send until the relay's notice
