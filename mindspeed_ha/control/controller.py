@@ -285,11 +285,9 @@ class Controller:
         SIGTERM while stopped: whoever hosts the workers ends it. Listed: a hung rank
         declared dead for ARF (``RestartArbiter.note_hung``: its agent then restarts
         it), and, once a fault round started, every silent rank (left out of the dying
-        checkpoint), but not while it is inside the recovery action it was ordered
-        (:func:`~.policy.detect.in_ordered_recovery`: its action's deadline judges it).
+        checkpoint) but one inside its ordered recovery (:func:`~.policy.detect.silent`).
         Otherwise silence is fault evidence for :func:`decide`, not a verdict. Ranks
-        that said goodbye or whose exit was reported are never listed.
-        Thread-safe.
+        that said goodbye or whose exit was reported are never listed. Thread-safe.
         """
         with self._lock:
             st = self.state

@@ -56,8 +56,6 @@ LEASE_POLL_S = 0.25
 #: a relayed rank that sees a new leader in the lease directory while its relay follows a
 #: failover waits this share of ``lost_after_s`` for the relay to reach it, then connects directly
 RELAY_FOLLOW_GRACE = 0.5
-#: a gap between two HEARTBEAT sends past this many heartbeat intervals is logged (Link._beat)
-LATE_BEAT_INTERVALS = 3
 
 
 #: ranks of a job per second of the first REGISTER re-send's mean delay (RegisterBackoff.for_job)
@@ -238,9 +236,7 @@ class ControlLink:
         #: when the connection closed (None: open), when the controller was declared lost
         self.disconnected_at: Optional[float] = None
         self.controller_lost_at: Optional[float] = None
-        #: the longest gap between two HEARTBEAT sends so far, s (I/O thread only; see :meth:`_beat`)
-        self.heartbeat_gap_max = 0.0
-        self._last_beat: Optional[Tuple[float, float]] = None  # (monotonic, process CPU s) of the last
+        self._last_beat: Optional[Tuple[float, float]] = None  # (monotonic, CPU-s) of the last HEARTBEAT
 
     @property
     def lost_after_s(self) -> float:
@@ -329,7 +325,7 @@ class ControlLink:
                 lost = self.controller_lost_at is not None
                 registered = self.registered.is_set()
                 if was_registered and not registered:  # a new controller asks for it: at once
-                    next_register = now
+                    next_register, self._last_beat = now, None  # no beat due until then: no lateness
                     backoff.reset()
                 was_registered = registered
                 if self._register_now and not registered:
@@ -344,8 +340,6 @@ class ControlLink:
                 if not lost and self.registered.is_set() and now >= next_hb:
                     self._beat(now)
                     next_hb = now + hb
-                elif lost or not self.registered.is_set():
-                    self._last_beat = None  # no beat is due: a gap until the next registration is no lateness
                 self._check_controller(now)
                 wake_at = next_hb if self.registered.is_set() else next_register
                 if self.relay_closed_at is not None:  # nothing to send until the relay's notice
@@ -369,21 +363,13 @@ class ControlLink:
             self._close()
 
     def _beat(self, now: float) -> None:
-        """Send a HEARTBEAT; a gap since the previous one past ``LATE_BEAT_INTERVALS``
-        intervals is logged (with the process's CPU seconds meanwhile): this thread was not
-        scheduled -- the process starved of CPU, or another thread held the GIL -- and the
-        controller judges silence by these frames (docs/ARCHITECTURE.md, "Liveness")."""
+        """Send a HEARTBEAT; log a gap since the previous one past 3 intervals (docs/ARCHITECTURE.md, "Liveness")."""
         st, it = self._proto.status()
         self.send(wire.Heartbeat(self.rank, it, st.value))
-        cpu = time.process_time()
-        if self._last_beat is not None:
-            gap = now - self._last_beat[0]
-            self.heartbeat_gap_max = max(self.heartbeat_gap_max, gap)
-            if gap > LATE_BEAT_INTERVALS * self.config.heartbeat_interval_s:
-                log.warning("rank %d: heartbeat %.2f s after the previous one (interval %s s; this process used "
-                            "%.2f CPU-s meanwhile): its I/O thread was not scheduled", self.rank, gap,
-                            self.config.heartbeat_interval_s, cpu - self._last_beat[1])
-        self._last_beat = (now, cpu)
+        last, self._last_beat = self._last_beat, (now, time.process_time())
+        if last is not None and now - last[0] > 3 * self.config.heartbeat_interval_s:
+            log.warning("rank %d: heartbeat %.2f s after the previous one (%.2f CPU-s of this process meanwhile): its "
+                        "I/O thread was not scheduled", self.rank, now - last[0], self._last_beat[1] - last[1])
 
     def _receive(self) -> None:
         while True:
