@@ -363,7 +363,7 @@ class ControlLink:
             self._close()
 
     def _beat(self, now: float) -> None:
-        """Send a HEARTBEAT; log a gap since the previous one past 3 intervals (docs/ARCHITECTURE.md, "Liveness")."""
+        """Send a HEARTBEAT; log a gap of over 3 intervals (ARCHITECTURE.md, "Liveness of a rank")."""
         st, it = self._proto.status()
         self.send(wire.Heartbeat(self.rank, it, st.value))
         last, self._last_beat = self._last_beat, (now, time.process_time())

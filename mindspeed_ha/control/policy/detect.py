@@ -31,7 +31,7 @@ def in_ordered_recovery(now: float, state: ClusterState, config: HAConfig, rank:
     late, while the controller knows why it is quiet. It is judged by its control
     connection (a death closes it, or its agent reports the exit: ``RankInfo.alive``) and
     by the action's own deadline (:func:`~.recovering.recovering` falls back past it, and
-    its silence counts again). docs/ARCHITECTURE.md, "Liveness".
+    its silence counts again). docs/ARCHITECTURE.md, "Liveness of a rank".
     """
     pending = state.pending
     return (pending is not None and pending.kind == ActionKind.RETRY.value
