@@ -276,8 +276,8 @@ def _swap_the_rest(olds: List[Tuple[Any, Any]]) -> Tuple[List[str], List[str]]:
     (swapped, unswapped).
 
     Never a full collection here: it is one C call that holds the GIL for the whole heap
-    (1.34 s of wall time for 0.20 CPU-s beside two CPU hogs, measured on the tiny job's
-    survivor; the rank sends no heartbeat meanwhile). A holder inside an older unreachable
+    (0.5-6.0 s of wall time for 0.2-0.6 CPU-s, measured on the failover job's survivors
+    beside two CPU hogs at load 20-58; heartbeats 5.4-6.1 s apart meanwhile). A holder inside an older unreachable
     cycle is swapped like any other (harmless), and the cycle is collected later.
     """
     if all(ref() is None for ref, _ in olds):
