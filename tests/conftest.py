@@ -5,6 +5,7 @@
 * ``shared_path`` / fixtures ``megatron_lm_tarball``, ``corpus_text_file``: files of the project's read-only
   ``shared/`` folder (beside the checkout, or beside its parent), the one place tests
   look for them.
+* Every test has a TMPDIR of its own, which must be empty when it ends (``_own_tmpdir``).
 * Marker ``hog``: the representative multi-process tests that ``.ci/run`` runs a second
   time beside two CPU hogs (``pytest -m hog``). They are listed here, in one place
   (a test file may also mark its own with ``@pytest.mark.hog``).
@@ -193,3 +194,61 @@ def pytest_runtest_protocol(item, nextitem):
     row = {"test": item.nodeid, "wall_s": round(time.monotonic() - wall0, 2), "child_cpu_s": round(cpu() - cpu0, 2)}
     with open(_COST_FILE, "a") as f:
         f.write(json.dumps(row) + "\n")
+
+
+#: torch's compile cache (``TORCHINDUCTOR_CACHE_DIR``, else ``$TMPDIR/torchinductor_<user>``), which
+#: ``import megatron.core`` creates (its ``torch.compile`` decorators, megatron/core/jit.py): one per
+#: session, made before anything imports megatron-core, removed at its end
+_INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def pytest_configure(config):
+    if _INDUCTOR_CACHE not in os.environ:
+        import tempfile
+
+        config.msha_inductor_cache = os.environ[_INDUCTOR_CACHE] = tempfile.mkdtemp(prefix="msha-inductor-")
+
+
+def pytest_unconfigure(config):
+    own = getattr(config, "msha_inductor_cache", None)
+    if own is not None:
+        import shutil
+
+        shutil.rmtree(own, ignore_errors=True)  # made by mkdtemp in pytest_configure: ours
+        os.environ.pop(_INDUCTOR_CACHE, None)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_temp_dirs(tmp_path_factory):
+    """What lives as long as this pytest process is made in the real temp directory before
+    any test sets its own TMPDIR (below): pytest's base temp directory, and this process's
+    ``multiprocessing`` temp directory (``pymp-*``, made on first use), removed at the end
+    of the session (a pytest-xdist worker may skip the exit handler that would)."""
+    from multiprocessing import util
+
+    tmp_path_factory.getbasetemp()
+    util.get_temp_dir()
+    yield
+    for finalizer in list(util._finalizer_registry.values()):  # multiprocessing's own exit finalizer of it
+        if getattr(finalizer, "_callback", None) is util._remove_temp_dir:
+            finalizer()
+
+
+@pytest.fixture(autouse=True)
+def _own_tmpdir(monkeypatch, _session_temp_dirs):
+    """Every test runs with ``TMPDIR`` (inherited by every process it starts) and
+    ``tempfile``'s directory set to a fresh directory of its own; anything left there when
+    the test ends fails it, named, and is removed. Tests leave no files behind: before, a
+    day of runs left thousands of ``pymp-*`` (a multiprocessing manager's listener socket)
+    and ``torchelastic_*`` (torchrun without ``--log-dir``) directories in ``/tmp``."""
+    import shutil
+    import tempfile
+
+    own = tempfile.mkdtemp(prefix="msha-t-")  # short: AF_UNIX socket paths under it stay < 108 bytes
+    monkeypatch.setenv("TMPDIR", own)
+    monkeypatch.setattr(tempfile, "tempdir", own)
+    yield
+    left = sorted(os.listdir(own))
+    shutil.rmtree(own, ignore_errors=True)  # made by mkdtemp above: ours
+    if left:
+        pytest.fail(f"the test left files in its TMPDIR: {left[:10]}", pytrace=False)

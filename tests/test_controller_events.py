@@ -322,3 +322,34 @@ def test_another_node_s_agent_keeps_end_worker_and_ends_only_that_pid():
     ends = [wire.EndWorker(3, 9999, "hung")]  # an earlier process of rank 3: its pid is not the worker's now
     survivors.supervise(pcontext, state)
     assert handlers[1].signals == []
+
+
+def test_a_silent_rank_inside_its_ordered_recovery_is_not_ended_until_the_action_timeout():
+    """Rank 1 is a target of the pending RETRY (rebuilding its groups), connected but silent
+    past the heartbeat timeout: its launcher is not told to SIGKILL it and the recovery
+    waits (before: listed in ``unresponsive_ranks``, the dying checkpoint, exit 77 -- the
+    failover job at load 30-50). Past ``action_timeout_s`` the recovery falls back and the
+    silent rank is listed: a hung rank is still ended."""
+    import dataclasses
+
+    from mindspeed_ha.control.state import PendingAction
+
+    clock = _Clock()
+    cfg = dataclasses.replace(CFG, worker_reboot=True)
+    ctl = _two_ranks_registered(cfg, clock)
+    ctl.hosted_ranks = frozenset({0, 1})
+    st = ctl.state
+    st.set_phase(Phase.RECOVERING, clock.t, "test")
+    st.record_fault(clock.t, 0, FaultKind.UCE, "uce")
+    st.abort_sent_at = clock.t
+    st.pending = PendingAction(7, ActionKind.RETRY.value, (0, 1), clock.t, {"iteration": 1, "mode": "rollback"})
+    st.pending.results[0] = (True, "{}")
+    _silence(ctl, clock, cfg, silent=1)
+    assert clock.t - st.ranks[1].last_heartbeat > cfg.heartbeat_timeout_s
+    assert st.phase is Phase.RECOVERING and st.ranks[1].alive, [e.reason for e in ctl.events]
+    assert ctl.unresponsive_ranks() == {} and not ctl.arbiter.hung
+    clock.t = st.pending.sent_at + cfg.action_timeout_s + 0.5
+    st.ranks[0].last_heartbeat = clock.t
+    ctl._turn()
+    assert st.phase is Phase.STOPPING, [e.reason for e in ctl.events]
+    assert ctl.unresponsive_ranks().keys() == {1}

@@ -243,6 +243,40 @@ def test_decide_falls_back_to_the_dying_checkpoint(what):
     assert d.params["recover"] and "in-place recovery not possible" in d.reason
 
 
+def test_a_rank_inside_its_ordered_recovery_is_judged_by_the_action_timeout_not_by_silence():
+    """Rank 2 rebuilds its groups for the RETRY it was sent, connected but silent past the
+    heartbeat timeout (its training thread held the GIL, its process starved of CPU: the
+    failover job's exit 77 at load 30-50, rank 2 silent 10 s in the rejoin rebuild). The
+    controller waits for its result (before: "rank 2 is gone (no heartbeat ...)", the
+    dying checkpoint); its death closes its connection (gone at once); a hung one is
+    judged at the action's deadline, then its silence counts again."""
+    from mindspeed_ha.control.policy import gone_ranks
+
+    ranks = parked(cluster(1, 1, 4, 2), {1: NET})
+    st = _state(ranks, Phase.RECOVERING)
+    st.abort_sent_at, sent = 0.1, 0.5
+    st.record_fault(0.05, 1, NET, "net")
+    st.pending = PendingAction(1, "retry", (0, 1, 2, 3), sent, {"iteration": 5})
+    now = sent + 3 * CFG.heartbeat_timeout_s
+    for r in (0, 1, 3):
+        st.pending.results[r] = (True, "{}")
+        ranks[r].last_heartbeat = now
+    assert now - ranks[2].last_heartbeat > CFG.heartbeat_timeout_s < CFG.action_timeout_s
+    assert gone_ranks(now, st, CFG) == {}
+    d = decide(now, st, CFG)
+    assert d.action is ActionKind.NOOP and "waiting for ranks [2]" in d.reason, d
+    late = sent + CFG.action_timeout_s + 1
+    assert "no heartbeat" in gone_ranks(late, st, CFG)[2]
+    d = decide(late, st, CFG)
+    assert d.action is ActionKind.STOP_ALL and d.next_phase is Phase.STOPPING, d
+    st.pending.results[2] = (True, "{}")  # answered: judged by its heartbeats as any rank
+    assert 2 in gone_ranks(now, st, CFG)
+    del st.pending.results[2]
+    kill(ranks, 2)  # its process died: the connection closed
+    assert gone_ranks(now, st, CFG) == {2: "killed"}
+    assert decide(now, st, CFG).next_phase is Phase.STOPPING
+
+
 def test_uce_without_repair_flag_goes_straight_to_the_dying_checkpoint():
     ranks = cluster(1, 1, 4, 2)
     ranks[1].fault, ranks[1].failed_at = UCE, 0.5

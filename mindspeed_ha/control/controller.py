@@ -51,6 +51,7 @@ from mindspeed_ha.control.observe import Observers
 from mindspeed_ha.control.operator_desk import OperatorDesk
 from mindspeed_ha.control.outcome import Event, Outcome, PhaseTimer, build_outcome
 from mindspeed_ha.control.policy import ActionKind, decide
+from mindspeed_ha.control.policy.detect import silent
 from mindspeed_ha.control.restarts import RestartArbiter
 from mindspeed_ha.control.server import (MAX_EVENTS_PER_TURN, MAX_FRAMES_PER_TURN, MAX_ZAP_PER_TURN, MONITOR_EVENTS,
                                          MONITOR_HWM, ControlServer)
@@ -284,9 +285,9 @@ class Controller:
         SIGTERM while stopped: whoever hosts the workers ends it. Listed: a hung rank
         declared dead for ARF (``RestartArbiter.note_hung``: its agent then restarts
         it), and, once a fault round started, every silent rank (left out of the dying
-        checkpoint). Otherwise silence is fault evidence for :func:`decide`, not a
-        verdict. Ranks that said goodbye or whose exit was reported are never listed.
-        Thread-safe.
+        checkpoint) but one inside its ordered recovery (:func:`~.policy.detect.silent`).
+        Otherwise silence is fault evidence for :func:`decide`, not a verdict. Ranks
+        that said goodbye or whose exit was reported are never listed. Thread-safe.
         """
         with self._lock:
             st = self.state
@@ -296,7 +297,7 @@ class Controller:
             now, limit = self.clock(), self.config.heartbeat_timeout_s
             out.update({r: (i.pid, f"no heartbeat for {now - i.last_heartbeat:.1f} s (> {limit} s)")
                         for r, i in sorted(st.ranks.items())
-                        if i.alive and i.exit_code is None and now - i.last_heartbeat > limit})
+                        if i.alive and i.exit_code is None and silent(now, st, self.config, r, limit)})
             return out
 
     def status(self) -> Dict[str, Any]:

@@ -236,6 +236,7 @@ class ControlLink:
         #: when the connection closed (None: open), when the controller was declared lost
         self.disconnected_at: Optional[float] = None
         self.controller_lost_at: Optional[float] = None
+        self._last_beat: Optional[Tuple[float, float]] = None  # (monotonic, CPU-s) of the last HEARTBEAT
 
     @property
     def lost_after_s(self) -> float:
@@ -324,7 +325,7 @@ class ControlLink:
                 lost = self.controller_lost_at is not None
                 registered = self.registered.is_set()
                 if was_registered and not registered:  # a new controller asks for it: at once
-                    next_register = now
+                    next_register, self._last_beat = now, None  # no beat due until then: no lateness
                     backoff.reset()
                 was_registered = registered
                 if self._register_now and not registered:
@@ -337,8 +338,7 @@ class ControlLink:
                     self.send(self._register_body())
                     next_register = now + backoff.next_delay()
                 if not lost and self.registered.is_set() and now >= next_hb:
-                    st, it = self._proto.status()
-                    self.send(wire.Heartbeat(self.rank, it, st.value))
+                    self._beat(now)
                     next_hb = now + hb
                 self._check_controller(now)
                 wake_at = next_hb if self.registered.is_set() else next_register
@@ -361,6 +361,15 @@ class ControlLink:
             log.exception("rank %d: processor I/O thread failed", self.rank)
         finally:
             self._close()
+
+    def _beat(self, now: float) -> None:
+        """Send a HEARTBEAT; log a gap of over 3 intervals (ARCHITECTURE.md, "Liveness of a rank")."""
+        st, it = self._proto.status()
+        self.send(wire.Heartbeat(self.rank, it, st.value))
+        last, self._last_beat = self._last_beat, (now, time.process_time())
+        if last is not None and now - last[0] > 3 * self.config.heartbeat_interval_s:
+            log.warning("rank %d: heartbeat %.2f s after the previous one (%.2f CPU-s of this process meanwhile): its "
+                        "I/O thread was not scheduled", self.rank, now - last[0], self._last_beat[1] - last[1])
 
     def _receive(self) -> None:
         while True:

@@ -57,8 +57,10 @@ MindSpeed, this package and the training script, and the objects hanging off the
 buckets, the optimizer through the runtime, Megatron's timers; 0.02-0.06 s on the tiny
 job). Then the leak check: an old group still alive after its destruction is held
 somewhere the walk did not reach, and only then the whole-heap walk of
-:mod:`mindspeed_ha.recovery.holders` (``gc.get_referrers`` plus the untracked tuples and
-dicts; 0.6-1.8 s) swaps the rest and names it in ``RebuildReport.unlisted`` and a warning.
+:mod:`mindspeed_ha.recovery.holders` (the referrers plus the untracked tuples and dicts,
+in chunks that let the rank's heartbeats through; 0.6-1.8 s; after a young collection,
+never a full one: :func:`_swap_the_rest`) swaps the rest and names it in
+``RebuildReport.unlisted`` and a warning.
 A holder found but not changeable is listed in ``RebuildReport.unswapped``.
 :func:`stale_holders` is the test-time check that nothing but torch's registries still
 points at an old group. Cost on the tiny 4-rank job: 0.10-0.2 s per rebuild (creating 21
@@ -267,18 +269,27 @@ def _unregister(world, pg) -> None:
 
 def _swap_the_rest(olds: List[Tuple[Any, Any]]) -> Tuple[List[str], List[str]]:
     """The leak check of a rebuild: an old group still alive is held by something the walk
-    from the roots did not reach (or by a reference cycle not yet collected). Then, once:
-    ``gc.collect()``, and the whole-heap walk (:mod:`mindspeed_ha.recovery.holders`) swaps
-    what is left, logged as a warning naming the holders. Returns (swapped, unswapped)."""
+    from the roots did not reach (or by a young reference cycle not yet collected). Then,
+    once: a young-generation collection (``gc.collect(1)``), and the whole-heap walk
+    (:mod:`mindspeed_ha.recovery.holders`, in chunks that let the rank's I/O thread run)
+    swaps what is left, logged as a warning naming the holders and the seconds. Returns
+    (swapped, unswapped).
+
+    Never a full collection here: it is one C call that holds the GIL for the whole heap
+    (0.5-6.0 s of wall time for 0.2-0.6 CPU-s, measured on the failover job's survivors
+    beside two CPU hogs at load 20-58; heartbeats 5.4-6.1 s apart meanwhile). A holder inside an older unreachable
+    cycle is swapped like any other (harmless), and the cycle is collected later.
+    """
     if all(ref() is None for ref, _ in olds):
         return [], []
-    gc.collect()
+    t0 = time.perf_counter()
+    gc.collect(1)
     alive = {id(old): (old, new) for old, new in ((ref(), new) for ref, new in olds) if old is not None}
     if not alive:
         return [], []
     swapped, unswapped = holders.swap(alive, _internal_ids(), holders.untracked_containers())
     log.warning("rebuild: %d replaced group(s) were held outside the known roots; swapped by the whole-heap "
-                "walk (slow): %s%s", len(alive), sorted(swapped)[:8],
+                "walk (slow, %.2f s): %s%s", len(alive), time.perf_counter() - t0, sorted(swapped)[:8],
                 f"; NOT swapped: {sorted(unswapped)[:8]}" if unswapped else "")
     alive.clear()
     return swapped, unswapped

@@ -10,7 +10,7 @@ alive, so every reference to an old group must point at its new one afterwards. 
 registers their groups; this module finds them generically.
 
 How the references are swapped (:func:`swap`): the holders are the objects
-``gc.get_referrers`` returns for the old objects, plus the tuples and dicts the gc does not
+that reference the old objects (what ``gc.get_referrers`` returns), plus the tuples and dicts the gc does not
 track (CPython untracks a tuple or dict whose items are all untracked, and a pybind
 ProcessGroup is untracked: a ``(group, "x")`` tuple, ``functools.partial(f, group=g)
 .keywords``), found by one pass over the referents of every tracked object
@@ -24,7 +24,11 @@ registries, the record of retired groups), and running functions' local variable
 across the rebuild keeps the old one -- call the getter again). A holder found but not
 changeable is returned as unswapped. :func:`describe_holders` names what still holds the
 old objects (the leak check). Cost: the passes are O(objects in the process): 0.2-0.3 s
-for the 0.4 M objects of a small megatron-core process on one idle core here.
+for the 0.4 M objects of a small megatron-core process on one idle core here, made
+:data:`CHUNK` objects per gc call (:func:`referrers`) so that the GIL changes hands between
+two (a whole-heap ``gc.get_referrers`` kept the rank's heartbeat thread waiting for all of
+it). A finished frame of the rebuild (kept by a failed attempt's exception) is a holder;
+only the running frames of the walk and the rebuild are left out.
 
 Holders in megatron-core 0.12 (.venv megatron/core, 0.12.3; line numbers there), all
 found and swapped by the generic pass (tests/test_groups_rebuild.py proves none is left):
@@ -77,17 +81,47 @@ from typing import Any, Callable, Dict, List, Set, Tuple
 _TUPLE_DEPTH = 3
 _UNTRACKABLE = frozenset((dict, tuple))  # the containers CPython may leave untracked by the gc
 _NAMED = (dict, list, tuple, set, frozenset)  # holders named after their owner
-#: modules whose frames are never holders (the walk's own and the rebuild's)
+#: modules whose running frames are never holders (the walk's own and the rebuild's)
 _WALKERS = frozenset((__name__, "mindspeed_ha.recovery.groups"))
+#: objects per gc call of a walk. A gc call is one C loop that holds the GIL throughout;
+#: between two, the interpreter hands the GIL to a thread that asked for it (within
+#: ``sys.getswitchinterval()``), so the rank's I/O thread keeps sending heartbeats during a
+#: walk. One call over the whole heap (``gc.get_referrers``, ``gc.get_referents(*gc.get_objects())``)
+#: held it 0.1-0.3 CPU-s on the tiny job, seconds of wall time in a process starved of CPU.
+CHUNK = 4096
 
 
-def _is_args(obj, seq: List[Any]) -> bool:
-    """``obj`` is the argument tuple of ``gc.get_referrers(*seq)`` (which sees it)."""
-    return type(obj) is tuple and len(obj) == len(seq) and all(a is b for a, b in zip(obj, seq))
+def _running() -> Set[int]:
+    """ids of the frames on this thread's stack."""
+    out, f = set(), sys._getframe()
+    while f is not None:
+        out.add(id(f))
+        f = f.f_back
+    return out
 
 
-def _own_frame(obj) -> bool:
-    return isinstance(obj, types.FrameType) and obj.f_globals.get("__name__") in _WALKERS
+def _own_frame(obj, running: Set[int]) -> bool:
+    """A running frame of the walk or the rebuild (a finished one, e.g. kept by an
+    exception's traceback, is a holder like any other)."""
+    return (isinstance(obj, types.FrameType) and id(obj) in running
+            and obj.f_globals.get("__name__") in _WALKERS)
+
+
+def _chunks(objs: List[Any]):
+    for start in range(0, len(objs), CHUNK):
+        yield objs[start:start + CHUNK]
+
+
+def referrers(targets: List[Any], among: Any = None) -> List[Any]:
+    """What ``gc.get_referrers(*targets)`` returns (the tracked objects that reference one of
+    ``targets``; ``among``: those of this list only), found :data:`CHUNK` objects per gc call
+    so that other threads run meanwhile. Objects made during the call are not seen."""
+    ids = set(map(id, targets))
+    found: List[Any] = []
+    for chunk in _chunks(gc.get_objects() if among is None else among):
+        if not ids.isdisjoint(map(id, gc.get_referents(*chunk))):  # most chunks hold none
+            found += [o for o in chunk if not ids.isdisjoint(map(id, gc.get_referents(o)))]
+    return found
 
 
 def _untracked(objs: List[Any]) -> List[Any]:
@@ -107,26 +141,23 @@ def untracked_containers() -> List[Any]:
     """
     out: List[Any] = []
     seen: Set[int] = set()
-    level = _untracked(gc.get_referents(*gc.get_objects()))
+    level = [c for chunk in _chunks(gc.get_objects()) for c in _untracked(gc.get_referents(*chunk))]
     while level:
         fresh = {id(c): c for c in level if id(c) not in seen}
         seen.update(fresh)
         out += fresh.values()
-        level = _untracked(gc.get_referents(*fresh.values()))
+        level = [c for chunk in _chunks(list(fresh.values())) for c in _untracked(gc.get_referents(*chunk))]
     return out
 
 
 def _holders(targets: List[Any], skip: Set[int], untracked: List[Any]) -> List[Any]:
     """Every object that references one of ``targets``: the gc's referrers, plus the
     ``untracked`` containers holding one (less ``skip`` and the walkers' frames)."""
-    ids = set(map(id, targets))
-    found = {id(h): h for h in gc.get_referrers(*targets) if not _is_args(h, targets)}
-    for start in range(0, len(untracked), 1024):  # batched: most chunks hold none
-        chunk = untracked[start:start + 1024]
-        if not ids.isdisjoint(map(id, gc.get_referents(*chunk))):
-            found.update((id(c), c) for c in chunk if not ids.isdisjoint(map(id, gc.get_referents(c))))
+    found = {id(h): h for h in referrers(targets)}
+    found.update((id(c), c) for c in referrers(targets, among=untracked))
     skip = skip | {id(targets), id(untracked)}
-    return [h for i, h in found.items() if i not in skip and not _own_frame(h)]
+    running = _running()
+    return [h for i, h in found.items() if i not in skip and not _own_frame(h, running)]
 
 
 def describe_holders(targets: List[Any], skip: Set[int], untracked: List[Any]) -> List[str]:
@@ -264,8 +295,8 @@ def _where(holders: List[Any], ignore: Set[int]) -> Dict[int, str]:
         targets = {id(h) for h in todo}
         mine = {id(holders), id(todo), id(parent)} | set(map(id, parent.values()))
         nxt = []
-        for owner in gc.get_referrers(*todo):
-            if (id(owner) in mine or id(owner) in ignore or _is_args(owner, todo)
+        for owner in referrers(todo):
+            if (id(owner) in mine or id(owner) in ignore
                     or isinstance(owner, (types.FrameType, types.MappingProxyType))):
                 continue
             if isinstance(owner, (dict, list)):

@@ -149,7 +149,9 @@ def launch(nproc: int, train_args: Sequence[str], *, env: Optional[Mapping[str, 
         nproc: ranks (``--nproc-per-node``) for the default torchrun launcher.
         launcher: command prefix; default :func:`torchrun_command` (``nproc``). Any
             command that accepts ``-m module args...`` works (e.g. ``mindspeed-ha-run``).
-        env: extra environment (``OMP_NUM_THREADS=1`` is set unless given).
+        env: extra environment (``OMP_NUM_THREADS=1`` is set unless given; ``TMPDIR`` is a
+            directory of the run's own, removed with everything in it when the run ends,
+            unless given).
         timeout_s: the launcher and every process under it are SIGKILLed after this (also when
             the wait is interrupted, e.g. by KeyboardInterrupt); ``timed_out`` set.
         loss_log: path for ``--loss-log`` (default: a new file in a temp dir; an existing
@@ -166,6 +168,11 @@ def launch(nproc: int, train_args: Sequence[str], *, env: Optional[Mapping[str, 
         cmd += ["--log-dir", os.path.join(scratch, "torchrun")]
         run_env = dict(os.environ)
         run_env.setdefault("OMP_NUM_THREADS", "1")
+        # the job's temporary files (the node relay's socket directory, a multiprocessing
+        # manager's pymp-* listener directory, caches) in the scratch directory, removed
+        # below: a launcher or worker ended by SIGKILL (a fault, a timeout) cannot remove its own
+        os.makedirs(os.path.join(scratch, "tmp"))
+        run_env["TMPDIR"] = os.path.join(scratch, "tmp")
         if script is None:
             cmd += ["-m", module, *train_args, "--loss-log", loss_log]
         else:

@@ -21,8 +21,33 @@ from mindspeed_ha.faults import FaultKind
 FaultEvidence = Tuple[int, FaultKind, str, float]
 
 
+def in_ordered_recovery(now: float, state: ClusterState, config: HAConfig, rank: int) -> bool:
+    """Whether ``rank`` is inside a recovery action the controller ordered: a target of the
+    pending RETRY (in-place recovery, process-group rebuild, rejoin) that has not answered
+    it, sent at most ``action_timeout_s`` ago.
+
+    Such a rank's heartbeat silence is no evidence: its training thread may hold the GIL
+    for seconds (a gc pass, a C call) and a process starved of CPU runs its I/O thread
+    late, while the controller knows why it is quiet. It is judged by its control
+    connection (a death closes it, or its agent reports the exit: ``RankInfo.alive``) and
+    by the action's own deadline (:func:`~.recovering.recovering` falls back past it, and
+    its silence counts again). docs/ARCHITECTURE.md, "Liveness of a rank".
+    """
+    pending = state.pending
+    return (pending is not None and pending.kind == ActionKind.RETRY.value
+            and now - pending.sent_at <= config.action_timeout_s and pending.is_target(rank)
+            and rank not in pending.results)
+
+
+def silent(now: float, state: ClusterState, config: HAConfig, rank: int, limit: float) -> bool:
+    """``rank``'s heartbeat silence is evidence now: longer than ``limit`` (s) and the rank
+    not :func:`in_ordered_recovery`."""
+    return now - state.ranks[rank].last_heartbeat > limit and not in_ordered_recovery(now, state, config, rank)
+
+
 def gone_ranks(now: float, state: ClusterState, config: HAConfig) -> Dict[int, str]:
-    """Ranks that cannot take part any more, with the reason (dead, goodbye, silent)."""
+    """Ranks that cannot take part any more, with the reason (dead, goodbye, silent: see
+    :func:`silent`)."""
     out: Dict[int, str] = {}
     limit = config.heartbeat_timeout_s if state.silence_counts(now) else float("inf")
     for r, info in state.ranks.items():  # O(N), no sort: this runs at every decision step
@@ -32,7 +57,7 @@ def gone_ranks(now: float, state: ClusterState, config: HAConfig) -> Dict[int, s
             out[r] = info.dead_reason or f"exited with {info.exit_code}"
         elif info.exit_code is not None:
             out[r] = f"said goodbye ({info.exit_code})"
-        elif now - info.last_heartbeat > limit:
+        elif silent(now, state, config, r, limit):
             out[r] = f"no heartbeat for {now - info.last_heartbeat:.3f} s > {config.heartbeat_timeout_s} s"
     return dict(sorted(out.items()))
 
@@ -53,7 +78,7 @@ def detect_fault(now: float, state: ClusterState, config: HAConfig) -> Optional[
             found.append((at, r, FaultKind.PROCESS, f"rank {r} died: {info.dead_reason}"))
         elif info.alive and info.exit_code not in (None, 0):
             found.append((at, r, FaultKind.PROCESS, f"rank {r} exits with {info.exit_code}"))
-        elif info.alive and info.exit_code is None and now - info.last_heartbeat > limit:
+        elif info.alive and info.exit_code is None and silent(now, state, config, r, limit):
             found.append((info.last_heartbeat, r, FaultKind.PROCESS,
                           f"rank {r} missed heartbeats for {now - info.last_heartbeat:.3f} s "
                           f"(> {config.heartbeat_timeout_s} s)"))
@@ -119,5 +144,5 @@ def running(now: float, state: ClusterState, config: HAConfig, gone: Mapping[int
                     StopPlan(rank, kind, at), targets, Phase.STOPPING)
 
 
-__all__ = ["FaultEvidence", "detect_fault", "every_rank_finished", "gone_ranks", "recover_in_place", "running",
-           "stop_for_fault"]
+__all__ = ["FaultEvidence", "detect_fault", "every_rank_finished", "gone_ranks", "in_ordered_recovery",
+           "recover_in_place", "running", "silent", "stop_for_fault"]
