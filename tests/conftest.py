@@ -5,6 +5,8 @@
 * ``shared_path`` / fixtures ``megatron_lm_tarball``, ``corpus_text_file``: files of the project's read-only
   ``shared/`` folder (beside the checkout, or beside its parent), the one place tests
   look for them.
+* Fixture ``uninterrupted``: the uninterrupted 4-rank runs that modules compare with,
+  launched once per session and shared by the xdist workers (a file-locked cache).
 * Marker ``hog``: the representative multi-process tests that ``.ci/run`` runs a second
   time beside two CPU hogs (``pytest -m hog``). They are listed here, in one place
   (a test file may also mark its own with ``@pytest.mark.hog``).
