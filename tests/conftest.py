@@ -6,6 +6,8 @@
   ``shared/`` folder (beside the checkout, or beside its parent), the one place tests
   look for them.
 * Every test has a TMPDIR of its own, which must be empty when it ends (``_own_tmpdir``).
+* Fixture ``uninterrupted``: the uninterrupted 4-rank runs that modules compare with,
+  launched once per session and shared by the xdist workers (a file-locked cache).
 * Marker ``hog``: the representative multi-process tests that ``.ci/run`` runs a second
   time beside two CPU hogs (``pytest -m hog``). They are listed here, in one place
   (a test file may also mark its own with ``@pytest.mark.hog``).
@@ -252,3 +254,58 @@ def _own_tmpdir(monkeypatch, _session_temp_dirs):
     shutil.rmtree(own, ignore_errors=True)  # made by mkdtemp above: ours
     if left:
         pytest.fail(f"the test left files in its TMPDIR: {left[:10]}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory):
+    """The uninterrupted runs that several modules compare with, each launched once per
+    session: ``uninterrupted(tp, pp, iters, *flags, save=True) -> (losses, save_dir)``.
+
+    The run: the tiny GPT (``tiny_gpt_args``) on 4 ranks through ``mindspeed-ha-run``, HA on
+    (``--enable-high-availability``, port 0), then ``flags``; with ``save``, ``--save
+    <save_dir> --save-interval 1`` (a checkpoint of every iteration; otherwise ``save_dir``
+    is None). ``losses``: iteration -> ``float.hex()``, every iteration checked present.
+    Callers only read ``save_dir``. HA on trains bit for bit like HA off
+    (tests/test_replica_equivalence.py), so HA-off runs compare with it too.
+
+    With pytest-xdist the workers of a session share one cache (the basetemp root, an
+    ``fcntl`` lock per run): a run wanted by modules on two workers is launched once, the
+    second worker waits for it."""
+    import fcntl
+    import json
+    import re
+    import tempfile
+
+    from mindspeed_ha.testing.harness import launch, launcher_command, tiny_gpt_args
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # this session's root, shared by its workers
+    cache = root / "uninterrupted"
+    cache.mkdir(exist_ok=True)
+    seen = {}
+
+    def get(tp: int, pp: int, iters: int, *flags: str, save: bool = True):
+        key = re.sub(r"[^A-Za-z0-9_.-]+", "_", "-".join([f"tp{tp}pp{pp}", f"i{iters}", "save" if save else "nosave",
+                                                         *(f.lstrip("-") for f in flags)]))
+        if key not in seen:
+            done = cache / f"{key}.json"
+            with open(cache / f"{key}.lock", "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+                if not done.exists():
+                    save_dir = tempfile.mkdtemp(prefix=f"{key}-", dir=cache) if save else None
+                    args = tiny_gpt_args(tp=tp, pp=pp, train_iters=iters) + [
+                        "--enable-high-availability", "--ha-controller-port", "0", *flags]
+                    if save:
+                        args += ["--save", save_dir, "--save-interval", "1"]
+                    r = launch(4, args, launcher=launcher_command(4), timeout_s=300)
+                    assert r.returncode == 0 and not r.timed_out, (key, (r.stdout + r.stderr)[-6000:])
+                    assert sorted(r.losses) == list(range(1, iters + 1)), (key, r.losses)
+                    tmp = cache / f".{key}.json.tmp"
+                    tmp.write_text(json.dumps({"losses": {str(k): v for k, v in r.losses.items()}, "save": save_dir}))
+                    os.replace(tmp, done)
+            rec = json.loads(done.read_text())
+            seen[key] = ({int(k): v for k, v in rec["losses"].items()}, rec["save"])
+        return seen[key]
+
+    return get

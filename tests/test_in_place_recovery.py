@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mindspeed_ha import faults
 from mindspeed_ha.control import job_events
-from mindspeed_ha.testing.harness import Baselines, four_rank_args, read_jsonl, run_four
+from mindspeed_ha.testing.harness import FOUR_RANK_LAYOUTS, four_rank_args, read_jsonl, run_four
 
 ITERS = 8
 K = 3
@@ -42,12 +42,15 @@ _run = run_four
 
 
 @pytest.fixture(scope="module")
-def baselines():
-    return Baselines(_args, ITERS)
+def baselines(uninterrupted):
+    """The session's shared uninterrupted run of the layout (tests/conftest.py; without
+    --enable-hbmfault-repair, which changes nothing until a UCE)."""
+    return uninterrupted
 
 
 def _baseline(baselines, layout):
-    return baselines.get(layout)
+    tp, pp, more = FOUR_RANK_LAYOUTS[layout]
+    return baselines(tp, pp, ITERS, *more, save=False)[0]
 
 
 def _faulty(tmp_path, layout, spec, extra_env=None, extra_args=()):

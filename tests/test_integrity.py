@@ -25,7 +25,7 @@ from mindspeed_ha.testing.compare import compare_checkpoint_dirs
 from mindspeed_ha.testing.harness import launch, launcher_command, tiny_gpt_args
 from mindspeed_ha.testing.injector import FaultSpec
 
-ITERS = 4
+ITERS = 6  # as tests/test_dying_checkpoint.py: the PP2 uninterrupted run is shared (conftest)
 KILL_AT = 3
 LAYOUTS = {"pp2": dict(tp=1, pp=2), "dp4": dict(tp=1, pp=1)}  # pp2: 2 replicas per shard; dp4 below: 4
 EXTRA = {"pp2": [], "dp4": ["--ha-replica-count", "4"]}
@@ -232,16 +232,11 @@ def _savers(report):
 
 
 @pytest.fixture(scope="module")
-def baselines(tmp_path_factory):
-    """Uninterrupted run per layout, saving a normal checkpoint at every iteration."""
-    out = {}
-    for layout in LAYOUTS:
-        save = str(tmp_path_factory.mktemp(f"baseline_{layout}"))
-        r = _run(_args(layout, "--save", save, "--save-interval", "1"))
-        assert r.returncode == 0, r.stderr[-4000:]
-        assert sorted(r.losses) == list(range(1, ITERS + 1))
-        out[layout] = (r.losses, save)
-    return out
+def baselines(uninterrupted):
+    """layout -> (losses, save) of the uninterrupted run per layout, saving a normal
+    checkpoint at every iteration (the session's shared run: tests/conftest.py)."""
+    return {layout: uninterrupted(LAYOUTS[layout]["tp"], LAYOUTS[layout]["pp"], ITERS, *EXTRA[layout])
+            for layout in LAYOUTS}
 
 
 def _assert_good_checkpoint(save, faulty, report, baselines, layout, corrupt_rank):
@@ -295,11 +290,11 @@ def test_no_trustworthy_copy_exits_76_and_publishes_nothing(tmp_path, case):
     finite bit flip on rank 0 while both replicas live (2 holders that differ: no majority).
     A periodic checkpoint of iteration 2 exists: the tracker must stay at 2."""
     if case == "nan_and_replica_dead":
-        inject = f"rank=0,iteration={ITERS - 1},point=between,fault=corrupt,what=exp_avg_sq;" \
-                 f"rank=1,iteration={ITERS},point=backward"
+        inject = f"rank=0,iteration={KILL_AT},point=between,fault=corrupt,what=exp_avg_sq;" \
+                 f"rank=1,iteration={KILL_AT + 1},point=backward"
     else:
-        inject = f"rank=0,iteration={ITERS - 1},point=between,fault=corrupt,what=exp_avg,how=bitflip;" \
-                 f"rank=3,iteration={ITERS},point=backward"
+        inject = f"rank=0,iteration={KILL_AT},point=between,fault=corrupt,what=exp_avg,how=bitflip;" \
+                 f"rank=3,iteration={KILL_AT + 1},point=backward"
     save, faulty, report = _faulty(tmp_path, "pp2", inject, "--save-interval", "2")
     assert faulty.returncode == faults.EXIT_NO_COMPLETE_DATA, faulty.stderr[-6000:]
     assert "no trustworthy copy" in report["reason"] and "shard (tp=0, pp=0, shard=0)" in report["reason"]

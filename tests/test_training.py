@@ -1,9 +1,12 @@
 """The Megatron-LM-shaped trainer on real megatron-core, gloo, 4 real ranks.
 
-Each 4-rank run costs ~8 s of start-up on 2 cores, so runs are shared through
-module-scoped fixtures: per layout one uninterrupted run, one run that saves and exits
-half-way (its first iterations double as the same-seed determinism check) and one
-resumed run.
+Runs are few and shared: per layout the uninterrupted run is the session's shared one (the
+``uninterrupted`` fixture, tests/conftest.py: HA on, which trains bit for bit like HA off),
+and this module adds one run that saves and exits half-way (its first iterations are the
+same-seed determinism check: another launch, HA off) and one resumed run. Jobs start
+through ``mindspeed-ha-run`` with its fork server (half the CPU of torchrun's fresh
+workers); plain torchrun jobs are tests/test_dying_checkpoint.py's
+``test_plain_torchrun_rank0_killed`` and the as-users-run tests (tests/conftest.py).
 """
 
 import math
@@ -12,9 +15,9 @@ import os
 import pytest
 import torch
 
-from mindspeed_ha.testing.harness import launch, tiny_gpt_args
+from mindspeed_ha.testing.harness import launch, launcher_command, tiny_gpt_args
 
-ITERS = 4
+ITERS = 6  # as tests/test_dying_checkpoint.py: its uninterrupted runs are shared (conftest)
 HALF = 2
 TIMEOUT = 180
 
@@ -30,7 +33,7 @@ def run_env(workdir):
 
 
 def _run(workdir, run_env, name, **kw):
-    res = launch(4, tiny_gpt_args(**kw), env=run_env, timeout_s=TIMEOUT,
+    res = launch(4, tiny_gpt_args(**kw), launcher=launcher_command(4), env=run_env, timeout_s=TIMEOUT,
                  loss_log=str(workdir / f"{name}.jsonl"))
     assert res.returncode == 0, f"{name} failed:\n{res.stderr[-4000:]}"
     return res
@@ -39,11 +42,12 @@ def _run(workdir, run_env, name, **kw):
 _cache = {}
 
 
-def _layout_runs(workdir, run_env, tp, pp):
+def _layout_runs(workdir, run_env, uninterrupted, tp, pp):
+    """(losses of the uninterrupted run, the run that exits at HALF, the resumed run, its --save)."""
     key = (tp, pp)
     if key not in _cache:
         tag = f"tp{tp}pp{pp}"
-        full = _run(workdir, run_env, f"{tag}-full", tp=tp, pp=pp, train_iters=ITERS)
+        full, _ = uninterrupted(tp, pp, ITERS)
         ckpt = str(workdir / f"{tag}-ckpt")
         first = _run(workdir, run_env, f"{tag}-first", tp=tp, pp=pp, train_iters=ITERS, save=ckpt,
                      save_interval=1000, exit_interval=HALF)
@@ -58,24 +62,24 @@ def _floats(losses):
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def test_train_deterministic_and_resume_bitwise(workdir, run_env, tp, pp):
-    full, first, resumed, ckpt = _layout_runs(workdir, run_env, tp, pp)
-    assert sorted(full.losses) == list(range(1, ITERS + 1))
-    vals = _floats(full.losses)
+def test_train_deterministic_and_resume_bitwise(workdir, run_env, uninterrupted, tp, pp):
+    full, first, resumed, ckpt = _layout_runs(workdir, run_env, uninterrupted, tp, pp)
+    assert sorted(full) == list(range(1, ITERS + 1))
+    vals = _floats(full)
     assert all(math.isfinite(v) for v in vals)
     assert vals[-1] < vals[0], vals
     # same seed, same first iterations: bitwise
-    assert first.losses == {i: full.losses[i] for i in range(1, HALF + 1)}
+    assert first.losses == {i: full[i] for i in range(1, HALF + 1)}
     # resume from iteration HALF: bitwise equal to the uninterrupted run (dropout on)
-    assert resumed.losses == {i: full.losses[i] for i in range(HALF + 1, ITERS + 1)}
+    assert resumed.losses == {i: full[i] for i in range(HALF + 1, ITERS + 1)}
     assert "successfully loaded checkpoint" in resumed.stdout
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
         assert f.read().strip() == str(ITERS)  # the resumed run saved at the end
     assert not [d for d in os.listdir(ckpt) if d.endswith(".tmp")]
 
 
-def test_checkpoint_is_megatron_lm_layout(workdir, run_env):
-    _, _, _, ckpt = _layout_runs(workdir, run_env, 1, 2)
+def test_checkpoint_is_megatron_lm_layout(workdir, run_env, uninterrupted):
+    _, _, _, ckpt = _layout_runs(workdir, run_env, uninterrupted, 1, 2)
     d = os.path.join(ckpt, f"iter_{HALF:07d}")
     assert sorted(os.listdir(d)) == ["mp_rank_00_000", "mp_rank_00_001"]
     sd = torch.load(os.path.join(d, "mp_rank_00_001", "model_optim_rng.pt"), weights_only=False)
@@ -99,13 +103,13 @@ def test_dp4_fp32_deterministic(workdir, run_env):
     assert " iteration        3/       3 |" in a.stdout and "lm loss:" in a.stdout
 
 
-def test_bf16_tp2_pp2(workdir, run_env):
+def test_bf16_tp2_pp2(workdir, run_env, uninterrupted):
     r = _run(workdir, run_env, "bf16", tp=2, pp=2, train_iters=3, bf16=True)
     vals = _floats(r.losses)
     assert len(vals) == 3 and all(math.isfinite(v) for v in vals)
     # bf16 and fp32 runs of the same model differ (the flag really changes the dtype)
-    full, _, _, _ = _layout_runs(workdir, run_env, 2, 1)
-    assert r.losses[1] != full.losses[1]
+    full, _ = uninterrupted(2, 1, ITERS)
+    assert r.losses[1] != full[1]
 
 
 def test_unwritable_save_fails_before_training(workdir, run_env, tmp_path):
