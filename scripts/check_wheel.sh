@@ -12,13 +12,14 @@
 # --keep: leave the scratch directory (printed); --lock FILE: run the job under
 # `flock FILE` (a shared machine's lock for multi-process runs; the install needs none);
 # --deps-from VENV: the dependencies (torch, megatron-core, pyzmq, ...) are not installed
-# again but seen from VENV's site-packages (a `.pth` line in the fresh venv, added after the
-# wheel went in with `pip install --no-deps`, so that nothing else is visible to it), and
-# `pip check` proves the wheel's declared requirements met; the wheel is built with VENV's
-# setuptools (no isolated build env). `.ci/run` passes the venv its first part installed
-# from the same pyproject.toml. The editable install VENV may hold stays inactive: a path in
-# a `.pth` file does not run that directory's own `.pth` files, and the import check fails
-# on any module not imported from the fresh venv.
+# again but taken from VENV: scripts/deps_view.py symlinks the distributions of the closure
+# of the wheel's Requires-Dist (and nothing else of VENV: an undeclared import still fails)
+# into one directory, which a `.pth` line in the fresh venv names, added after the wheel
+# went in with `pip install --no-deps`; `pip check` proves the wheel's requirements met; the
+# wheel is built with VENV's setuptools (no isolated build env). `.ci/run` passes the venv
+# its first part installed from the same setup.cfg. The editable install VENV may hold is
+# not in that closure, and the import check fails on any module not imported from the
+# fresh venv.
 #
 # Without --deps-from: torch==2.13.0 first (so pip keeps the CPU build), then the wheel with
 # its dependencies from the package registry (or its cache), an isolated build.
@@ -100,8 +101,10 @@ EOF
 step "installing the wheel"
 if [ -n "$DEPS" ]; then
     "${PIP[@]}" install -q --no-deps "$WHEEL"
-    "$DPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"]); print(sysconfig.get_paths()["platlib"])' \
-        > "$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/mindspeed_ha_check_deps.pth"
+    # the closure of the wheel's Requires-Dist in VENV, symlinked into one directory: the
+    # fresh venv sees those distributions and nothing else of VENV
+    "$DPY" "$SRC_ROOT/scripts/deps_view.py" "$WHEEL" "$SCRATCH/deps"
+    echo "$SCRATCH/deps" > "$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/mindspeed_ha_check_deps.pth"
     "${PIP[@]}" check  # every requirement of the installed wheel met
 else
     "${PIP[@]}" install -q "$WHEEL"
