@@ -23,8 +23,10 @@ thread; 0 to 5 per process over 30-40 recoveries); before the rebuild released w
 replaced, every recovery leaked ~113 fds and ~72 threads per rank.
 :func:`growth_by_kind` reports the change split by the kind of recovery.
 
-Costs (2 cores): an in-place recovery ~0.2-1.5 s, a worker restart ~5 s (a new
-interpreter imports torch and megatron-core), a hang the heartbeat timeout more.
+Costs (2 cores): an in-place recovery ~0.2-1.5 s, a worker restart ~5 s and ~6
+CPU-seconds (a new interpreter imports torch and megatron-core), a hang the heartbeat
+timeout more. The uninterrupted run forks its workers from one pre-imported process
+(``MINDSPEED_HA_FORKSERVER=1``: 33.6 -> ~12 CPU-seconds for 101 iterations).
 """
 
 from __future__ import annotations
@@ -160,7 +162,10 @@ def run_soak(faults: int, seed: int, weights: Mapping[str, int], layout: str = "
     workdir = workdir or tempfile.mkdtemp(prefix="mindspeed_ha_soak_")
     rec_log, report_path = os.path.join(workdir, "recovery.jsonl"), os.path.join(workdir, "report.json")
     t0 = time.monotonic()
-    base = launch(4, args, launcher=launcher, timeout_s=timeout_s)
+    # the uninterrupted run only gives the losses: its workers are forked from one
+    # pre-imported process (1 import of torch and megatron-core instead of 4; the losses
+    # are the same bit for bit); the soak run starts its workers and restarts as set
+    base = launch(4, args, launcher=launcher, timeout_s=timeout_s, env={ha_env.FORKSERVER: "1"})
     t1 = time.monotonic()
     run = launch(4, args, launcher=launcher, timeout_s=timeout_s,
                  env={ha_env.INJECT: fault_schedule.inject_value(specs),
