@@ -79,7 +79,9 @@ def resource_drift(records: Sequence[Mapping]) -> List[dict]:
         its rejoin, is not): rank, pid, first_iteration, from_iteration (halfway),
         to_iteration, recoveries (first -> last), and for each of fds/threads/rss
         ``[first, halfway, last]`` and ``<key>_drift``: last / base - 1, the base being the
-        first record for fds and threads and the halfway one for RSS.
+        first record for fds and threads and the halfway one for RSS; ``thread_names_change``:
+        the thread names whose count differs from the first record to the last (records
+        with ``thread_names``), named in :func:`over_limits`' threads line.
     """
     by_pid: Dict[int, List[Mapping]] = {}
     for rec in records:
@@ -97,6 +99,9 @@ def resource_drift(records: Sequence[Mapping]) -> List[dict]:
             row[key] = [first[key], half[key], last[key]]
             base = half[key] if key == "rss" else first[key]
             row[key + "_drift"] = last[key] / base - 1 if base else 0.0
+        a, b = first.get("thread_names") or {}, last.get("thread_names") or {}
+        row["thread_names_change"] = {n: b.get(n, 0) - a.get(n, 0) for n in sorted(set(a) | set(b))
+                                      if b.get(n, 0) != a.get(n, 0)}
         out.append(row)
     return out
 
@@ -140,6 +145,8 @@ def over_limits(drift: Sequence[Mapping]) -> List[str]:
     return [f"rank {row['rank']} (pid {row['pid']}): {key} {'/'.join(map(str, row[key]))} (first/halfway/last; "
             f"{row[key + '_drift']:+.1%} > {limit:.0%})"
             f" over iterations {row['first_iteration']}..{row['to_iteration']}"
+            + (f", threads by name {row['thread_names_change']}" if key == "threads" and row.get("thread_names_change")
+               else "")
             for row in drift for key, limit in LIMITS.items() if row[key + "_drift"] > limit]
 
 
