@@ -248,14 +248,8 @@ def _abort_groups(groups) -> None:
 
 # --------------------------------------------------------------------------- waiting
 class _Helpers:
-    """Daemon threads that do a plain ``work.wait()`` for works without a future.
-
-    A helper blocked forever on an abandoned op is daemon, so it never holds up the
-    interpreter's exit. An idle helper is reused; at most one is kept idle, a helper that
-    finds one already idle ends. Keeping every helper (one per concurrent wait) grew the
-    pool by one each time an op abandoned by a recovery was still blocking its helper at
-    the next wait: a thread more now and then over a process's recoveries, which the soak's
-    flat-threads check saw (75/76/77 threads over 35 recoveries)."""
+    """Daemon threads (an abandoned op never holds up the exit) doing a plain ``work.wait()``
+    for works without a future; at most one idle helper is kept, one more ends when idle."""
 
     def __init__(self):
         self._idle = []
@@ -275,7 +269,7 @@ class _Helpers:
             job()
             del job  # its closure holds a Work: the destroyed group's sockets and thread
             with self._lock:
-                if self._idle:  # one idle helper is enough
+                if self._idle:
                     return
                 self._idle.append(q)
 
