@@ -31,15 +31,13 @@ def wheel_requirements(path):
 
 
 def wanted(req, extras):
-    if req.marker is None:
-        return True
-    return any(req.marker.evaluate({"extra": e}) for e in (extras or {""}))
+    """The requirement's marker holds for this interpreter and one of ``extras`` ("" = none)."""
+    return req.marker is None or any(req.marker.evaluate({"extra": e}) for e in extras)
 
 
 def closure(requirements):
     seen = {}
-    todo = [(Requirement(r), set()) for r in requirements]
-    todo = [(r, {""}) for r, _ in todo]
+    todo = [(Requirement(r), {""}) for r in requirements]  # (requirement, extras of who asked)
     while todo:
         req, parent_extras = todo.pop()
         if not wanted(req, parent_extras):
