@@ -420,6 +420,47 @@ def _bitwise(rank: int, port: int) -> None:
     _step("compared", f"ops={len(ops)}")
 
 
+class _CountingLock:
+    """A lock that counts its releases (a Condition for the test to wait on)."""
+
+    def __init__(self):
+        self._lk, self.cond, self.released = threading.Lock(), threading.Condition(), 0
+
+    def __enter__(self):
+        self._lk.acquire()
+
+    def __exit__(self, *exc):
+        self._lk.release()
+        with self.cond:
+            self.released += 1
+            self.cond.notify_all()
+
+
+def test_comm_wait_helpers_keep_at_most_one_idle():
+    """A helper still blocked on an op a recovery abandoned when the next wait comes: a
+    second helper serves that wait; once both are done one of them stays idle, the other
+    ends (keeping both grew a process by a thread now and then over its recoveries: the
+    soak's flat-threads check failed on 75/76/77)."""
+    from mindspeed_ha.recovery.comm import _Helpers
+
+    helpers = _Helpers()
+    helpers._lock = lock = _CountingLock()
+    abandoned, done = threading.Event(), [threading.Event(), threading.Event()]
+
+    def blocked():  # the abandoned op's wait, ending later (its group destroyed)
+        abandoned.wait(30)
+        done[0].set()
+
+    helpers.submit(blocked)
+    helpers.submit(done[1].set)  # the next wait, while the first helper is still blocked
+    assert done[1].wait(30)
+    abandoned.set()
+    assert done[0].wait(30)
+    with lock.cond:  # 2 submits + 2 helpers back from their jobs
+        assert lock.cond.wait_for(lambda: lock.released >= 4, 30)
+    assert len(helpers._idle) == 1
+
+
 if __name__ == "__main__":
     scenario, rank_arg, port_arg = sys.argv[1:4]
     code = 0

@@ -248,10 +248,8 @@ def _abort_groups(groups) -> None:
 
 # --------------------------------------------------------------------------- waiting
 class _Helpers:
-    """Daemon threads that do a plain ``work.wait()`` for works without a future.
-
-    A helper blocked forever on an abandoned op is daemon, so it never holds up the
-    interpreter's exit; idle helpers are reused (one per concurrent wait)."""
+    """Daemon threads (an abandoned op never holds up the exit) doing a plain ``work.wait()``
+    for works without a future; at most one idle helper is kept, one more ends when idle."""
 
     def __init__(self):
         self._idle = []
@@ -271,6 +269,8 @@ class _Helpers:
             job()
             del job  # its closure holds a Work: the destroyed group's sockets and thread
             with self._lock:
+                if self._idle:
+                    return
                 self._idle.append(q)
 
 

@@ -544,7 +544,9 @@ def _log_first_iteration_after(rank: int, k: int) -> None:
     """``MINDSPEED_HA_RECOVERY_LOG``: one JSON line when the re-run iteration is done: rank,
     pid, iteration, wall clock (s), and this process's open file descriptors, threads and
     resident memory (bytes, psutil): for recovery-time measurements and the soak test's
-    flat-resources check."""
+    flat-resources check; ``thread_names``: name -> count of its threads (Linux
+    ``/proc/self/task/*/comm``, native threads included; {} elsewhere), to tell which
+    thread a drift is."""
     import json
     import time
 
@@ -555,6 +557,24 @@ def _log_first_iteration_after(rank: int, k: int) -> None:
     if path:
         me = psutil.Process()
         line = {"rank": rank, "pid": os.getpid(), "iteration": k, "wall": time.time(),
-                "fds": me.num_fds(), "threads": me.num_threads(), "rss": me.memory_info().rss}
+                "fds": me.num_fds(), "threads": me.num_threads(), "rss": me.memory_info().rss,
+                "thread_names": _thread_names()}
         with open(path, "a") as f:
             f.write(json.dumps(line) + "\n")
+
+
+def _thread_names() -> dict:
+    """name -> count of this process's threads (``/proc/self/task/*/comm``; {} where absent)."""
+    out: dict = {}
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        out[name] = out.get(name, 0) + 1
+    return out

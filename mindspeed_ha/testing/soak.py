@@ -23,8 +23,10 @@ thread; 0 to 5 per process over 30-40 recoveries); before the rebuild released w
 replaced, every recovery leaked ~113 fds and ~72 threads per rank.
 :func:`growth_by_kind` reports the change split by the kind of recovery.
 
-Costs (2 cores): an in-place recovery ~0.2-1.5 s, a worker restart ~5 s (a new
-interpreter imports torch and megatron-core), a hang the heartbeat timeout more.
+Costs (2 cores): an in-place recovery ~0.2-1.5 s, a worker restart ~5 s and ~6
+CPU-seconds (a new interpreter imports torch and megatron-core), a hang the heartbeat
+timeout more. The uninterrupted run forks its workers from one pre-imported process
+(``MINDSPEED_HA_FORKSERVER=1``: 33.6 -> ~12 CPU-seconds for 101 iterations).
 """
 
 from __future__ import annotations
@@ -77,7 +79,9 @@ def resource_drift(records: Sequence[Mapping]) -> List[dict]:
         its rejoin, is not): rank, pid, first_iteration, from_iteration (halfway),
         to_iteration, recoveries (first -> last), and for each of fds/threads/rss
         ``[first, halfway, last]`` and ``<key>_drift``: last / base - 1, the base being the
-        first record for fds and threads and the halfway one for RSS.
+        first record for fds and threads and the halfway one for RSS; ``thread_names_change``:
+        the thread names whose count differs from the first record to the last (records
+        with ``thread_names``), named in :func:`over_limits`' threads line.
     """
     by_pid: Dict[int, List[Mapping]] = {}
     for rec in records:
@@ -95,6 +99,9 @@ def resource_drift(records: Sequence[Mapping]) -> List[dict]:
             row[key] = [first[key], half[key], last[key]]
             base = half[key] if key == "rss" else first[key]
             row[key + "_drift"] = last[key] / base - 1 if base else 0.0
+        a, b = first.get("thread_names") or {}, last.get("thread_names") or {}
+        row["thread_names_change"] = {n: b.get(n, 0) - a.get(n, 0) for n in sorted(set(a) | set(b))
+                                      if b.get(n, 0) != a.get(n, 0)}
         out.append(row)
     return out
 
@@ -138,6 +145,8 @@ def over_limits(drift: Sequence[Mapping]) -> List[str]:
     return [f"rank {row['rank']} (pid {row['pid']}): {key} {'/'.join(map(str, row[key]))} (first/halfway/last; "
             f"{row[key + '_drift']:+.1%} > {limit:.0%})"
             f" over iterations {row['first_iteration']}..{row['to_iteration']}"
+            + (f", threads by name {row['thread_names_change']}" if key == "threads" and row.get("thread_names_change")
+               else "")
             for row in drift for key, limit in LIMITS.items() if row[key + "_drift"] > limit]
 
 
@@ -160,7 +169,10 @@ def run_soak(faults: int, seed: int, weights: Mapping[str, int], layout: str = "
     workdir = workdir or tempfile.mkdtemp(prefix="mindspeed_ha_soak_")
     rec_log, report_path = os.path.join(workdir, "recovery.jsonl"), os.path.join(workdir, "report.json")
     t0 = time.monotonic()
-    base = launch(4, args, launcher=launcher, timeout_s=timeout_s)
+    # the uninterrupted run only gives the losses: its workers are forked from one
+    # pre-imported process (1 import of torch and megatron-core instead of 4; the losses
+    # are the same bit for bit); the soak run starts its workers and restarts as set
+    base = launch(4, args, launcher=launcher, timeout_s=timeout_s, env={ha_env.FORKSERVER: "1"})
     t1 = time.monotonic()
     run = launch(4, args, launcher=launcher, timeout_s=timeout_s,
                  env={ha_env.INJECT: fault_schedule.inject_value(specs),
