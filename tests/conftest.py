@@ -132,7 +132,7 @@ def _job_environment():
       and megatron-core once instead of 4 times.
 
     Tests that run as users run (both off): tests/test_pause_job.py and
-    ``test_flags_off_equals_ha_on_without_fault`` (whose HA-on run is compared bitwise with
+    tests/test_stock_megatron_lm.py ``test_recovered_in_place`` (whose HA-on run is compared bitwise with
     baselines made with both on), the example script test."""
     saved = {k: os.environ.get(k) for k in ("PYTHONPATH", FORKSERVER)}
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HIDDEN, _pythonpath_without(HIDDEN)) if p)
