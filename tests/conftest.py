@@ -75,7 +75,7 @@ HOG_TESTS = (
 #: run first: with ``-n 2`` (pytest-xdist, ``--dist loadfile``) a worker takes whole modules
 #: in this order, so the longest one does not start last while the other worker idles.
 HEAVY_FIRST = (
-    "test_stock_megatron_lm.py",  # ~700 s: 30 stock pretrain_gpt.py jobs
+    "test_stock_megatron_lm.py",  # ~700 s: 26 stock pretrain_gpt.py jobs
     "test_integrity.py", "test_two_nodes.py", "test_soak.py", "test_pause_job.py", "test_worker_restart.py",
     "test_preemption.py", "test_fault_coverage.py", "test_in_place_recovery.py", "test_megatron_counters.py",
     "test_replica_equivalence.py", "test_in_place_reload.py", "test_mindspeed_llm.py", "test_switch_job.py",
