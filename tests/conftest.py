@@ -80,7 +80,7 @@ HOG_TESTS = (
 #: run first: with ``-n 2`` (pytest-xdist, ``--dist loadfile``) a worker takes whole modules
 #: in this order, so the longest one does not start last while the other worker idles.
 HEAVY_FIRST = (
-    "test_stock_megatron_lm.py",  # ~700 s: 30 stock pretrain_gpt.py jobs
+    "test_stock_megatron_lm.py",  # ~700 s: 26 stock pretrain_gpt.py jobs
     "test_integrity.py", "test_two_nodes.py", "test_soak.py", "test_pause_job.py", "test_worker_restart.py",
     "test_preemption.py", "test_fault_coverage.py", "test_in_place_recovery.py", "test_megatron_counters.py",
     "test_replica_equivalence.py", "test_in_place_reload.py", "test_mindspeed_llm.py", "test_switch_job.py",
@@ -137,7 +137,7 @@ def _job_environment():
       and megatron-core once instead of 4 times.
 
     Tests that run as users run (both off): tests/test_pause_job.py and
-    ``test_flags_off_equals_ha_on_without_fault`` (whose HA-on run is compared bitwise with
+    tests/test_stock_megatron_lm.py ``test_recovered_in_place`` (whose HA-on run is compared bitwise with
     baselines made with both on), the example script test."""
     saved = {k: os.environ.get(k) for k in ("PYTHONPATH", FORKSERVER)}
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HIDDEN, _pythonpath_without(HIDDEN)) if p)

@@ -10,9 +10,10 @@ last completed iteration (0 steps lost) in the run's ``--ckpt-format``, Megatron
 ``testing.loss_log`` patch) and grad norm equals the uninterrupted run's bit for bit, dropout on.
 """
 
+import glob
 import json
 import os
-import glob
+import shutil
 
 import pytest
 
@@ -56,102 +57,118 @@ def _run(tree, args, env=None):
 
 
 
+#: Megatron-LM's own periodic checkpoint in each baseline (HA off), in that layout's format:
+#: the regular-save test resumes from the one of iteration SAVE_AT
+SAVE_AT = 4
+BASE_FORMAT = {"pp2": "torch_dist", "tp2": "torch"}
+
+
 @pytest.fixture(scope="module")
 def baselines(tree, real_data, tmp_path_factory):
-    """Uninterrupted runs, every HA flag off (the launcher and the package still in place)."""
+    """Uninterrupted runs, every HA flag off (the launcher and the package still in place):
+    TP1 PP2 on the real dataset (every PP2 test of the module but the fp16 one runs on it), TP2
+    on mock data. Each also writes Megatron-LM's own periodic checkpoints (``--save-interval
+    SAVE_AT``, its format in BASE_FORMAT): one job per layout for both (CI time)."""
     out = {}
-    for name, layout, data in (("pp2", "pp2", None), ("tp2", "tp2", None), ("pp2_real", "pp2", real_data)):
-        report = str(tmp_path_factory.mktemp(f"report_{name}") / "patches")
-        r = _run(tree, _args(layout, data=data, ha=False), env={"MINDSPEED_HA_PATCH_REPORT": report})
+    for layout, data in (("pp2", real_data), ("tp2", None)):
+        tmp = tmp_path_factory.mktemp(f"baseline_{layout}")
+        report, save = str(tmp / "patches"), str(tmp / "ckpt")
+        args = _args(layout, BASE_FORMAT[layout], data, ha=False, save=save, save_interval=SAVE_AT)
+        r = _run(tree, args, env={"MINDSPEED_HA_PATCH_REPORT": report})
         assert r.returncode == 0, r.stderr[-4000:]
         assert sorted(r.losses) == list(range(1, ITERS + 1))
         assert sorted(r.grad_norms) == list(range(1, ITERS + 1))
-        out[name] = {"losses": r.losses, "grad_norms": r.grad_norms, "report": read_patch_reports(report)}
+        out[layout] = {"losses": r.losses, "grad_norms": r.grad_norms, "report": read_patch_reports(report),
+                       "save": save}
     return out
 
 
-def test_flags_off_equals_ha_on_without_fault(tree, baselines, tmp_path, as_users_run):
-    """HA off: no HA patch active, no runtime (so no processor, no controller port), and the
-    losses of HA on without a fault, bit for bit."""
+def test_flags_off_no_ha_patch_active(baselines):
+    """HA off: no HA patch active, no runtime (so no processor, no controller port). That HA
+    on without a fault gives the flags-off losses bit for bit: ``test_recovered_in_place``
+    (HA on as users run it; no fault before its iteration KILL_AT - 2, bitwise equal after
+    each recovery too) and every faulty job of the module before its first fault."""
     off = baselines["pp2"]["report"]
     assert sorted(off) == [0, 1, 2, 3]
     for rank, row in off.items():
         assert not row["runtime"], rank
         assert not [p for p in row["active"] if not p.startswith(("cpu.", "fix.", "compat.", "arguments.", "testing."))], row
         assert not set(row["features"]) & {"ha", "replica", "hbm_repair", "worker_reboot"}, row
-    report = str(tmp_path / "patches")
-    r = _run(tree, _args("pp2"), env={"MINDSPEED_HA_PATCH_REPORT": report})
-    assert r.returncode == 0, r.stderr[-4000:]
-    on = read_patch_reports(report)
-    assert all(row["runtime"] and "ha.train_step.megatron" in row["active"] for row in on.values()), on
-    assert all("replica" in row["features"] for row in on.values()), on
-    assert r.losses == baselines["pp2"]["losses"]
-    assert r.grad_norms == baselines["pp2"]["grad_norms"]
 
 
-# (name, layout, format, killed rank, data). Megatron's rank order is tp-dp-pp:
-# PP2: stage 0 = ranks {0, 1}, stage 1 (PP-last) = {2, 3}; TP2 (PP1): every rank is PP-last.
-CASES = [
-    # each format with rank 0 killed, torch_dist with the PP-last rank killed (on real data:
-    # rank 2); TP2 once (torch_dist): the built-in trainer's matrix (test_dying_checkpoint)
-    # covers the other layout x rank pairs
-    ("pp2_torch_rank0", "pp2", "torch", 0, None),
-    ("pp2_dist_rank0", "pp2", "torch_dist", 0, None),
-    ("tp2_dist_rank3", "tp2", "torch_dist", 3, None),
-    ("pp2_real_dist_pplast", "pp2", "torch_dist", 2, "real"),
+#: (name, layout, data, kills): each kill is (format, killed rank, iteration) of one job, the
+#: next job resumes from its dying checkpoint with Megatron-LM's own --load (which reads either
+#: format), the last dying checkpoint is resumed to ITERS. Megatron's rank order is tp-dp-pp:
+#: PP2: stage 0 = ranks {0, 1}, stage 1 (PP-last) = {2, 3}; TP2 (PP1): every rank is PP-last.
+#: Each format with rank 0 killed and torch_dist with the PP-last rank killed on the real
+#: dataset, TP2 once (torch_dist): the built-in trainer's matrix (test_dying_checkpoint) covers
+#: the other layout x rank pairs.
+CHAINS = [
+    ("pp2_real_torch_rank0_then_dist_pplast", "pp2", "real", [("torch", 0, KILL_AT - 2), ("torch_dist", 2, KILL_AT)]),
+    ("tp2_dist_rank3", "tp2", None, [("torch_dist", 3, KILL_AT)]),
 ]
 
 
-@pytest.mark.parametrize("name,layout,fmt,rank,data", CASES, ids=[c[0] for c in CASES])
-def test_kill_dying_checkpoint_resume(tree, baselines, real_data, tmp_path, name, layout, fmt, rank, data):
+@pytest.mark.parametrize("layout,data,kills", [c[1:] for c in CHAINS], ids=[c[0] for c in CHAINS])
+def test_kill_dying_checkpoint_resume(tree, baselines, real_data, tmp_path, layout, data, kills):
     data_args = real_data if data == "real" else None
-    baseline = baselines[f"{layout}_real" if data == "real" else layout]
-    base, base_gn = baseline["losses"], baseline["grad_norms"]
+    base, base_gn = baselines[layout]["losses"], baselines[layout]["grad_norms"]
     save = str(tmp_path / "ckpt")
-    args = _args(layout, fmt, data_args, save=save, load=save, save_interval=1000)
-    inject = f"rank={rank},iteration={KILL_AT},point=backward"
-    r = _run(tree, args, env={"MINDSPEED_HA_INJECT": inject})
-    assert r.returncode == faults.EXIT_DYING_CHECKPOINT_SAVED, r.stderr[-6000:]
-    with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as f:
-        assert int(f.read()) == KILL_AT - 1  # every completed iteration kept: 0 steps lost
-    it_dir = os.path.join(save, f"iter_{KILL_AT - 1:07d}")
-    if fmt == "torch_dist":
-        assert os.path.exists(os.path.join(it_dir, "metadata.json")), os.listdir(it_dir)
-    else:
-        assert glob.glob(os.path.join(it_dir, "mp_rank_*", "model_optim_rng.pt")), os.listdir(it_dir)
-    assert not [n for n in os.listdir(save) if n.startswith(".")], os.listdir(save)  # no staging left
-    for k in range(1, KILL_AT):
-        assert (r.losses[k], r.grad_norms[k]) == (base[k], base_gn[k]), k
+    first = 1
+    for fmt, rank, kill_at in kills:
+        args = _args(layout, fmt, data_args, save=save, load=save, save_interval=1000)
+        r = _run(tree, args, env={"MINDSPEED_HA_INJECT": f"rank={rank},iteration={kill_at},point=backward"})
+        assert r.returncode == faults.EXIT_DYING_CHECKPOINT_SAVED, (fmt, rank, r.stderr[-6000:])
+        with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as f:
+            assert int(f.read()) == kill_at - 1  # every completed iteration kept: 0 steps lost
+        it_dir = os.path.join(save, f"iter_{kill_at - 1:07d}")
+        if fmt == "torch_dist":
+            assert os.path.exists(os.path.join(it_dir, "metadata.json")), os.listdir(it_dir)
+        else:
+            assert glob.glob(os.path.join(it_dir, "mp_rank_*", "model_optim_rng.pt")), os.listdir(it_dir)
+        assert not [n for n in os.listdir(save) if n.startswith(".")], os.listdir(save)  # no staging left
+        assert min(r.losses) == first, (fmt, rank, sorted(r.losses))  # resumed from the one before
+        for k in range(first, kill_at):
+            assert (r.losses[k], r.grad_norms[k]) == (base[k], base_gn[k]), (fmt, rank, k)
+        first = kill_at
 
     resumed = _run(tree, args)
     assert resumed.returncode == 0, resumed.stderr[-6000:]
-    assert sorted(resumed.losses) == list(range(KILL_AT, ITERS + 1))
-    for k in range(KILL_AT, ITERS + 1):
+    assert sorted(resumed.losses) == list(range(first, ITERS + 1))
+    for k in range(first, ITERS + 1):
         assert (resumed.losses[k], resumed.grad_norms[k]) == (base[k], base_gn[k]), k
 
 
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
-def test_regular_save_resumes_bitwise_and_the_subtle_patches_are_needed(tree, baselines, tmp_path, fmt):
-    """Megatron-LM's own periodic save and --load, HA off: the resumed losses equal the
-    uninterrupted run's. Resumed with one patch disabled (torch_dist), they do not:
-    ``cpu.dataloader_rng`` (iterator creation consumes the dropout generator) and
-    ``fix.dist_opt_param_groups_by_key`` (weight decay on the wrong params)."""
-    base = {k: (baselines["pp2"]["losses"][k], baselines["pp2"]["grad_norms"][k]) for k in range(1, ITERS + 1)}
-    save = str(tmp_path / "ckpt")
-    first = _run(tree, _args("pp2", fmt, ha=False, save=save, save_interval=1000, exit_interval=4))
-    assert first.returncode == 0, first.stderr[-4000:]
+def test_regular_save_resumes_bitwise_and_the_subtle_patches_are_needed(tree, baselines, real_data, tmp_path, fmt):
+    """Megatron-LM's own periodic save (the baseline's of SAVE_AT: torch on TP2, torch_dist on
+    PP2) and --load, HA off: the resumed losses equal the uninterrupted run's. Resumed with
+    one patch disabled (torch_dist), they do not: ``cpu.dataloader_rng`` (iterator creation
+    consumes the dropout generator) and ``fix.dist_opt_param_groups_by_key`` (weight decay on
+    the wrong params)."""
+    layout = next(k for k, v in BASE_FORMAT.items() if v == fmt)
+    data = real_data if layout == "pp2" else None
+    baseline = baselines[layout]
+    base = {k: (baseline["losses"][k], baseline["grad_norms"][k]) for k in range(1, ITERS + 1)}
+    # the load directory as Megatron-LM leaves it after a run that stopped at SAVE_AT: its
+    # periodic checkpoint of SAVE_AT (copied) and the tracker naming it
+    load = str(tmp_path / "ckpt")
+    shutil.copytree(os.path.join(baseline["save"], f"iter_{SAVE_AT:07d}"), os.path.join(load, f"iter_{SAVE_AT:07d}"))
+    with open(os.path.join(load, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(str(SAVE_AT))
     # cpu.dataloader_rng does not depend on the format: shown needed once, with torch_dist
     needed = ["cpu.dataloader_rng", "fix.dist_opt_param_groups_by_key"] if fmt == "torch_dist" else []
     for disabled in [None] + needed:
         out = str(tmp_path / f"resumed_{disabled}")
         env = {"MINDSPEED_HA_DISABLE_PATCHES": disabled} if disabled else None
-        r = _run(tree, _args("pp2", fmt, ha=False, load=save, save=out, save_interval=1000), env=env)
+        r = _run(tree, _args(layout, fmt, data, ha=False, load=load, save=out, save_interval=1000), env=env)
         assert r.returncode == 0, r.stderr[-4000:]
-        resumed = {k: (r.losses[k], r.grad_norms[k]) for k in range(5, ITERS + 1)}
+        assert sorted(r.losses) == list(range(SAVE_AT + 1, ITERS + 1)), (disabled, sorted(r.losses))
+        resumed = {k: (r.losses[k], r.grad_norms[k]) for k in range(SAVE_AT + 1, ITERS + 1)}
         if disabled is None:
-            assert resumed == {k: base[k] for k in range(5, ITERS + 1)}
+            assert resumed == {k: base[k] for k in range(SAVE_AT + 1, ITERS + 1)}
         else:
-            assert resumed != {k: base[k] for k in range(5, ITERS + 1)}, disabled
+            assert resumed != {k: base[k] for k in range(SAVE_AT + 1, ITERS + 1)}, disabled
 
 
 #: CPU-backend patches of megatron/training and what breaks without each (the dataset-helper
@@ -245,18 +262,25 @@ IN_PLACE = [
 ]
 
 
-def test_recovered_in_place(tree, baselines, tmp_path):
+def test_recovered_in_place(tree, baselines, real_data, tmp_path, as_users_run):
     """UCE (memory really damaged, repaired from the replica; before or inside the optimizer
     update) and a network error inside a real collective, on the stock script, one after the
     other in one job: the job finishes in the same processes (exit 0, each faulty rank's PID
     unchanged, every rank re-ran or finished each faulty iteration after its recovery) and
-    every loss and grad norm equals the uninterrupted run's bit for bit."""
-    fired, after = str(tmp_path / "fired.jsonl"), str(tmp_path / "after.jsonl")
-    args = _args("pp2", enable_hbmfault_repair=True)
+    every loss and grad norm equals the uninterrupted run's (every HA flag off) bit for bit.
+    The job runs as users run it (workers started by torchrun, nvidia-modelopt visible), HA
+    on: the HA patches and runtime active on every rank; its iterations before the first
+    fault are HA on without a fault (the flags-off baselines ran with both on)."""
+    fired, after, report = str(tmp_path / "fired.jsonl"), str(tmp_path / "after.jsonl"), str(tmp_path / "patches")
+    args = _args("pp2", data=real_data, enable_hbmfault_repair=True)
     spec = ";".join(f"rank={rank},iteration={k},{what}" for k, rank, what in IN_PLACE)
     r = _run(tree, args, env={"MINDSPEED_HA_INJECT": spec, "MINDSPEED_HA_INJECT_LOG": fired,
-                              "MINDSPEED_HA_RECOVERY_LOG": after})
+                              "MINDSPEED_HA_RECOVERY_LOG": after, "MINDSPEED_HA_PATCH_REPORT": report})
     assert r.returncode == 0, (r.stdout + r.stderr)[-8000:]
+    on = read_patch_reports(report)
+    assert sorted(on) == [0, 1, 2, 3], on
+    assert all(row["runtime"] and "ha.train_step.megatron" in row["active"] for row in on.values()), on
+    assert all("replica" in row["features"] for row in on.values()), on
     with open(fired) as f:
         shot = [json.loads(line) for line in f]
     with open(after) as f:
@@ -316,7 +340,8 @@ def test_worker_restart_rejoins(tree, tmp_path, request, kills, fp16):
     after, report = str(tmp_path / "after.jsonl"), str(tmp_path / "report.json")
     ckpt = str(tmp_path / "ckpt")
     periodic = {} if fp16 else dict(fmt="torch_dist", save=ckpt, load=ckpt, save_interval=4)
-    args = _args("pp2", enable_worker_reboot=True, **(FP16 if fp16 else {}), **periodic)
+    data = None if fp16 else request.getfixturevalue("real_data")  # the data of the baseline compared with
+    args = _args("pp2", data=data, enable_worker_reboot=True, **(FP16 if fp16 else {}), **periodic)
     spec = ";".join(f"rank={rank},iteration={k},point={point},fault=kill,incarnation={n}" for rank, k, point, n in kills)
     r = _run(tree, args, env={"MINDSPEED_HA_INJECT": spec, "MINDSPEED_HA_RECOVERY_LOG": after,
                               "MINDSPEED_HA_REPORT": report})
