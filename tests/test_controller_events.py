@@ -353,3 +353,31 @@ def test_a_silent_rank_inside_its_ordered_recovery_is_not_ended_until_the_action
     ctl._turn()
     assert st.phase is Phase.STOPPING, [e.reason for e in ctl.events]
     assert ctl.unresponsive_ranks().keys() == {1}
+
+
+def test_a_replaced_process_cannot_register_again_nor_end_the_rank():
+    """A process that a hot switch or a restart replaced (a lower incarnation) may still talk
+    while it exits; asked to register again (an unregistered peer is), its REGISTER is
+    refused, so the live rank keeps its new process and the old one's GOODBYE ends nothing
+    (before: a whole-node switch's old rank 0 registered again after the commit, then its
+    GOODBYE marked the new rank 0 dead)."""
+    clock = _Clock()
+    ctl = _two_ranks_registered(CFG, clock)
+    lay = Layout(dp_rank=1, dp_size=2, replica_count=2, instance_id=1)
+    new = wire.Codec(KEY, wire.new_sender("rank", 1))
+    ctl._router.inbox.append((b"r1b", new.encode(wire.Register(1, 2, 2001, "h", lay, "/save", "run", "updated", 1,
+                                                                incarnation=1, rejoins=True))))
+    ctl._turn()
+    assert ctl.state.ranks[1].pid == 2001 and ctl.state.ranks[1].incarnation == 1
+    ctl._router.sent.clear()
+    old = wire.Codec(KEY, wire.new_sender("rank", 1))  # the old process (incarnation 0), connected again
+    ctl._router.inbox.append((b"r1c", old.encode(wire.Register(1, 2, 1001, "h", lay, "/save", "run", "updated", 1,
+                                                                incarnation=0, rejoins=True))))
+    ctl._router.inbox.append((b"r1c", old.encode(wire.Goodbye(1, 0))))
+    ctl._turn()
+    info = ctl.state.ranks[1]
+    assert info.pid == 2001 and info.alive and info.exit_code is None, info
+    answers = [wire.Codec(KEY, wire.new_sender("controller", 0)).decode(parts[1]) for parts in ctl._router.sent
+               if parts[0] == b"r1c"]
+    refused = [m.body for m in answers if m.type is wire.MsgType.REGISTERED]
+    assert len(refused) == 1 and not refused[0].accepted and "replaced by incarnation 1 (pid 2001)" in refused[0].detail

@@ -15,7 +15,7 @@ from __future__ import annotations
 import gc
 import logging
 import queue
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
 
 import zmq
 
@@ -89,11 +89,14 @@ def register(ctl: "Controller", now: float, ident: bytes, fd: Optional[int], sen
     """REGISTER: admit the rank (idempotent for a re-sent REGISTER of the same process),
     answer REGISTERED, and bring a late rank into a stop or drain under way."""
     st = ctl.state
-    ok, detail = True, ""
+    ok, detail, stale = True, "", False
     if not 0 <= body.rank < ctl.world_size:
         ok, detail = False, f"rank {body.rank} outside world size {ctl.world_size}"
     elif body.world_size != ctl.world_size:
         ok, detail = False, f"world size {body.world_size} != controller's {ctl.world_size}"
+    elif not body.switching:
+        ok, detail = _current_incarnation(st, body)
+        stale = not ok
     if ok and body.switching:  # a hot switch's new process: not the rank until the switch commits
         ok, detail = ctl.operators.switches.register_incoming(ctl, now, ident, fd, sender, body)
         try:
@@ -104,7 +107,7 @@ def register(ctl: "Controller", now: float, ident: bytes, fd: Optional[int], sen
     if ok:
         _admit(ctl, now, ident, fd, sender, body)
     else:
-        log.error("registration refused: %s", detail)
+        log.log(logging.WARNING if stale else logging.ERROR, "registration refused: %s", detail)
     try:
         ctl.server.send(ident, wire.Registered(body.rank, ok, detail))
     except zmq.ZMQError as exc:
@@ -115,6 +118,18 @@ def register(ctl: "Controller", now: float, ident: bytes, fd: Optional[int], sen
         ctl.server.send_to_rank(body.rank, wire.Drain(
             "graceful stop" if st.phase is Phase.DRAINING else "graceful pause",
             -1 if st.drain_until is None else st.drain_until, st.phase is not Phase.DRAINING))
+
+
+def _current_incarnation(st, body: wire.Register) -> Tuple[bool, str]:
+    """(True, "") unless ``body`` comes from a process older than the rank's current one (a
+    lower incarnation: the process a hot switch or a restart replaced). Such a process may
+    still talk while it exits (an unregistered peer is asked to register again): admitting
+    it would make the live rank's process a stale one and its GOODBYE the rank's death."""
+    cur = st.ranks.get(body.rank)
+    if cur is None or body.incarnation >= cur.incarnation:
+        return True, ""
+    return False, (f"rank {body.rank}: pid {body.pid} is its incarnation {body.incarnation}, replaced by "
+                   f"incarnation {cur.incarnation} (pid {cur.pid})")
 
 
 def _admit(ctl: "Controller", now: float, ident: bytes, fd: Optional[int], sender: str, body: wire.Register) -> None:
