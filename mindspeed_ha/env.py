@@ -94,7 +94,8 @@ RECOVERY_LOG = "MINDSPEED_HA_RECOVERY_LOG"
 INJECT = "MINDSPEED_HA_INJECT"
 #: JSON lines: one per fired injected fault (wall clock)
 INJECT_LOG = "MINDSPEED_HA_INJECT_LOG"
-#: ``fault=hold``: the file whose existence lets the held rank go on (a test looks at the running job meanwhile)
+#: ``fault=hold``: the file whose existence lets the held rank go on (a test looks at the running job meanwhile);
+#: holding an iteration, it releases the holds up to that one only (testing/injector.py, ``release``)
 INJECT_RELEASE = "MINDSPEED_HA_INJECT_RELEASE"
 #: JSON lines: per-iteration losses (tests compare them bit for bit)
 LOSS_LOG = "MINDSPEED_HA_LOSS_LOG"

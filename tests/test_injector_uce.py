@@ -157,3 +157,27 @@ def test_no_network_spec_installs_no_hook(comm_stub):
     Injector(0, [FaultSpec.parse("rank=0,iteration=2,point=forward,fault=uce")])
     Injector(0, [FaultSpec.parse("rank=1,iteration=2,point=pp,fault=network")])  # another rank's
     assert comm_stub.hooks == []
+
+
+def test_hold_released_one_iteration_at_a_time(tmp_path, monkeypatch):
+    """fault=hold: an empty release file releases every hold, one holding an iteration the
+    holds up to it (tests/test_pause_job.py holds its job before each operator step)."""
+    path = str(tmp_path / "release")
+    monkeypatch.setenv("MINDSPEED_HA_INJECT_RELEASE", path)
+    assert not injector.released(path, 1)
+    injector.release(path, 4)
+    assert injector.released(path, 4) and not injector.released(path, 5)
+    # a straggler's sleep at every iteration does not hide a hold of a later one at the same point
+    hold = FaultSpec.parse("rank=0,iteration=4,point=between,fault=hold")
+    inj = Injector(0, [FaultSpec.parse("rank=0,iteration=1,point=between,fault=slow,sleep=0.01"), hold])
+    assert inj.armed("between", 4) == hold and inj.armed("between", 3).fault == "slow"
+    inj.fire("between", 4)  # returns: released (a wrong reading would hold it HOLD_MAX_S)
+    assert inj.armed("between", 4).fault == "slow"  # the hold fired, once
+    monkeypatch.setattr(injector, "HOLD_MAX_S", 0.0)
+    injector._hold(5)  # not released: goes on after HOLD_MAX_S, logged
+    injector.release(path)
+    assert injector.released(path, 10 ** 6) and not [n for n in tmp_path.iterdir() if n.name != "release"]
+    with open(path, "w") as f:
+        f.write("x")
+    with pytest.raises(ValueError, match="MINDSPEED_HA_INJECT_RELEASE"):
+        injector.released(path, 1)

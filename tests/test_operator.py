@@ -294,3 +294,19 @@ def test_a_pause_before_any_iteration_agrees_on_the_first_one_the_ranks_run(firs
     st.ranks[3].paused_after = first
     d = decide(11.0, st, CFG)
     assert d.action is ActionKind.PAUSE and d.params["until"] == k and d.targets == (0, 1, 2, 3), d
+
+
+def test_a_pending_request_outlives_newer_answered_ones():
+    """The desk keeps the last KEEP_REQUESTS requests, but never drops a pending one for newer
+    answered ones: a switch of a minute while a monitor polls ``status`` four times a second
+    lost its reply (tests/test_switch_job.py's node switch held 75 s, 2026-12-05)."""
+    from mindspeed_ha.control import operator_desk
+    from mindspeed_ha.control import wire as w
+
+    desk = operator_desk.OperatorDesk()
+    desk.requests["switch-1"] = ("switch", None, [b"op"])
+    for i in range(operator_desk.KEEP_REQUESTS + 10):
+        desk.requests[f"status-{i}"] = ("status", w.OperatorReply(f"status-{i}", 0, "", {}), [])
+        desk.trim()
+    assert len(desk.requests) == operator_desk.KEEP_REQUESTS and desk.requests["switch-1"][1] is None
+    assert f"status-{operator_desk.KEEP_REQUESTS + 9}" in desk.requests and "status-0" not in desk.requests

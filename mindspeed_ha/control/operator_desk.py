@@ -13,7 +13,8 @@ recorded; ``pause`` when every rank holds (PAUSED, with the iteration) or the pa
 failed (the job left PAUSING another way: a fault, a stop, ranks that did not answer).
 Codes: 0 done, 1 the action failed, 4 refused in the job's current state.
 
-Idempotency: the reply of each ``request_id`` is kept (the last :data:`KEEP_REQUESTS`); a
+Idempotency: the reply of each ``request_id`` is kept (the last :data:`KEEP_REQUESTS`, a pending
+request kept until it is answered); a
 repeated id (a CLI retrying after a timeout or a controller failover, or an operator
 repeating ``--request-id``) gets the first request's reply, or waits with it while it is
 pending, and never acts twice.
@@ -105,8 +106,7 @@ class OperatorDesk:
         log.info("operator: %s request %s%s", body.verb, rid,
                  "" if reply is None else f": code {reply.code} {reply.detail}")
         self.requests[rid] = (body.verb, reply, [ident] if ident is not None else [])
-        while len(self.requests) > KEEP_REQUESTS:
-            self.requests.popitem(last=False)
+        self.trim()
         if reply is not None and ident is not None:
             self._send(ctl, ident, reply)
 
@@ -159,6 +159,20 @@ class OperatorDesk:
         self.requests[rid] = (kept[0] if kept is not None else verb, reply, [])
         for ident in waiting:
             self._send(ctl, ident, reply)
+
+    def trim(self) -> None:
+        """Keep the last :data:`KEEP_REQUESTS` requests, the oldest answered ones dropped first:
+        a pending one (a switch, a pause, a task under way) only when nothing else is left, or
+        its reply would reach nobody (a one-minute switch outlived 256 ``status`` polls of a
+        monitor asking four times a second)."""
+        excess = len(self.requests) - KEEP_REQUESTS
+        if excess <= 0:
+            return
+        answered = [rid for rid, kept in self.requests.items() if kept[1] is not None]
+        for rid in answered[:excess]:
+            del self.requests[rid]
+        while len(self.requests) > KEEP_REQUESTS:
+            self.requests.popitem(last=False)
 
     def pause_asked(self, now: float) -> None:
         self._pause_asked_at = now

@@ -43,7 +43,8 @@ then to every other process the launcher started, the node's other workers inclu
 then to itself), ``slow`` (with ``sleep=S``: this rank sleeps S seconds at the point of
 iteration k and of every later one, then goes on: a straggler for the sub-health detector;
 points ``forward``, ``backward``, ``optimizer``, ``between``), ``hold`` (this rank waits at the point, its processor's heartbeats going on,
-until the file ``MINDSPEED_HA_INJECT_RELEASE`` names exists, at most :data:`HOLD_MAX_S`; its
+until the file ``MINDSPEED_HA_INJECT_RELEASE`` names exists and is empty or holds an
+iteration >= k (:func:`release` writes it: several holds released one by one), at most :data:`HOLD_MAX_S`; its
 peers wait in their next collective: a test looks at the running job meanwhile, e.g. scrapes
 its metrics, and is sure the job has not ended), ``corrupt`` (silent data corruption of this rank's state, then training goes on; only at
 the points the runtime fires with its state: ``optimizer``, ``between``, ``dying``)::
@@ -78,7 +79,8 @@ them) on a data-parallel group issued by DDP's ``start_grad_sync``; ``pp`` a ``s
 with TP 1: then nothing fires).
 
 Every spec but ``slow`` fires at most once per process (a step re-run after an in-process recovery
-does not fault again).
+does not fault again); a ``slow`` sleeps at its point whatever else fires there (e.g. a ``hold``
+of a later iteration of the same rank and point).
 Several specs may be joined with ``;``.
 """
 
@@ -133,12 +135,31 @@ class Injector:
         return cls(rank, parse_env(os.environ.get(ENV)))
 
     def armed(self, point: str, iteration: int) -> Optional[FaultSpec]:
+        """The spec that fires at ``point`` of ``iteration``: one of that very iteration first,
+        else a ``fault=slow`` of an iteration up to it (it fires at every one from its own
+        on), else None."""
+        slow = None
         for s in self.specs:
             if s.point != point or s in self._fired:
                 continue
-            if s.iteration == iteration or (s.fault == "slow" and iteration > s.iteration):
+            if s.fault == "slow":
+                if slow is None and iteration >= s.iteration:
+                    slow = s
+            elif s.iteration == iteration:
                 return s
-        return None
+        return slow
+
+    def _slow(self, point: str, iteration: int) -> None:
+        """Every ``fault=slow`` of ``point`` armed at ``iteration`` sleeps (announced once)."""
+        import time
+
+        for spec in self.specs:
+            if spec.fault != "slow" or spec.point != point or iteration < spec.iteration:
+                continue
+            if spec.iteration == iteration:
+                self._announce(f"mindspeed-ha injector: slow rank {self.rank} at {point} from iteration {iteration}: "
+                               f"{spec.sleep:g} s per iteration", spec, point, iteration)
+            time.sleep(spec.sleep)
 
     def fire(self, point: str, iteration: int, target: Any = None) -> None:
         """Fire the fault armed for ``point`` of ``iteration``, if any.
@@ -154,16 +175,9 @@ class Injector:
             InjectedFault: ``fault=raise``, ``fault=uce`` (after the damage).
             RuntimeError: ``corrupt`` / ``uce`` with no model or optimizer to damage.
         """
+        self._slow(point, iteration)  # every iteration from the spec's on, whatever else fires here
         spec = self.armed(point, iteration)
-        if spec is None or spec.fault == "network":
-            return
-        if spec.fault == "slow":  # every iteration from spec.iteration on; announced once
-            if spec.iteration == iteration:
-                self._announce(f"mindspeed-ha injector: slow rank {self.rank} at {point} from iteration {iteration}: "
-                               f"{spec.sleep:g} s per iteration", spec, point, iteration)
-            import time
-
-            time.sleep(spec.sleep)
+        if spec is None or spec.fault in ("network", "slow"):
             return
         self._fired.add(spec)
         msg = f"mindspeed-ha injector: {spec.fault} rank {self.rank} at {point} of iteration {iteration}"
@@ -182,7 +196,7 @@ class Injector:
             os.kill(os.getpid(), signal.SIGSTOP)
             return  # continued (SIGCONT): the hang is over
         if spec.fault == "hold":
-            _hold()
+            _hold(spec.iteration)
             return
         if spec.fault == "corrupt":
             return  # silent: training goes on with the corrupted state
@@ -241,12 +255,13 @@ HOLD_MAX_S = 300.0
 _HOLD_POLL_S = 0.02  # polling an observable state (a file), not a synchronisation sleep
 
 
-def _hold() -> None:
-    """Wait until the release file exists (``MINDSPEED_HA_INJECT_RELEASE``), at most
-    :data:`HOLD_MAX_S`.
+def _hold(iteration: int) -> None:
+    """Wait until the release file (``MINDSPEED_HA_INJECT_RELEASE``) releases the hold of
+    ``iteration`` (:func:`released`), at most :data:`HOLD_MAX_S`.
 
     Raises:
-        ValueError: the variable is not set (a hold nobody can release).
+        ValueError: the variable is not set (a hold nobody can release), or the file holds
+            something else than an iteration.
     """
     import time
 
@@ -254,11 +269,43 @@ def _hold() -> None:
     if not path:
         raise ValueError(f"{ENV}: fault=hold needs {ha_env.INJECT_RELEASE} (the file that releases it)")
     end = time.monotonic() + HOLD_MAX_S
-    while not os.path.exists(path):
+    while not released(path, iteration):
         if time.monotonic() > end:
             print(f"mindspeed-ha injector: hold not released after {HOLD_MAX_S:g} s ({path}): going on", flush=True)
             return
         time.sleep(_HOLD_POLL_S)
+
+
+def released(path: str, iteration: int) -> bool:
+    """Whether the release file ``path`` releases the hold of ``iteration``: it exists and is
+    empty (every hold) or holds an integer >= ``iteration`` (the holds up to it: a test
+    releases several holds one by one, writing the file with :func:`release`).
+
+    Raises:
+        ValueError: the file holds something else (naming it and ``MINDSPEED_HA_INJECT_RELEASE``).
+    """
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except FileNotFoundError:
+        return False
+    if not text:
+        return True
+    try:
+        return int(text) >= iteration
+    except ValueError:
+        raise ValueError(f"{ha_env.INJECT_RELEASE}: {path} holds {text[:40]!r}; accepted: nothing (every hold) "
+                         "or an iteration (the holds up to it)") from None
+
+
+def release(path: str, through: Optional[int] = None) -> None:
+    """Release the holds of iterations up to ``through`` (every hold: None): the release
+    file written whole under a temporary name, then renamed over ``path`` (a reader never
+    sees it half-written, which would read as empty: every hold)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write("" if through is None else str(int(through)))
+    os.replace(tmp, path)
 
 
 def _kill_node() -> None:

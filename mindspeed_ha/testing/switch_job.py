@@ -6,15 +6,22 @@ Schedule entries: ``"R"`` switches rank R (expects code 0); ``"node"`` switches 
 of the job's one host (``switch --node HOST``); ``"kill:R"`` switches rank R and
 SIGKILLs its new process as soon as the agent reports its pid (expects code 1: abandoned
 before the commit point, training goes on on the old ranks); ``"detector:R"`` sends no
-request: it creates the hold release file (``MINDSPEED_HA_INJECT_RELEASE``, always set to
-``<workdir>/release``: the job's ``fault=hold`` waits for it) and waits for the switch of
-rank R that the controller asked itself (the sub-health detector's ``switch`` action), then
-removes the file again and takes the metrics (``--ha-metrics-port``); ``"held:R@H"`` waits until every rank has completed iteration H (a
-``fault=hold`` after H keeps the job there), takes the metrics (``--ha-metrics-port``), asks
-the switch of rank R and creates the release file once the job is pausing for it (or the
-switch ended). Between entries the driver waits for a warm spare to be parked again and for
-two more iterations. Synchronisation is on the job's observable state (``status``, files),
-never on time.
+request: it releases the holds after iteration 1 (the release file
+``MINDSPEED_HA_INJECT_RELEASE``, always set to ``<workdir>/release``: the job's
+``fault=hold`` waits for it, :func:`mindspeed_ha.testing.injector.release`) and waits for the
+switch of rank R that the controller asked itself (the sub-health detector's ``switch``
+action), then takes the metrics (``--ha-metrics-port``); ``"detector:R@H"``: the same, the
+holds up to H released once the job is pausing for that switch (a hold of rank R's first
+process after H keeps the job from training on while the new process starts, once it has
+trained to H). ``"R@H"``, ``"node@H"``, ``"kill:R@H"``: the same switch at a fixed iteration:
+asked once every rank has completed iteration H (a ``fault=hold`` after H in the job's
+environment keeps it there, see :func:`holds`), the holds up to H released once the job is
+pausing for it (or the switch ended), so that the new processes' start-up costs no
+iterations. Between entries the driver waits for a warm spare to be parked again (not after
+the last) and for two more iterations (after an entry ``@H``: until iteration H + 3, so the
+next entry's hold comes at H + 3 or later); then it releases every hold (a hold of the job
+after its last entry keeps it from ending before that wait).
+Synchronisation is on the job's observable state (``status``, files), never on time.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from mindspeed_ha import env as ha_env
 from mindspeed_ha.control import operator
+from mindspeed_ha.testing.injector import release as release_holds
 from mindspeed_ha.testing.harness import TRAINER_MODULE, end_run, free_port, launcher_command, losses_from_log, \
     read_loss_log, tiny_gpt_args
 
@@ -55,7 +63,7 @@ class SwitchRun:
     grad_norms: Dict[int, Any]
     output: str
     events: List[Dict[str, Any]]
-    #: the metrics (``(name, sorted labels) -> value``) a ``"held:R@H"`` entry took, else empty
+    #: the metrics (``(name, sorted labels) -> value``) a ``"detector:R"`` entry took, else empty
     metrics: Dict[Any, float] = dataclasses.field(default_factory=dict)
 
 
@@ -99,9 +107,18 @@ def _iterations(s: Dict[str, Any]) -> List[int]:
     return [r.get("iteration", -1) for r in s["ranks"]]
 
 
-def _ready_for_next(s: Dict[str, Any], after: int) -> bool:
-    return (s["phase"] == "running" and bool(s.get("spares")) and len(s["by_state"]["healthy"]) == len(s["ranks"])
-            and not s.get("switching") and min(_iterations(s)) >= after)
+def _ready_for_next(s: Dict[str, Any], after: int, spare: bool = True) -> bool:
+    return (s["phase"] == "running" and (bool(s.get("spares")) or not spare)
+            and len(s["by_state"]["healthy"]) == len(s["ranks"]) and not s.get("switching")
+            and min(_iterations(s)) >= after)
+
+
+def holds(rank: int, iterations: Sequence[int], incarnations: Sequence[int] = (0, 1, 2)) -> str:
+    """``MINDSPEED_HA_INJECT`` specs: ``rank`` holds after each of ``iterations`` (``fault=hold``
+    at ``between``), in whichever of its processes ``incarnations`` runs then (a switch
+    gives the rank a new incarnation)."""
+    return ";".join(f"rank={rank},iteration={k},point=between,fault=hold,incarnation={n}"
+                    for k in iterations for n in incarnations)
 
 
 def _switch_killing_the_spare(op: Operator, rank: int) -> Dict[str, Any]:
@@ -116,12 +133,18 @@ def _switch_killing_the_spare(op: Operator, rank: int) -> Dict[str, Any]:
     return {"killed_pid": pid, **_reply(out["reply"])}
 
 
-def _switch_by_the_controller(op: Operator, rank: int, release: str) -> Dict[str, Any]:
-    open(release, "w").close()
+def _switch_by_the_controller(op: Operator, rank: int, release: str, held: Optional[int] = None) -> Dict[str, Any]:
+    release_holds(release, 1)
     ended = ("done", "aborted", "failed")
-    s = op.status_until(lambda s: any(w["ranks"] == [rank] and w["phase"] in ended for w in s["switches"]),
-                        f"the controller's own switch of rank {rank}")
-    os.unlink(release)  # rank R's old process is past its hold: it handed over or went on
+
+    def over(s):
+        return any(w["ranks"] == [rank] and w["phase"] in ended for w in s["switches"])
+
+    if held is not None:  # the job holds after ``held`` (at the latest) while the new process starts
+        op.status_until(lambda s: s["phase"] in ("pausing", "paused") or over(s),
+                        f"the pause of the controller's own switch of rank {rank}")
+        release_holds(release, held)
+    s = op.status_until(over, f"the controller's own switch of rank {rank}")
     sw = [w for w in s["switches"] if w["ranks"] == [rank] and w["phase"] in ended][-1]
     return {"code": 0 if sw["phase"] == "done" else 1, "detail": sw["reason"], "result": sw}
 
@@ -138,22 +161,39 @@ def _metrics(events_file: str) -> Dict[Any, float]:
 
 
 def switch_while_held(op: Operator, rank: int, release: str, ready: Callable[[Dict[str, Any]], bool],
-                      at_hold: Optional[Callable[[], None]] = None) -> Dict[str, Any]:
+                      at_hold: Optional[Callable[[], None]] = None, through: Optional[int] = None) -> Dict[str, Any]:
     """Wait until ``ready(status)`` (the job held by a ``fault=hold``), call ``at_hold``, ask
-    the switch of ``rank``, create ``release`` once the job is pausing for it (or the switch
-    ended; whatever happens), and return the reply (code, detail, result)."""
-    op.status_until(ready, f"the job held, the spare for rank {rank} parked")
+    the switch of ``rank``, release the holds up to ``through`` (every one: None) once the job
+    is pausing for it (or the switch ended; whatever happens), and return the reply (code,
+    detail, result)."""
+    return _while_held(op, release, through, ready, lambda: _reply(op("switch", params={"ranks": [rank]})),
+                       f"the job held, the spare for rank {rank} parked", at_hold)
+
+
+def _while_held(op: Operator, release: str, through: Optional[int], ready: Callable[[Dict[str, Any]], bool],
+                ask: Callable[[], Dict[str, Any]], what: str,
+                at_hold: Optional[Callable[[], None]] = None) -> Dict[str, Any]:
+    op.status_until(ready, what)
     if at_hold is not None:
         at_hold()
     out: Dict[str, Any] = {}
-    t = threading.Thread(target=lambda: out.setdefault("reply", op("switch", params={"ranks": [rank]})), daemon=True)
+
+    def asking():
+        try:
+            out["reply"] = ask()
+        except BaseException as exc:  # noqa: BLE001 - raised below, on the driver's thread
+            out["reply"] = exc
+
+    t = threading.Thread(target=asking, daemon=True)
     t.start()
     try:
         op.status_until(lambda s: s["phase"] in ("pausing", "paused") or "reply" in out, "the switch's pause")
     finally:
-        open(release, "w").close()
+        release_holds(release, through)
     t.join()
-    return _reply(out["reply"])
+    if isinstance(out["reply"], BaseException):
+        raise out["reply"]
+    return out["reply"]
 
 
 def _reply(r) -> Dict[str, Any]:
@@ -182,25 +222,32 @@ def run(workdir: str, schedule: Sequence[str], train_iters: int = TRAIN_ITERS, e
         first = 1 if schedule and schedule[0].startswith("detector:") else 2
         s = op.status_until(lambda s: _ready_for_next(s, first), "every rank training, a warm spare parked")
         pids_before, pids_each = [r["pid"] for r in s["ranks"]], []
-        for entry in schedule:
-            if entry.startswith("detector:"):
-                replies.append(dict(entry=entry, **_switch_by_the_controller(op, int(entry[9:]), release)))
+        for i, entry in enumerate(schedule):
+            body, _, held = entry.partition("@")
+            if body.startswith("detector:"):
+                replies.append(dict(entry=entry, **_switch_by_the_controller(
+                    op, int(body[9:]), release, int(held) if held else None)))
                 metrics.update(_metrics(events_file))  # training goes on: the controller still serves them
-            elif entry.startswith("held:"):
-                rank, _, held = entry[5:].partition("@")
-                replies.append(dict(entry=entry, **switch_while_held(
-                    op, int(rank), release, lambda s, k=int(held): _ready_for_next(s, k),
-                    lambda: metrics.update(_metrics(events_file)))))
-            elif entry.startswith("kill:"):
-                replies.append(dict(entry=entry, **_switch_killing_the_spare(op, int(entry[5:]))))
-            elif entry == "node":
-                replies.append(dict(entry=entry, **_reply(op("switch", params={"node": s["ranks"][0]["host"]}))))
+                ask = None
+            elif body.startswith("kill:"):
+                ask = lambda r=int(body[5:]): _switch_killing_the_spare(op, r)  # noqa: E731
+            elif body == "node":
+                ask = lambda h=s["ranks"][0]["host"]: _reply(op("switch", params={"node": h}))  # noqa: E731
             else:
-                replies.append(dict(entry=entry, **_reply(op("switch", params={"ranks": [int(entry)]}))))
-            after = max(_iterations(op("status", timeout_s=30.0).result)) + 2
-            s = op.status_until(lambda s: _ready_for_next(s, after), f"training after {entry!r}")
+                ask = lambda r=int(body): _reply(op("switch", params={"ranks": [r]}))  # noqa: E731
+            if ask is not None and held:
+                replies.append(dict(entry=entry, **_while_held(
+                    op, release, int(held), lambda s, k=int(held): _ready_for_next(s, k), ask,
+                    f"the job held after iteration {held}, a warm spare parked")))
+            elif ask is not None:
+                replies.append(dict(entry=entry, **ask()))
+            # two more iterations: after the pause that followed the hold at the latest
+            after = int(held) + 3 if held else max(_iterations(op("status", timeout_s=30.0).result)) + 2
+            last = i == len(schedule) - 1  # no spare needed after the last entry
+            s = op.status_until(lambda s: _ready_for_next(s, after, spare=not last), f"training after {entry!r}")
             pids_each.append([r["pid"] for r in s["ranks"]])
         pids_after = [r["pid"] for r in s["ranks"]]
+        release_holds(release)  # every hold: the job trains to its end
         rc: Optional[int] = job.wait(timeout=timeout_s)
     finally:
         if os.path.exists(release):
@@ -228,7 +275,7 @@ def baseline(workdir: str, train_iters: int = TRAIN_ITERS, extra_args: Sequence[
                   env={ha_env.TTP_PORT: str(free_port())})
 
 
-__all__ = ["Operator", "SwitchRun", "TRAIN_ITERS", "baseline", "job_args", "run", "switch_while_held"]
+__all__ = ["Operator", "SwitchRun", "TRAIN_ITERS", "baseline", "holds", "job_args", "run", "switch_while_held"]
 
 
 if __name__ == "__main__":  # pragma: no cover - a manual run
