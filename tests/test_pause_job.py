@@ -223,13 +223,9 @@ def test_switch_pause_status_wrong_key_resume_max_exit_0_then_stop_while_paused(
     save, loss_log = str(tmp_path / "ckpt"), str(tmp_path / "loss.jsonl")
     args = mlm.stock_gpt_args(tp=1, pp=2, train_iters=ITERS) + ["--save", save, "--save-interval", "100000"]
 
-    job_tmp = tmp_path / "tmp"  # the jobs' TMPDIR, as the harness gives its jobs (mindspeed_ha/testing/harness.py)
-    job_tmp.mkdir()
-
     def env(port, loss_log, **extra):
         return dict(os.environ, **mlm.stock_env({"TTP_PORT": str(port), "MINDSPEED_HA_AUTH_KEY": key,
-                                                  "MINDSPEED_HA_LOSS_LOG": loss_log, "TMPDIR": str(job_tmp),
-                                                  **extra}))
+                                                  "MINDSPEED_HA_LOSS_LOG": loss_log, **extra}))
 
     port, out_path, release = free_port(), tmp_path / "job.out", str(tmp_path / "release")
     # the first job also has what a hot switch needs: worker reboot and a warm spare; it ends at END

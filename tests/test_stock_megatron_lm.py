@@ -221,9 +221,7 @@ def test_llama2_tiny_example_survives_a_kill(tree, tmp_path):
 
     def run(ckpt, inject=None):
         loss_log = str(tmp_path / f"loss_{os.path.basename(ckpt)}")
-        job_tmp = os.path.join(ckpt + ".tmp")  # the job's TMPDIR (a SIGKILLed rank cannot clean its own)
-        os.makedirs(job_tmp)
-        env = dict(os.environ, **mlm.stock_env(), TINY="1", TMPDIR=job_tmp, NO_REPLICA="0", MEGATRON_LM=tree["root"],
+        env = dict(os.environ, **mlm.stock_env(), TINY="1", NO_REPLICA="0", MEGATRON_LM=tree["root"],
                    CKPT_DIR=ckpt, LOG_DIR=str(tmp_path / "logs"), MASTER_PORT=str(_free_port()),
                    LAUNCHER=f"{sys.executable} -m mindspeed_ha.launcher --standalone",
                    MINDSPEED_HA_LOSS_LOG=loss_log)
