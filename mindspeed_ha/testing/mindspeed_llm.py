@@ -28,14 +28,6 @@ TARBALLS = {"mindspeed_llm": "MindSpeed-LLM-2.3.0.tar.gz", "mindspeed": "MindSpe
 _MARKERS = {"mindspeed_llm": "mindspeed_llm/__init__.py", "mindspeed": "mindspeed/__init__.py",
             "megatron_lm": "megatron/core/__init__.py"}
 
-#: what a fork server preloads for a MindSpeed-LLM run: the third-party libraries MindSpeed-LLM's
-#: adaptor imports (``mindspeed_llm.training.tokenizer`` imports transformers, its
-#: ``dataset_preprocess`` datasets) that neither MindSpeed nor Megatron-LM patches and no
-#: training step uses (the tokenizer here is Megatron-LM's), 1.6 of the 4.3 CPU-seconds each
-#: rank spent importing the adaptor; nothing of the three trees (MindSpeed patches Megatron-LM
-#: as the script imports it)
-PRELOAD = ("transformers", "datasets", "scipy")
-
 #: MindSpeed-LLM's four high-availability flags, as the reference guide gives them
 HA_FLAGS = ("--enable-high-availability", "--enable-hbmfault-repair", "--enable-worker-reboot",
             "--distributed-optimizer-no-replica")
@@ -67,13 +59,12 @@ def unpack(tarballs: Mapping[str, str], dest: str) -> Dict[str, str]:
 def env(roots: Mapping[str, str], extra_path: Sequence[str] = (), extra: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
     """Environment of a run: ``PYTHONPATH`` = ``extra_path`` + MindSpeed + Megatron-LM + the
     caller's ``PYTHONPATH``; one thread per rank; a fork server (``MINDSPEED_HA_FORKSERVER=1``)
-    preloads :data:`PRELOAD`, nothing of Megatron-LM's tree (MindSpeed patches it as the script
-    imports it)."""
+    preloads nothing of Megatron-LM's tree (MindSpeed patches it as the script imports it)."""
     path = [*extra_path, roots["mindspeed"], roots["megatron_lm"]]
     if os.environ.get("PYTHONPATH"):
         path.append(os.environ["PYTHONPATH"])
     out = mlm.stock_env({"PYTHONPATH": os.pathsep.join(path)})
-    out[FORKSERVER_PRELOAD] = ",".join(PRELOAD)  # megatron.training after MindSpeed's adaptor, as the script imports it
+    out[FORKSERVER_PRELOAD] = ""  # megatron.training after MindSpeed's adaptor, as the script imports it
     out.update(extra or {})
     return out
 
