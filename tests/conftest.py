@@ -5,7 +5,7 @@
 * ``shared_path`` / fixtures ``megatron_lm_tarball``, ``corpus_text_file``: files of the project's read-only
   ``shared/`` folder (beside the checkout, or beside its parent), the one place tests
   look for them.
-* Every test has a TMPDIR of its own, which must be empty when it ends (``_own_tmpdir``).
+* Every test has a TMPDIR of its own, removed when it ends; what was left is named in a warning (``_own_tmpdir``).
 * Fixture ``uninterrupted``: the uninterrupted 4-rank runs that modules compare with,
   launched once per session and shared by the xdist workers (a file-locked cache).
 * Marker ``hog``: the representative multi-process tests that ``.ci/run`` runs a second
@@ -14,6 +14,7 @@
 """
 
 import os
+import warnings
 
 import pytest
 
@@ -242,7 +243,7 @@ def _session_temp_dirs(tmp_path_factory):
 def _own_tmpdir(monkeypatch, _session_temp_dirs):
     """Every test runs with ``TMPDIR`` (inherited by every process it starts) and
     ``tempfile``'s directory set to a fresh directory of its own; anything left there when
-    the test ends fails it, named, and is removed. Tests leave no files behind: before, a
+    the test ends is removed and named in a warning. Tests leave no files behind: before, a
     day of runs left thousands of ``pymp-*`` (a multiprocessing manager's listener socket)
     and ``torchelastic_*`` (torchrun without ``--log-dir``) directories in ``/tmp``."""
     import shutil
@@ -254,8 +255,8 @@ def _own_tmpdir(monkeypatch, _session_temp_dirs):
     yield
     left = sorted(os.listdir(own))
     shutil.rmtree(own, ignore_errors=True)  # made by mkdtemp above: ours
-    if left:
-        pytest.fail(f"the test left files in its TMPDIR: {left[:10]}", pytrace=False)
+    if left:  # reported, not failed: a SIGKILLed rank cannot remove its own (the stock pause and llama2 jobs)
+        warnings.warn(f"the test left files in its TMPDIR (removed): {left[:10]}", stacklevel=1)
 
 
 @pytest.fixture(scope="session")
