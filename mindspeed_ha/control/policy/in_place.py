@@ -24,7 +24,8 @@ from typing import Any, Dict, List, Mapping, Sequence, Tuple, Union
 from mindspeed_ha.config import HAConfig
 from mindspeed_ha.control.policy.arf import plan_rejoin
 from mindspeed_ha.control.policy.recovery import (REJOIN, NoRecovery, RecoveryMode, RecoveryPlan, absent,
-                                                  in_place_possible, outside_step, retry_limit, situation, sources)
+                                                  in_place_possible, outside_step, retry_limit, situation, sources,
+                                                  update_split)
 from mindspeed_ha.control.state import IN_STEP, IN_UPDATE, OptimizerStatus, RankInfo, StepPosition, summarise_ranks
 from mindspeed_ha.faults import FaultKind
 
@@ -172,11 +173,7 @@ def _situation(ranks: Mapping[int, RankInfo], groups: ParkedStates):
         return RecoveryMode.FORWARD, j, needs
     states = {(state[_STATUS], state[_ITERATION]) for state in groups}
     if len(states) != 1 or next(iter(states))[0] is not OptimizerStatus.UPDATED:
-        hi = max(state[_ITERATION] for state in groups)
-        return NoRecovery(
-            f"the fault hit the optimizer update of iteration {hi} (optimizer states "
-            f"{sorted({f'{s.value}@{k}' for s, k in states})}) while some ranks were outside it: in-place "
-            "recovery needs every rank at the end of the same iteration, or every rank inside the same update")
+        return update_split(max(state[_ITERATION] for state in groups), states)
     k = next(iter(states))[1]
     if k < 0:
         return NoRecovery("no rank has reached its first optimizer update")

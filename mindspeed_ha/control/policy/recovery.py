@@ -229,15 +229,21 @@ def situation(ranks: Mapping[int, RankInfo]) -> Union[Situation, NoRecovery]:
     return _rollback_situation(ranks)
 
 
+def update_split(hi: int, states) -> NoRecovery:
+    """Rule 3's NoRecovery when the ranks' optimizer states differ (``states``: the distinct
+    (status, iteration) pairs; ``hi``: the highest iteration among them)."""
+    return NoRecovery(
+        f"the fault hit the optimizer update of iteration {hi} (optimizer states "
+        f"{sorted({f'{s.value}@{k}' for s, k in states})}) while some ranks were outside it: in-place "
+        "recovery needs every rank at the end of the same iteration, or every rank inside the same update")
+
+
 def _rollback_situation(ranks: Mapping[int, RankInfo]) -> Union[Situation, NoRecovery]:
     """(ROLLBACK, k, ranks needing a repair) or NoRecovery (rule 3, rollback)."""
     states = {(i.status, i.iteration) for i in ranks.values()}
     if len(states) != 1 or next(iter(states))[0] is not OptimizerStatus.UPDATED:
         hi = max(i.iteration for i in ranks.values())  # UPDATING@j: inside update j; UPDATED@j: j done
-        return NoRecovery(
-            f"the fault hit the optimizer update of iteration {hi} (optimizer states "
-            f"{sorted({f'{s.value}@{k}' for s, k in states})}) while some ranks were outside it: in-place "
-            "recovery needs every rank at the end of the same iteration, or every rank inside the same update")
+        return update_split(hi, states)
     k = next(iter(states))[1]
     if k < 0:
         return NoRecovery("no rank has reached its first optimizer update")
@@ -300,4 +306,5 @@ def sources(ranks: Mapping[int, RankInfo], needs: Set[int], donors: Mapping[int,
 
 
 __all__ = ["IN_STEP", "MODES", "REJOIN", "NoRecovery", "RecoveryMode", "RecoveryPlan", "Situation", "absent",
-           "consecutive_retries", "in_place_possible", "outside_step", "retry_limit", "situation", "sources"]
+           "consecutive_retries", "in_place_possible", "outside_step", "retry_limit", "situation", "sources",
+           "update_split"]
